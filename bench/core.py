@@ -1,0 +1,221 @@
+"""Benchmark of ppo_jax.core against the same work written the way TRL 0.11 writes it.
+
+Work timed (one PPO "experience -> loss gradient" pass on response tokens, [B, T] float32):
+reward shaping (k1 KL penalty + score on the last token), GAE, advantage whitening, the
+clipped policy loss and the clipped value loss, forward and gradient w.r.t. the new log-probs
+and the new values.
+
+- JAX: one jitted function built from ``ppo_jax.core`` (compile time reported separately, then
+  the median of many runs with ``block_until_ready``).
+- torch: a re-implementation of TRL 0.11 ``PPOTrainer`` semantics written for this bench:
+  ``compute_rewards`` with a per-row loop, ``compute_advantages`` with a per-token reversed
+  Python loop, ``masked_whiten``, the loss with autograd ``backward``.
+
+The two are checked to agree numerically before timing. Also times the GAE alone, reverse
+``lax.scan`` (several unrolls) against ``lax.associative_scan``.
+
+Usage: ``python bench/core.py [--batch 256] [--length 1024] [--runs 20]``. torch is a
+benchmark-only dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from ppo_jax import core  # noqa: E402
+
+GAMMA, LAM, KL_COEF, CLIP, CLIP_V, VF_COEF = 1.0, 0.95, 0.05, 0.2, 0.2, 0.1
+
+
+# --------------------------------------------------------------------------- inputs
+def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, length + 1, size=batch)  # TRL needs non-empty rows
+    lengths[0] = length  # one full row
+    mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32)
+    logprobs = -np.abs(rng.normal(1.0, 1.0, (batch, length))).astype(np.float32)
+    f32 = lambda x: x.astype(np.float32)
+    return {
+        "scores": f32(rng.normal(0.0, 1.0, batch)),
+        "logprobs": logprobs,
+        "ref_logprobs": f32(logprobs + rng.normal(0.0, 0.1, (batch, length))),
+        "values": f32(rng.normal(0.0, 1.0, (batch, length))),
+        "mask": mask,
+        "new_logprobs": f32(logprobs + rng.normal(0.0, 0.15, (batch, length))),
+        "new_values": f32(rng.normal(0.0, 1.0, (batch, length))),
+    }
+
+
+# --------------------------------------------------------------------------- JAX
+def make_jax_step(method: str, unroll: int = 1, chunk: int = 32):
+    def step(scores, logprobs, ref_logprobs, values, mask, new_logprobs, new_values, kl_coef):
+        rewards, _ = core.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef)
+        adv, returns = core.compute_gae(values, rewards, mask, gamma=GAMMA, lam=LAM, method=method,
+                                       unroll=unroll, chunk=chunk)
+        adv = core.masked_whiten(adv, mask)
+
+        def loss_fn(nlp, nv):
+            pg, _ = core.policy_loss(nlp, logprobs, adv, mask, cliprange=CLIP)
+            vf, _ = core.value_loss(nv, values, returns, mask, cliprange_value=CLIP_V)
+            return pg + VF_COEF * vf
+
+        loss, (g_lp, g_v) = jax.value_and_grad(loss_fn, argnums=(0, 1))(new_logprobs, new_values)
+        return loss, g_lp, g_v, adv, returns
+
+    return jax.jit(step)
+
+
+def jax_args(inputs):
+    names = ("scores", "logprobs", "ref_logprobs", "values", "mask", "new_logprobs", "new_values")
+    return [jnp.asarray(inputs[n]) for n in names] + [jnp.asarray(KL_COEF, jnp.float32)]
+
+
+# --------------------------------------------------------------------------- torch (TRL 0.11 semantics)
+def t_masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+def t_masked_var(x, mask):
+    mean = t_masked_mean(x, mask)
+    var = t_masked_mean((x - mean) ** 2, mask)
+    n = mask.sum()
+    return var * n / (n - 1)
+
+
+def t_masked_whiten(x, mask):
+    mean, var = t_masked_mean(x, mask), t_masked_var(x, mask)
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
+def torch_step(scores, logprobs, ref_logprobs, values, mask, new_logprobs, new_values, kl_coef):
+    # compute_rewards: one row at a time, the score added at the last non-masked index.
+    rows = []
+    for score, lp, ref, m in zip(scores, logprobs, ref_logprobs, mask):
+        reward = -kl_coef * (lp - ref)
+        last = m.nonzero()[-1]
+        reward[last] += score
+        rows.append(reward)
+    rewards = torch.stack(rows)
+    # compute_advantages: per-token reversed loop over the response length.
+    values = values * mask
+    rewards = rewards * mask
+    length = rewards.shape[-1]
+    last_gae = 0.0
+    reversed_adv = []
+    for t in reversed(range(length)):
+        next_values = values[:, t + 1] if t < length - 1 else 0.0
+        delta = rewards[:, t] + GAMMA * next_values - values[:, t]
+        last_gae = delta + GAMMA * LAM * last_gae
+        reversed_adv.append(last_gae)
+    adv = torch.stack(reversed_adv[::-1]).transpose(0, 1)
+    returns = adv + values
+    adv = t_masked_whiten(adv, mask).detach()
+    # loss: clipped value + clipped policy, autograd backward.
+    new_logprobs = new_logprobs.detach().requires_grad_(True)
+    new_values = new_values.detach().requires_grad_(True)
+    v_clipped = torch.clamp(new_values, values - CLIP_V, values + CLIP_V)
+    vf = 0.5 * t_masked_mean(torch.max((new_values - returns) ** 2, (v_clipped - returns) ** 2), mask)
+    ratio = torch.exp(new_logprobs - logprobs)
+    pg = t_masked_mean(torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP)), mask)
+    loss = pg + VF_COEF * vf
+    loss.backward()
+    return loss.detach(), new_logprobs.grad, new_values.grad, adv, returns
+
+
+def torch_args(inputs):
+    names = ("scores", "logprobs", "ref_logprobs", "values", "mask", "new_logprobs", "new_values")
+    return [torch.from_numpy(inputs[n].copy()) for n in names] + [KL_COEF]
+
+
+# --------------------------------------------------------------------------- timing
+def time_ms(fn, runs: int) -> tuple[float, float]:
+    """(median, min) wall time of ``fn()`` in ms over ``runs`` calls."""
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), 1e3 * min(times)
+
+
+def check_agree(jax_out, torch_out, mask):
+    valid = mask > 0
+    names = ("loss", "grad logprobs", "grad values", "advantages", "returns")
+    for name, a, b in zip(names, jax_out, torch_out):
+        a, b = np.asarray(a, np.float64), b.numpy().astype(np.float64)
+        if name in ("advantages", "returns"):  # TRL leaves garbage on padding
+            a, b = a[valid], b[valid]
+        scale = max(np.abs(b).max(), 1e-30)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+
+
+def gae_label(method: str, unroll: int, chunk: int) -> str:
+    return {"scan": f"scan(unroll={unroll})", "chunked": f"chunked(chunk={chunk})"}.get(method, method)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=30, help="timed runs of the torch version")
+    parser.add_argument("--jax-runs", type=int, default=200, help="timed runs of each JAX version")
+    args = parser.parse_args()
+    inputs = make_inputs(args.batch, args.length)
+    ja, ta = jax_args(inputs), torch_args(inputs)
+
+    print(f"ppo_jax.core benchmark: B={args.batch} T={args.length} float32")
+    print(f"machine: {os.cpu_count()} CPU cores; jax {jax.__version__} on {jax.devices()[0].platform}; "
+          f"torch {torch.__version__} with {torch.get_num_threads()} threads (default)")
+
+    torch_out = torch_step(*ta)
+    torch_med, torch_min = time_ms(lambda: torch_step(*ta), args.runs)
+
+    default = (core.gae.DEFAULT_GAE_METHOD, core.gae.DEFAULT_UNROLL, core.gae.DEFAULT_CHUNK)
+    configs = [default] + [c for c in (("scan", 1, 0), ("scan", 16, 0), ("associative", 0, 0)) if c != default]
+    results = {}
+    for method, unroll, chunk in configs:
+        step = make_jax_step(method, max(unroll, 1), max(chunk, 1))
+        t0 = time.perf_counter()
+        compiled = step.lower(*ja).compile()
+        compile_s = time.perf_counter() - t0
+        out = jax.block_until_ready(compiled(*ja))
+        check_agree(out, torch_out, inputs["mask"])
+        med, best = time_ms(lambda: jax.block_until_ready(compiled(*ja)), args.jax_runs)
+        results[gae_label(method, unroll, chunk)] = (compile_s, med, best)
+    print("numerics: JAX (every GAE method) == torch/TRL (loss, both gradients, advantages, returns)")
+
+    print("\nfull pass (rewards + GAE + whiten + policy/value loss fwd+grad); median (min) per call:")
+    print(f"  torch, TRL 0.11 style            {torch_med:8.3f} ms ({torch_min:.3f})   [{args.runs} runs]")
+    for label, (compile_s, med, best) in results.items():
+        print(f"  jax jit, GAE {label:20s}{med:8.3f} ms ({best:.3f})   x{torch_med / med:5.1f}"
+              f"   compile {compile_s:.2f} s   [{args.jax_runs} runs]")
+
+    print("\nGAE alone (jitted, [B, T]); median (min) per call:")
+    v, r, m = (jnp.asarray(inputs[n]) for n in ("values", "new_values", "mask"))
+    for method, unroll, chunk in (("chunked", 1, 16), ("chunked", 1, 32), ("chunked", 1, 64), ("scan", 1, 1),
+                                  ("scan", 4, 1), ("scan", 16, 1), ("associative", 1, 1)):
+        gae = jax.jit(lambda v, r, m: core.compute_gae(v, r, m, gamma=GAMMA, lam=LAM, method=method,
+                                                       unroll=unroll, chunk=chunk))
+        jax.block_until_ready(gae(v, r, m))
+        med, best = time_ms(lambda: jax.block_until_ready(gae(v, r, m)), args.jax_runs)
+        print(f"  {gae_label(method, unroll, chunk):22s}{med:8.3f} ms ({best:.3f})")
+
+    label = gae_label(*default)
+    med = results[label][1]
+    print(f"\nRESULT default GAE {label}: jax {med:.3f} ms vs torch {torch_med:.3f} ms (medians) "
+          f"-> x{torch_med / med:.1f}")
+
+
+if __name__ == "__main__":
+    main()

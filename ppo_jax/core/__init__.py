@@ -1,0 +1,59 @@
+"""ppo_jax.core: the pure, jit-able math of PPO for language models.
+
+Rewards, KL, GAE, losses, masked statistics, KL controllers and a name registry. Every
+function works on ``[B, T]`` response-token arrays with a 0/1 ``mask`` (1 on real tokens up to
+and including EOS), is NaN-safe on masked slots, and validates shapes and dtypes at trace time
+(``ValueError`` naming the argument). Imports only jax / chex / numpy.
+"""
+
+from ppo_jax.core.gae import GAE_METHODS, compute_gae
+from ppo_jax.core.kl import KL_ESTIMATORS, full_kl, kl_penalty
+from ppo_jax.core.kl_control import (
+    KL_CONTROLLER_KINDS,
+    KLControllerState,
+    init_kl_controller,
+    update_kl_controller,
+)
+from ppo_jax.core.logprobs import entropy_from_logits, logprobs_from_logits
+from ppo_jax.core.losses import policy_loss, value_loss
+from ppo_jax.core.masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from ppo_jax.core.registry import (
+    get_advantage_estimator,
+    get_policy_loss,
+    get_value_loss,
+    register_advantage_estimator,
+    register_policy_loss,
+    register_value_loss,
+    registered_names,
+)
+from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl
+
+__all__ = [
+    "GAE_METHODS",
+    "KL_CONTROLLER_KINDS",
+    "KL_ESTIMATORS",
+    "KLControllerState",
+    "compute_gae",
+    "compute_rewards",
+    "compute_rewards_from_kl",
+    "entropy_from_logits",
+    "full_kl",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "get_value_loss",
+    "init_kl_controller",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_count",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "register_value_loss",
+    "registered_names",
+    "update_kl_controller",
+    "value_loss",
+]

@@ -1,0 +1,293 @@
+"""`ModelConfig`: the static description of a decoder, read from a Hugging Face `config.json`.
+
+One frozen, hashable dataclass covers the Llama family (Llama 2/3, Qwen2/2.5, Mistral, SmolLM2)
+and GPT-2. It is stored on the modules (static part of the NNX graphdef), so it must stay
+hashable: tuples, not lists.
+
+Sources: transformers `configuration_{llama,qwen2,mistral,gpt2}.py` and
+`modeling_rope_utils.py` (both the transformers-5 `rope_parameters` dict and the older
+`rope_theta` / `rope_scaling` keys are accepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2",)
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+REMAT_POLICIES = (
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "nothing_saveable",
+    "everything_saveable",
+    "checkpoint_dots",
+    "checkpoint_dots_with_no_batch_dims",
+)
+
+
+def remat_policy_names() -> tuple[str, ...]:
+    """Names accepted by `ModelConfig.remat`: "none", "full", or a `jax.checkpoint_policies`
+    policy that takes no arguments."""
+    return ("none", "full") + tuple(p for p in REMAT_POLICIES if hasattr(jax.checkpoint_policies, p))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static model description.
+
+    Attributes:
+      model_type: "llama" | "qwen2" | "mistral" | "gpt2".
+      vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+      head_dim: sizes (GQA when num_kv_heads < num_heads).
+      max_position_embeddings: context length (GPT-2: size of the learned position table).
+      norm_eps: RMSNorm / LayerNorm epsilon.
+      hidden_act: "silu" (SwiGLU gate) or "gelu_new" (GPT-2 MLP), or another name in `ACTIVATIONS`.
+      tie_word_embeddings: LM head shares the token embedding.
+      qkv_bias / o_bias / mlp_bias: biases on q,k,v projections / output projection / MLP.
+      rope_theta, rope_type ("default" | "linear" | "llama3"), rope_factor,
+      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings:
+        RoPE settings (Su et al. 2021; Llama-3.1 frequency scaling).
+      sliding_windows: per-layer attention window (0 = full attention), or () for none.
+      bos_token_id, eos_token_ids, pad_token_id: special ids from config.json (may be None/()).
+      param_dtype: "float32" | "bfloat16" | "float16" - storage dtype of the weights.
+      dtype: compute dtype of activations and matmuls. Logits/values/scores are float32.
+      remat: "none", "full", or a `jax.checkpoint_policies` name, applied per decoder layer.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    sliding_windows: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {ROPE_TYPES}")
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {DTYPES}")
+        if self.remat not in remat_policy_names():
+            raise ValueError(f"remat={self.remat!r}; expected one of {remat_policy_names()}")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError("sliding_windows must have one entry per layer (0 = full attention)")
+
+    @property
+    def is_llama_family(self) -> bool:
+        return self.model_type in LLAMA_FAMILY
+
+    @property
+    def jnp_dtype(self):
+        """Compute dtype as a jnp dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        """Parameter storage dtype as a jnp dtype."""
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, **overrides) -> "ModelConfig":
+        """Build from a HF config (a `PretrainedConfig` or the `config.json` dict).
+
+        `overrides` set our own fields (param_dtype, dtype, remat, ...).
+        Raises ValueError on an unsupported model_type or rope type, KeyError on a missing size.
+        """
+        d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        fields = _gpt2_fields(d) if mt == "gpt2" else _llama_fields(d, mt)
+        fields.update(_special_ids(d))
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _special_ids(d: Mapping) -> dict:
+    eos = d.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return dict(bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
+                pad_token_id=d.get("pad_token_id"))
+
+
+def _rope_fields(d: Mapping) -> dict:
+    """RoPE keys from transformers>=5 `rope_parameters` or older `rope_theta`/`rope_scaling`."""
+    params = dict(d.get("rope_parameters") or {})
+    if "full_attention" in params and isinstance(params["full_attention"], Mapping):
+        params = dict(params["full_attention"])  # per-layer-type form; one type for us
+    legacy = dict(d.get("rope_scaling") or {})
+    merged = {**legacy, **params}
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rtype not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rtype!r}; supported: {ROPE_TYPES}")
+    out = dict(rope_theta=float(theta), rope_type=rtype)
+    if rtype != "default":
+        out["rope_factor"] = float(merged["factor"])
+    if rtype == "llama3":
+        out.update(
+            rope_low_freq_factor=float(merged["low_freq_factor"]),
+            rope_high_freq_factor=float(merged["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(
+                merged.get("original_max_position_embeddings",
+                           d.get("max_position_embeddings", 8192))),
+        )
+    if float(merged.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    return out
+
+
+def _sliding_windows(d: Mapping, mt: str, n_layers: int) -> tuple[int, ...]:
+    """Per-layer windows. Mistral: `sliding_window` on every layer; Qwen2: `layer_types`
+    (or `use_sliding_window` + `max_window_layers`)."""
+    window = d.get("sliding_window")
+    if mt == "llama" or not window:
+        return ()
+    if mt == "mistral":
+        return (int(window),) * n_layers
+    if not d.get("use_sliding_window", False):
+        return ()
+    types = d.get("layer_types") or [
+        "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+        for i in range(n_layers)
+    ]
+    wins = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return wins if any(wins) else ()
+
+
+def _llama_fields(d: Mapping, mt: str) -> dict:
+    n_heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    n_layers = d["num_hidden_layers"]
+    attn_bias = bool(d.get("attention_bias", False))
+    return dict(
+        model_type=mt,
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d["intermediate_size"],
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=d.get("num_key_value_heads") or n_heads,
+        head_dim=d.get("head_dim") or hidden // n_heads,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        hidden_act=d.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=True if mt == "qwen2" else attn_bias,
+        o_bias=False if mt == "qwen2" else attn_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        sliding_windows=_sliding_windows(d, mt, n_layers),
+        **_rope_fields(d),
+    )
+
+
+def _gpt2_fields(d: Mapping) -> dict:
+    if d.get("scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("gpt2 with scale_attn_by_inverse_layer_idx=True is not supported")
+    if not d.get("scale_attn_weights", True):
+        raise ValueError("gpt2 with scale_attn_weights=False is not supported")
+    hidden = d["n_embd"]
+    n_heads = d["n_head"]
+    return dict(
+        model_type="gpt2",
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d.get("n_inner") or 4 * hidden,
+        num_layers=d["n_layer"],
+        num_heads=n_heads,
+        num_kv_heads=n_heads,
+        head_dim=hidden // n_heads,
+        max_position_embeddings=d.get("n_positions", 1024),
+        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        hidden_act=d.get("activation_function", "gelu_new"),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+    )
+
+
+def to_hf_dict(cfg: ModelConfig, architecture: str, torch_dtype: str) -> dict:
+    """Keyword arguments for the transformers config class of `cfg.model_type`.
+
+    `architecture`: e.g. "LlamaForCausalLM". Rope settings are written both as transformers-5
+    `rope_parameters` and as legacy `rope_theta`/`rope_scaling` so older readers work too.
+    """
+    ids = dict(bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
+               eos_token_id=(list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1
+                             else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)))
+    common = dict(model_type=cfg.model_type, architectures=[architecture],
+                  vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                  torch_dtype=torch_dtype, **ids)
+    if cfg.model_type == "gpt2":
+        return dict(common, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+                    n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,
+                    layer_norm_epsilon=cfg.norm_eps, activation_function=cfg.hidden_act)
+    rope = dict(rope_type=cfg.rope_type, rope_theta=cfg.rope_theta)
+    if cfg.rope_type != "default":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position_embeddings)
+    out = dict(common, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+               max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
+               hidden_act=cfg.hidden_act, rope_parameters=rope, rope_theta=cfg.rope_theta,
+               rope_scaling=None if cfg.rope_type == "default" else
+               {k: v for k, v in rope.items() if k != "rope_theta"})
+    if cfg.model_type == "llama":
+        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    windows = set(cfg.sliding_windows) - {0}
+    if cfg.model_type == "mistral":
+        out["sliding_window"] = max(windows) if windows else None
+    if cfg.model_type == "qwen2" and windows:
+        out.update(use_sliding_window=True, sliding_window=max(windows),
+                   layer_types=["sliding_attention" if w else "full_attention"
+                                for w in cfg.sliding_windows])
+    return out

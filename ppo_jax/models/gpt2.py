@@ -1,0 +1,115 @@
+"""GPT-2 backbone: learned absolute positions, pre-LayerNorm blocks, gelu_new MLP.
+
+Positions are taken from the attention mask (`max(cumsum(mask) - 1, 0)`), so left padding does
+not shift them (HF GPT-2 uses `arange` unless `position_ids` is passed). Kernels keep the HF
+`Conv1D` layout `[in, out]` (no transpose on load). Source: transformers
+`models/gpt2/modeling_gpt2.py`; Radford et al. 2019.
+
+Param paths (layer axis first in every `layers/...` leaf):
+  wte/embedding [V, D]   wpe/embedding [P, D]
+  layers/ln_1/{scale,bias} [N, D]   layers/attn/c_attn/{kernel [N, D, 3D], bias}
+  layers/attn/c_proj/{kernel, bias}  layers/ln_2/{scale,bias}
+  layers/mlp/c_fc/{kernel [N, D, F], bias}  layers/mlp/c_proj/{kernel [N, F, D], bias}
+  ln_f/{scale,bias} [D]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.kv_cache import KVCache
+from ppo_jax.models.layers import (
+    Context, LayerNorm, activation, check_inputs, dot_attention, make_context, scan_layers, stacked,
+    write_and_read_cache,
+)
+
+
+def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=True, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+
+class GPT2Attention(nnx.Module):
+    """Fused-qkv multi-head attention (`c_attn` -> split q, k, v; `c_proj` out)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.c_attn = _linear(cfg, d, 3 * d, rngs)
+        self.c_proj = _linear(cfg, d, d, rngs)
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+
+    def __call__(self, x, ctx: Context, window, cache: KVCache | None, layer):
+        b, l, d = x.shape
+        q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
+        shape = (b, l, self.num_heads, self.head_dim)
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
+        out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed)
+        return self.c_proj(out), cache
+
+
+class GPT2MLP(nnx.Module):
+    """`c_proj(act(c_fc(x)))` with act = gelu_new by default."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.c_fc = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
+        self.c_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        return self.c_proj(activation(self.act)(self.c_fc(x)))
+
+
+class GPT2Block(nnx.Module):
+    """`x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (transformers `GPT2Block`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = cfg.jnp_param_dtype
+        self.ln_1 = LayerNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
+        self.attn = GPT2Attention(cfg, rngs)
+        self.ln_2 = LayerNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
+        self.mlp = GPT2MLP(cfg, rngs)
+
+    def __call__(self, x, ctx: Context, window, cache: KVCache | None, layer):
+        del window
+        h, cache = self.attn(self.ln_1(x), ctx, None, cache, layer)
+        x = x + h
+        x = x + self.mlp(self.ln_2(x))
+        return x, cache
+
+
+class GPT2Backbone(nnx.Module):
+    """Token + position embedding -> N scanned `GPT2Block`s -> `ln_f`.
+
+    `__call__(input_ids [B, L] int32, attention_mask [B, S] int32, *, cache=None,
+    cache_index=None) -> (hidden [B, L, D] in cfg.dtype, cache)`. Positions past
+    `max_position_embeddings - 1` are clipped to the last row of the position table.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.model_type != "gpt2":
+            raise ValueError(f"GPT2Backbone does not support model_type {cfg.model_type!r}")
+        self.cfg = cfg
+        kw = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+                  embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.wte = nnx.Embed(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.wpe = nnx.Embed(cfg.max_position_embeddings, cfg.hidden_size, **kw)
+        self.layers = stacked(lambda r: GPT2Block(cfg, r), cfg.num_layers, rngs)
+        self.ln_f = LayerNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=cfg.jnp_param_dtype)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
+                 cache: KVCache | None = None, cache_index=None):
+        cfg = self.cfg
+        input_ids, attention_mask = check_inputs(input_ids, attention_mask, cache, cache_index)
+        ctx = make_context(cfg, attention_mask, input_ids.shape[1], cache_index, rope=False)
+        positions = jnp.minimum(ctx.positions, cfg.max_position_embeddings - 1)
+        x = self.wte(input_ids) + self.wpe(positions)
+        x, cache = scan_layers(cfg, self.layers, x.astype(cfg.jnp_dtype), ctx, cache)
+        return self.ln_f(x), cache
+
+    def embedding_matrix(self) -> jax.Array:
+        """`[V, D]` token embedding (the tied LM head)."""
+        return self.wte.embedding[...]

@@ -1,0 +1,240 @@
+"""Load and save Hugging Face checkpoint directories (config.json + safetensors + tokenizer).
+
+Loading never materialises a random model: `nnx.eval_shape` gives the param shapes, each param
+is then read from safetensors (stacking per-layer tensors, transposing `nn.Linear` weights),
+checked against the expected shape, cast to `param_dtype` and put on device.
+Saving writes the inverse, loadable by `transformers.AutoModelForCausalLM.from_pretrained`
+(CausalLM) or `AutoModelForSequenceClassification` (RewardModel / ValueModel).
+
+Errors: FileNotFoundError (missing directory, config.json, weights or index shard),
+ValueError (unsupported model_type, bad config), `CheckpointError` (a ValueError) naming the
+tensor for a missing tensor or a shape mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ppo_jax.models import hf_names
+from ppo_jax.models.config import ModelConfig, to_hf_dict
+from ppo_jax.models.functional import flat_params, path_str
+from ppo_jax.models.heads import CausalLM, RewardModel, ValueModel, model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing or has the wrong shape; the message names the tensor."""
+
+
+def load_config(path, **overrides) -> ModelConfig:
+    """`ModelConfig` from `<path>/config.json`; overrides: param_dtype, dtype, remat, ...
+
+    Raises FileNotFoundError (no directory / config.json), ValueError (invalid JSON,
+    unsupported model_type).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"config.json not found in {path}")
+    try:
+        d = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    try:
+        return ModelConfig.from_hf(d, **overrides)
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: {e}") from e
+
+
+class SafetensorsReader:
+    """Name -> numpy tensor over a single or sharded safetensors checkpoint (lazy, per tensor)."""
+
+    def __init__(self, path):
+        path = Path(path)
+        index = path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: path / f for name, f in weight_map.items()}
+        elif (path / SINGLE_FILE).is_file():
+            files = None
+            shards = [path / SINGLE_FILE]
+        else:
+            shards = sorted(path.glob("*.safetensors"))
+            files = None
+            if not shards:
+                raise FileNotFoundError(
+                    f"no *.safetensors weights in {path} (pytorch_model.bin is not supported: load "
+                    "it with transformers and save_pretrained(safe_serialization=True))")
+        if files is not None:
+            for f in sorted(set(files.values())):
+                if not f.is_file():
+                    raise FileNotFoundError(f"shard {f.name} listed in {INDEX_FILE} is missing in {path}")
+        else:
+            files = {}
+            for f in shards:
+                with safe_open(f, framework="np") as h:
+                    files.update({name: f for name in h.keys()})
+        self.path, self.files, self._handles = path, files, {}
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor `name` as a numpy array. Raises CheckpointError if absent."""
+        if name not in self.files:
+            raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
+        f = self.files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(f, framework="np")
+        return self._handles[f].get_tensor(name)
+
+
+def _read_param(reader: SafetensorsReader, cfg: ModelConfig, path: str, shape, prefix: str):
+    spec = hf_names.hf_tensor(cfg, path, prefix)
+    want = tuple(shape[1:]) if spec.stacked else tuple(shape)
+    want_hf = want[::-1] if spec.transpose else want
+    arrays = []
+    for name in spec.names(cfg.num_layers):
+        a = reader.get(name)
+        if tuple(a.shape) != want_hf:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)} but the config "
+                                  f"expects {want_hf} (param {path})")
+        arrays.append(a.T if spec.transpose else a)
+    return np.stack(arrays) if spec.stacked else arrays[0]
+
+
+def _fresh_head(path: str, shape, std: float, seed: int) -> np.ndarray:
+    if path.endswith("bias") or std == 0.0:
+        return np.zeros(shape, np.float32)
+    return np.asarray(std * jax.random.normal(jax.random.key(seed), shape), np.float32)
+
+
+def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
+               dtype: str = "float32", remat: str = "none", head_init_std: float = 0.0,
+               seed: int = 0, sharding_fn: Callable | None = None):
+    """Load a local HF checkpoint directory into `kind` ("causal_lm" | "value" | "reward").
+
+    - causal_lm: backbone + LM head (`lm_head.weight` when untied).
+    - reward: backbone + `score.weight` ([1, D], HF `*ForSequenceClassification`, num_labels=1).
+    - value: backbone + value head copied from `score.weight` (and `score.bias`) when present
+      (critic from a reward model, DeepSpeed-Chat); otherwise a fresh head: zeros, or
+      N(0, head_init_std^2) (critic from an SFT / causal-LM checkpoint, TRL).
+    sharding_fn(path_str, shape) -> jax.sharding.Sharding places each param as it is read.
+    Returns (model, cfg). Raises FileNotFoundError, ValueError, CheckpointError (see module doc).
+    """
+    path = Path(path)
+    cfg = load_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat)
+    reader = SafetensorsReader(path)
+    cls = model_class(kind)
+    kw = {} if cls is CausalLM else {"head_init_std": head_init_std}
+    abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), **kw))
+    graphdef, abstract_state = nnx.split(abstract)
+    try:
+        prefix = hf_names.detect_prefix(cfg, reader.names)
+    except KeyError as e:
+        raise CheckpointError(f"tensor {e.args[0]!r} not found in checkpoint {path}") from None
+
+    def fill(key_path, sds):
+        p = path_str(key_path)
+        fresh = kind == "value" and p.startswith("value_head/") and "score.weight" not in reader.names
+        if fresh:
+            arr = _fresh_head(p, sds.shape, head_init_std, seed)
+        elif p == "value_head/bias" and "score.bias" not in reader.names:
+            arr = np.zeros(sds.shape, np.float32)
+        else:
+            arr = _read_param(reader, cfg, p, sds.shape, prefix)
+        arr = np.asarray(arr).astype(sds.dtype)
+        return jax.device_put(arr, sharding_fn(p, sds.shape)) if sharding_fn else jnp.asarray(arr)
+
+    state = jax.tree_util.tree_map_with_path(fill, abstract_state)
+    return nnx.merge(graphdef, state), cfg
+
+
+def load_tokenizer(path, *, padding_side: str = "left"):
+    """`transformers.AutoTokenizer` from a local directory (chat template included).
+
+    Prompts are left-padded (padding_side="left"). When the tokenizer has no pad token, the EOS
+    token is used as pad (callers then build masks from positions, never from token equality).
+    Raises FileNotFoundError when the directory does not exist.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    tok = AutoTokenizer.from_pretrained(str(path), padding_side=padding_side)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def model_kind(model: nnx.Module) -> str:
+    """"causal_lm" | "value" | "reward" for a model instance. Raises TypeError otherwise."""
+    for cls, kind in ((CausalLM, "causal_lm"), (ValueModel, "value"), (RewardModel, "reward")):
+        if isinstance(model, cls):
+            return kind
+    raise TypeError(f"not a ppo_jax model: {type(model).__name__}")
+
+
+def hf_state_dict(model: nnx.Module, cfg: ModelConfig, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """`{HF name: numpy array}` in HF layout (per-layer tensors, `[out, in]` Linear weights).
+
+    dtype: None keeps each param's dtype; "float32" / "bfloat16" / "float16" casts all.
+    """
+    out = {}
+    for p, arr in flat_params(nnx.state(model, nnx.Param)).items():
+        spec = hf_names.hf_tensor(cfg, p)
+        a = np.asarray(jax.device_get(arr))
+        if dtype is not None:
+            a = a.astype(jnp.dtype(dtype))
+        layers = list(a) if spec.stacked else [a]
+        for name, t in zip(spec.names(cfg.num_layers), layers):
+            out[name] = np.ascontiguousarray(t.T if spec.transpose else t)
+    return out
+
+
+def save_pretrained(model: nnx.Module, cfg: ModelConfig, out_dir, tokenizer=None, *,
+                    dtype: str | None = None) -> Path:
+    """Write `out_dir/{config.json, model.safetensors, generation_config.json}` (+ tokenizer files).
+
+    CausalLM -> `*ForCausalLM` (tied head not written, as HF does); RewardModel -> 
+    `*ForSequenceClassification` (num_labels=1); ValueModel -> the same with the value head as
+    `score.weight` plus `score.bias` (HF ignores the bias; `load_model(kind="value")` reads it).
+    dtype: None writes each param in its own dtype (param_dtype; heads float32), or cast all to
+    "float32" / "bfloat16" / "float16". Returns the directory. Source: transformers
+    `PreTrainedModel.save_pretrained` file layout.
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kind = model_kind(model)
+    tensors = hf_state_dict(model, cfg, dtype)
+    torch_dtype = dtype or cfg.param_dtype
+    hf_kwargs = to_hf_dict(cfg, hf_names.architecture(cfg, kind), torch_dtype)
+    if kind != "causal_lm":
+        hf_kwargs["num_labels"] = 1
+    model_type = hf_kwargs.pop("model_type")
+    AutoConfig.for_model(model_type, **hf_kwargs).save_pretrained(out_dir)
+    save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+    if kind == "causal_lm":
+        eos = list(cfg.eos_token_ids)
+        GenerationConfig(bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
+                         eos_token_id=eos[0] if len(eos) == 1 else (eos or None)).save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,106 @@
+"""Mapping between our param paths and Hugging Face tensor names / layouts.
+
+Our paths are the NNX state paths joined by "/" (see `functional.param_paths`), e.g.
+`backbone/layers/attn/q_proj/kernel` (stacked: `[num_layers, in, out]`). HF names are the
+PyTorch `state_dict` keys, e.g. `model.layers.3.self_attn.q_proj.weight` (`[out, in]`).
+
+Rules (transformers `modeling_llama.py`, `modeling_gpt2.py`, `GenericForSequenceClassification`):
+- `backbone/` -> the base-model prefix: "model." (Llama family) / "transformer." (GPT-2), or ""
+  for a bare base-model checkpoint;
+- `layers/` -> `layers.{i}.` (Llama) / `h.{i}.` (GPT-2), one HF tensor per layer, stacked;
+- Llama `attn/` -> `self_attn.`;
+- leaves: `kernel` -> `weight` transposed (torch `nn.Linear` is `[out, in]`), except GPT-2
+  backbone kernels (`Conv1D` is already `[in, out]`); `scale`/`embedding` -> `weight`;
+- heads: `unembed/kernel` -> `lm_head.weight`, `score/kernel` -> `score.weight`,
+  `value_head/kernel` -> `score.weight`, `value_head/bias` -> `score.bias` (a critic is saved
+  and loaded as a sequence-classification checkpoint; HF ignores `score.bias`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+from ppo_jax.models.config import ModelConfig
+
+HEAD_NAMES = {
+    "unembed/kernel": "lm_head.weight",
+    "score/kernel": "score.weight",
+    "value_head/kernel": "score.weight",
+    "value_head/bias": "score.bias",
+}
+
+ARCHITECTURES = {
+    ("llama", "causal_lm"): "LlamaForCausalLM",
+    ("qwen2", "causal_lm"): "Qwen2ForCausalLM",
+    ("mistral", "causal_lm"): "MistralForCausalLM",
+    ("gpt2", "causal_lm"): "GPT2LMHeadModel",
+    ("llama", "reward"): "LlamaForSequenceClassification",
+    ("qwen2", "reward"): "Qwen2ForSequenceClassification",
+    ("mistral", "reward"): "MistralForSequenceClassification",
+    ("gpt2", "reward"): "GPT2ForSequenceClassification",
+}
+
+
+def architecture(cfg: ModelConfig, kind: str) -> str:
+    """HF `architectures[0]` for a model kind; a critic ("value") is saved as a reward model."""
+    return ARCHITECTURES[(cfg.model_type, "causal_lm" if kind == "causal_lm" else "reward")]
+
+
+class HFTensor(NamedTuple):
+    """How one of our params is stored in HF format.
+
+    name: HF key, with `{i}` standing for the layer index when `stacked`.
+    transpose: our array is the transpose of the HF tensor (2-D, per layer).
+    stacked: our array has a leading layer axis; HF has one tensor per layer.
+    """
+
+    name: str
+    transpose: bool
+    stacked: bool
+
+    def names(self, num_layers: int) -> list[str]:
+        """All HF keys this param is made of (one per layer when stacked)."""
+        return [self.name.format(i=i) for i in range(num_layers)] if self.stacked else [self.name]
+
+
+def base_prefix_candidates(cfg: ModelConfig) -> tuple[str, ...]:
+    """Possible base-model prefixes, most common first."""
+    return ("transformer.", "") if cfg.model_type == "gpt2" else ("model.", "")
+
+
+def detect_prefix(cfg: ModelConfig, names: Iterable[str]) -> str:
+    """Base-model prefix used by a checkpoint, found from its token-embedding key.
+
+    Raises KeyError naming the expected embedding tensor when none is present.
+    """
+    names = set(names)
+    leaf = "wte.weight" if cfg.model_type == "gpt2" else "embed_tokens.weight"
+    for prefix in base_prefix_candidates(cfg):
+        if prefix + leaf in names:
+            return prefix
+    raise KeyError(base_prefix_candidates(cfg)[0] + leaf)
+
+
+def hf_tensor(cfg: ModelConfig, path: str, prefix: str | None = None) -> HFTensor:
+    """The HF tensor behind our param `path`. Raises KeyError for an unknown path."""
+    if path in HEAD_NAMES:
+        return HFTensor(HEAD_NAMES[path], transpose=path.endswith("kernel"), stacked=False)
+    if not path.startswith("backbone/"):
+        raise KeyError(f"no HF name for param {path!r}")
+    if prefix is None:
+        prefix = base_prefix_candidates(cfg)[0]
+    gpt2 = cfg.model_type == "gpt2"
+    parts = path.split("/")[1:]
+    leaf = parts[-1]
+    stacked = parts[0] == "layers"
+    out = []
+    for i, part in enumerate(parts[:-1]):
+        if i == 0 and stacked:
+            out.append("h.{i}" if gpt2 else "layers.{i}")
+        elif part == "attn" and not gpt2:
+            out.append("self_attn")
+        else:
+            out.append(part)
+    out.append("bias" if leaf == "bias" else "weight")
+    return HFTensor(prefix + ".".join(out), transpose=(leaf == "kernel" and not gpt2),
+                    stacked=stacked)

@@ -1,0 +1,227 @@
+"""Building blocks shared by the decoders: norms, RoPE, masked GQA attention with a KV cache,
+activations, per-layer remat and the scan over stacked layers.
+
+Numerics follow transformers' PyTorch code: RMSNorm and LayerNorm are computed in float32 and
+cast back (`LlamaRMSNorm`), attention softmax is in float32 (`eager_attention_forward`), RoPE
+uses the `rotate_half` convention (`apply_rotary_pos_emb`). Masked scores are a large negative
+finite number, so fully masked query rows stay finite.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.kv_cache import KVCache, slot_layout
+
+MASK_VALUE = -1e30
+
+ACTIVATIONS: dict[str, Callable] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def activation(name: str) -> Callable:
+    """Elementwise activation by its HF `hidden_act` / `activation_function` name. Raises ValueError."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class RMSNorm(nnx.Module):
+    """`x / sqrt(mean(x^2) + eps) * scale`, statistics in float32 (Zhang & Sennrich 2019;
+    transformers `LlamaRMSNorm`: normalise in float32, cast to the input dtype, then scale)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with scale and bias, statistics in float32 (Ba et al. 2016; torch `nn.LayerNorm`)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """`[head_dim // 2]` float32 inverse frequencies `theta^(-2i/d)` (Su et al. 2021), with
+    "linear" (divide by factor) or "llama3" scaling (transformers `_compute_llama3_parameters`)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    inv = inv.astype(np.float32)
+    if cfg.rope_type == "linear":
+        inv = inv / np.float32(cfg.rope_factor)
+    elif cfg.rope_type == "llama3":
+        factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_position_embeddings
+        low_wl, high_wl = old_len / lo, old_len / hi
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions `[B, L]` int -> cos, sin `[B, L, head_dim]` float32 (halves duplicated, HF layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x `[B, L, H, hd]`, cos/sin `[B, L, hd]` -> rotated x (float32 math, x.dtype out)."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+class Context(NamedTuple):
+    """Per-call tensors shared by every layer (computed once, outside the layer scan).
+
+    positions `[B, L]`, allowed `[B, L, S]` bool, q_slots `[L]`, k_slots `[S]`,
+    cos/sin `[B, L, hd]` float32 or None (GPT-2), cache_index int32 scalar.
+    """
+
+    positions: jax.Array
+    allowed: jax.Array
+    q_slots: jax.Array
+    k_slots: jax.Array
+    cos: jax.Array | None
+    sin: jax.Array | None
+    cache_index: jax.Array
+
+
+def make_context(cfg: ModelConfig, attention_mask, length: int, cache_index, rope: bool) -> Context:
+    """Positions from the mask, the attention pattern and the RoPE tables for L new tokens."""
+    positions, allowed, q_slots, k_slots = slot_layout(attention_mask, length, cache_index)
+    cos, sin = rope_cos_sin(cfg, positions) if rope else (None, None)
+    idx = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
+    return Context(positions, allowed, q_slots, k_slots, cos, sin, idx)
+
+
+def write_and_read_cache(cache: KVCache | None, layer, k_new, v_new, cache_index):
+    """Write `[B, L, KVH, hd]` k/v at `(layer, :, cache_index)`; return this layer's full k/v.
+
+    Without a cache the new k/v are returned as they are (S == L).
+    """
+    if cache is None:
+        return k_new, v_new, None
+    start = (layer, jnp.int32(0), cache_index, jnp.int32(0), jnp.int32(0))
+    kc = jax.lax.dynamic_update_slice(cache.k, k_new[None].astype(cache.k.dtype), start)
+    vc = jax.lax.dynamic_update_slice(cache.v, v_new[None].astype(cache.v.dtype), start)
+    return kc[layer], vc[layer], KVCache(kc, vc)
+
+
+def dot_attention(q, k, v, allowed, *, window=None, q_slots=None, k_slots=None):
+    """Masked grouped-query attention.
+
+    q `[B, L, H, hd]`, k/v `[B, S, KVH, hd]` (H a multiple of KVH), allowed `[B, L, S]` bool.
+    window: int32 scalar (0 = none); keys with `q_slot - k_slot >= window` are dropped
+    (transformers `sliding_window_overlay`). Scores and softmax in float32; returns
+    `[B, L, H * hd]` in v.dtype. Source: Ainslie et al. 2023 (GQA); HF `eager_attention_forward`.
+    """
+    b, l, h, hd = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, l, kvh, h // kvh, hd)
+    scores = jnp.einsum("blkgd,bskd->bkgls", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(hd ** -0.5)
+    if window is not None:
+        in_window = (q_slots[:, None] - k_slots[None, :]) < window
+        allowed = allowed & ((window <= 0) | in_window)[None]
+    scores = jnp.where(allowed[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
+    return out.reshape(b, l, h * hd)
+
+
+def remat_layer(fn: Callable, remat: str) -> Callable:
+    """Wrap a per-layer function in `jax.checkpoint` according to `ModelConfig.remat`."""
+    if remat == "none":
+        return fn
+    policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+def stacked(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
+    """Create `num_layers` layers as ONE module whose params have a leading layer axis."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(r):
+        return make_layer(r)
+
+    return make(rngs)
+
+
+def scan_layers(cfg: ModelConfig, layers: nnx.Module, x: jax.Array, ctx: Context,
+                cache: KVCache | None):
+    """Run stacked `layers` over `x` with `jax.lax.scan`; compile time does not grow with depth.
+
+    Each layer is called as `layer(x, ctx, window, cache, layer_index) -> (x, cache)`; the full
+    cache rides in the carry so each step writes only its new slots in place. Returns (x, cache).
+    """
+    graphdef, state = nnx.split(layers)
+    windows = jnp.asarray(cfg.sliding_windows or (0,) * cfg.num_layers, jnp.int32)
+    use_window = bool(cfg.sliding_windows)
+
+    def body(carry, xs):
+        h, c = carry
+        layer_state, window, index = xs
+        layer = nnx.merge(graphdef, layer_state)
+        h, c = layer(h, ctx, window if use_window else None, c, index)
+        return (h, c), None
+
+    body = remat_layer(body, cfg.remat)
+    xs = (state, windows, jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
+    return x, cache
+
+
+def check_inputs(input_ids, attention_mask, cache, cache_index):
+    """Shape checks shared by the backbones. Raises ValueError with the offending shapes."""
+    if input_ids.ndim != 2 or attention_mask.ndim != 2:
+        raise ValueError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} "
+                         "must both be [B, L] / [B, S]")
+    if cache is None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"without a cache attention_mask {attention_mask.shape} must match "
+                         f"input_ids {input_ids.shape}")
+    if cache is not None:
+        if cache_index is None:
+            raise ValueError("cache_index is required when a cache is given")
+        if attention_mask.shape[1] != cache.k.shape[2]:
+            raise ValueError(f"attention_mask {attention_mask.shape} must cover all "
+                             f"{cache.k.shape[2]} cache slots")
+    return jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32)

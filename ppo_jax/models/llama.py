@@ -1,0 +1,118 @@
+"""Llama-family decoder backbone: Llama 2/3, Qwen2/2.5, Mistral, SmolLM2.
+
+Pre-norm blocks `x + attn(rmsnorm(x))`, `x + mlp(rmsnorm(x))` with grouped-query attention,
+RoPE, SwiGLU MLP (`down(act(gate(x)) * up(x))`), optional q/k/v bias (Qwen2) and per-layer
+sliding windows (Mistral, Qwen2 `layer_types`). Source: transformers
+`models/{llama,qwen2,mistral}/modeling_*.py`; Touvron et al. 2023; Shazeer 2020 (SwiGLU).
+
+Param paths (layer axis first in every `layers/...` leaf):
+  embed_tokens/embedding [V, D]
+  layers/input_layernorm/scale [N, D]      layers/post_attention_layernorm/scale [N, D]
+  layers/attn/{q,k,v,o}_proj/kernel [N, in, out] (+ bias when configured)
+  layers/mlp/{gate,up,down}_proj/kernel [N, in, out]
+  norm/scale [D]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.kv_cache import KVCache
+from ppo_jax.models.layers import (
+    Context, RMSNorm, activation, apply_rope, check_inputs, dot_attention, make_context, scan_layers,
+    stacked, write_and_read_cache,
+)
+
+
+def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+
+class LlamaAttention(nnx.Module):
+    """GQA self-attention with RoPE; writes its k/v to the cache when one is given."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(cfg, d, cfg.num_heads * hd, cfg.qkv_bias, rngs)
+        self.k_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
+        self.v_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
+        self.o_proj = _linear(cfg, cfg.num_heads * hd, d, cfg.o_bias, rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+
+    def __call__(self, x, ctx: Context, window, cache: KVCache | None, layer):
+        b, l, _ = x.shape
+        q = self.q_proj(x).reshape(b, l, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, l, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, l, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
+        out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed,
+                            window=window, q_slots=ctx.q_slots, k_slots=ctx.k_slots)
+        return self.o_proj(out), cache
+
+
+class SwiGLU(nnx.Module):
+    """`down_proj(act(gate_proj(x)) * up_proj(x))` (transformers `LlamaMLP`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, d, f, cfg.mlp_bias, rngs)
+        self.up_proj = _linear(cfg, d, f, cfg.mlp_bias, rngs)
+        self.down_proj = _linear(cfg, f, d, cfg.mlp_bias, rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nnx.Module):
+    """One pre-norm decoder layer (transformers `LlamaDecoderLayer`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = cfg.jnp_param_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
+        self.attn = LlamaAttention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=pd)
+        self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x, ctx: Context, window, cache: KVCache | None, layer):
+        h, cache = self.attn(self.input_layernorm(x), ctx, window, cache, layer)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+class LlamaBackbone(nnx.Module):
+    """Embedding -> N scanned `LlamaBlock`s -> final RMSNorm.
+
+    `__call__(input_ids [B, L] int32, attention_mask [B, S] int32, *, cache=None,
+    cache_index=None) -> (hidden [B, L, D] in cfg.dtype, cache)`; S == L without a cache.
+    Positions come from the mask (`max(cumsum(mask) - 1, 0)`), see `kv_cache.slot_layout`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if not cfg.is_llama_family:
+            raise ValueError(f"LlamaBackbone does not support model_type {cfg.model_type!r}")
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
+                                      param_dtype=cfg.jnp_param_dtype,
+                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.layers = stacked(lambda r: LlamaBlock(cfg, r), cfg.num_layers, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=cfg.jnp_param_dtype)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
+                 cache: KVCache | None = None, cache_index=None):
+        cfg = self.cfg
+        input_ids, attention_mask = check_inputs(input_ids, attention_mask, cache, cache_index)
+        ctx = make_context(cfg, attention_mask, input_ids.shape[1], cache_index, rope=True)
+        x = self.embed_tokens(input_ids).astype(cfg.jnp_dtype)
+        x, cache = scan_layers(cfg, self.layers, x, ctx, cache)
+        return self.norm(x), cache
+
+    def embedding_matrix(self) -> jax.Array:
+        """`[V, D]` token embedding (used by a tied LM head)."""
+        return self.embed_tokens.embedding[...]

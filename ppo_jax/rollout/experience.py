@@ -1,0 +1,142 @@
+"""Experience making: the scoring passes of the four models and the PPO math on one rollout.
+
+`make_experience` is one pure function (jit it with the settings static): actor log-probs
+(old), reference log-probs, critic values and (optionally) reward-model scores, each computed in
+micro-batch chunks; then the missing-EOS penalty, `compute_rewards`, optional reward whitening,
+the registered advantage estimator and advantage whitening. The order and formulas follow TRL
+0.11 `PPOTrainer.step` (`batched_forward_pass`, `compute_rewards`, `compute_advantages`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ppo_jax.core import (
+    compute_rewards,
+    get_advantage_estimator,
+    masked_mean,
+    masked_whiten,
+    update_kl_controller,
+)
+from ppo_jax.rollout.scoring import critic_values, map_in_chunks, policy_logprobs, reward_model_scores
+
+
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """Static settings of experience making (hashable, so it can be a static jit argument)."""
+
+    temperature: float = 1.0
+    micro_batch_size: int = 4
+    kl_estimator: str = "kl"
+    reward_clip: Optional[float] = None
+    score_scale: float = 1.0
+    missing_eos_penalty: Optional[float] = None
+    whiten_rewards: bool = False
+    whiten_advantages: bool = True
+    advantage_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+
+
+@struct.dataclass
+class Experience:
+    """One batch of experience; every field `[B, ...]`, `N` = response length, `P` = prompt."""
+
+    query_ids: jax.Array  # [B, P] int32
+    query_mask: jax.Array  # [B, P] int32
+    response_ids: jax.Array  # [B, N] int32
+    response_mask: jax.Array  # [B, N] int32
+    logprobs: jax.Array  # [B, N] float32, actor at rollout time
+    ref_logprobs: jax.Array  # [B, N] float32
+    values: jax.Array  # [B, N] float32, critic at rollout time
+    scores: jax.Array  # [B] float32, after scaling / penalty
+    rewards: jax.Array  # [B, N] float32
+    advantages: jax.Array  # [B, N] float32 (whitened when configured)
+    returns: jax.Array  # [B, N] float32
+
+
+def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    mean = masked_mean(x, mask)
+    var = masked_mean(jnp.square(x - mean), mask)
+    return {f"{name}_mean": mean, f"{name}_std": jnp.sqrt(var)}
+
+
+def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, critic_graphdef,
+                    critic_params, reward_graphdef, reward_params, kl_state, query_ids,
+                    query_mask, response_ids, response_mask, scores, ended, *,
+                    settings: ExperienceSettings) -> tuple[Experience, Any, dict[str, jax.Array]]:
+    """Score a rollout and compute rewards, advantages and returns.
+
+    Args:
+      *_graphdef, *_params: split models; `reward_graphdef` / `reward_params` may be None when
+        `scores` come from a reward function.
+      kl_state: `KLControllerState`; its `value` is the kl_coef of this step.
+      query_ids, query_mask: `[B, P]` int32 left-padded prompts.
+      response_ids, response_mask: `[B, N]` int32 (mask 1 up to and including the stop token).
+      scores: `[B]` float32 from a reward function, or None to use the reward model.
+      ended: `[B]` bool, whether the response emitted a stop token.
+      settings: `ExperienceSettings` (static).
+
+    Returns:
+      `(experience, new_kl_state, stats)`. The KL controller is updated with this batch's KL
+      (mean over sequences of the summed per-token k1), as TRL does after each step.
+
+    Raises:
+      ValueError: the batch is not a multiple of micro_batch_size; an unknown estimator.
+    """
+    s = settings
+    chunk = s.micro_batch_size
+    rollout = (query_ids, query_mask, response_ids, response_mask)
+    mask = response_mask.astype(jnp.int32)
+
+    logprobs, entropy = map_in_chunks(
+        lambda *r: policy_logprobs(actor_graphdef, actor_params, *r, temperature=s.temperature,
+                                   with_entropy=True), chunk, *rollout)
+    ref_logprobs = map_in_chunks(
+        lambda *r: policy_logprobs(ref_graphdef, ref_params, *r, temperature=s.temperature),
+        chunk, *rollout)
+    values = map_in_chunks(lambda *r: critic_values(critic_graphdef, critic_params, *r), chunk, *rollout)
+    if scores is None:
+        scores = map_in_chunks(lambda *r: reward_model_scores(reward_graphdef, reward_params, *r),
+                               chunk, *rollout)
+    raw_scores = scores.astype(jnp.float32)
+    scores = raw_scores * s.score_scale
+    if s.missing_eos_penalty is not None:
+        scores = jnp.where(ended, scores, scores - s.missing_eos_penalty)
+
+    rewards, non_score = compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_state.value,
+                                         estimator=s.kl_estimator, reward_clip=s.reward_clip)
+    if s.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    estimator = get_advantage_estimator(s.advantage_estimator)
+    advantages, returns = estimator(values, rewards, mask, gamma=s.gamma, lam=s.lam)
+    if s.whiten_advantages:
+        advantages = jnp.where(mask > 0, masked_whiten(advantages, mask), 0.0)
+
+    valid = mask > 0
+    kl_per_seq = jnp.sum(jnp.where(valid, logprobs - ref_logprobs, 0.0), axis=1)
+    mean_kl = jnp.mean(kl_per_seq)
+    new_kl_state = update_kl_controller(kl_state, mean_kl, query_ids.shape[0])
+    lengths = jnp.sum(mask, axis=1).astype(jnp.float32)
+    stats = {
+        "score_mean": jnp.mean(raw_scores),
+        "score_std": jnp.std(raw_scores),
+        "non_score_reward": jnp.mean(jnp.sum(non_score, axis=1)),
+        "kl": mean_kl,
+        "kl_coef": kl_state.value,
+        "entropy": jnp.mean(jnp.sum(jnp.where(valid, entropy, 0.0), axis=1)),
+        "entropy_per_token": masked_mean(entropy, mask),
+        "response_length": jnp.mean(lengths),
+        "ended_fraction": jnp.mean(ended.astype(jnp.float32)),
+        **_row_stats("advantages", advantages, mask),
+        **_row_stats("returns", returns, mask),
+        **_row_stats("values", values, mask),
+    }
+    exp = Experience(query_ids, query_mask, response_ids, mask, logprobs, ref_logprobs, values,
+                     scores, rewards, advantages, returns)
+    return exp, new_kl_state, stats

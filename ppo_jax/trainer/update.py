@@ -1,0 +1,134 @@
+"""The PPO update phase: `ppo_epochs` x minibatches of actor and critic steps, one pure function.
+
+Built from nested `lax.scan`s (purejaxrl's shape): epochs -> minibatches (a fresh permutation
+per epoch, reshaped into `[n_minibatches, mini_batch_size]`) -> micro-batches (gradient
+accumulation). Each micro-batch loss is a token SUM divided by the minibatch's total token
+count, so the accumulated gradient and stats are exact minibatch token means, not means of
+means (DESIGN.md "Update phase"). Actor and critic have separate train states and optimisers
+(DeepSpeed-Chat step 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ppo_jax.core import get_policy_loss, get_value_loss, masked_sum
+from ppo_jax.rollout.experience import Experience
+from ppo_jax.rollout.scoring import critic_values, policy_logprobs
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Static settings of the update (hashable)."""
+
+    ppo_epochs: int = 4
+    mini_batch_size: int = 4
+    micro_batch_size: int = 4
+    temperature: float = 1.0
+    policy_loss: str = "ppo_clip"
+    value_loss: str = "clipped_mse"
+    cliprange: float = 0.2
+    cliprange_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    cliprange_value: float = 0.2
+
+    def policy_kwargs(self) -> dict:
+        kw = {"cliprange": self.cliprange}
+        if self.cliprange_high is not None:
+            kw["cliprange_high"] = self.cliprange_high
+        if self.dual_clip is not None:
+            kw["dual_clip"] = self.dual_clip
+        return kw
+
+
+def _zeros_like(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+
+
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphdef, critic_graphdef,
+               actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation,
+               settings: UpdateSettings):
+    """Run the whole PPO update on one batch of experience.
+
+    Args:
+      actor_state, critic_state: `TrainState`s.
+      exp: `Experience` with batch B (a multiple of mini_batch_size).
+      rng: PRNG key for the per-epoch permutations.
+      actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
+
+    Returns:
+      `(actor_state, critic_state, stats)`; every stat has shape `[ppo_epochs, n_minibatches]`
+      (one value per optimiser step; `stats[k][0, 0]` is the first minibatch of the first epoch).
+
+    Raises:
+      ValueError: batch sizes that do not divide.
+    """
+    s = settings
+    batch = exp.response_ids.shape[0]
+    if batch % s.mini_batch_size or s.mini_batch_size % s.micro_batch_size:
+        raise ValueError(f"batch {batch}, ppo.mini_batch_size={s.mini_batch_size} and "
+                         f"ppo.micro_batch_size={s.micro_batch_size} must divide each other")
+    n_mb, n_micro = batch // s.mini_batch_size, s.mini_batch_size // s.micro_batch_size
+    policy_loss_fn = get_policy_loss(s.policy_loss)
+    value_loss_fn = get_value_loss(s.value_loss)
+
+    def actor_loss(params, m: Experience, n_tokens):
+        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
+        logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
+                                            temperature=s.temperature, with_entropy=True)
+        loss, stats = policy_loss_fn(logprobs, m.logprobs, m.advantages, m.response_mask,
+                                     loss_normalizer=n_tokens, **s.policy_kwargs())
+        stats = dict(stats, entropy=masked_sum(jax.lax.stop_gradient(entropy), m.response_mask) / n_tokens)
+        return loss, stats
+
+    def critic_loss(params, m: Experience, n_tokens):
+        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
+        values = critic_values(critic_graphdef, params, *rollout)
+        return value_loss_fn(values, m.values, m.returns, m.response_mask,
+                             loss_normalizer=n_tokens, cliprange_value=s.cliprange_value)
+
+    actor_grad = jax.value_and_grad(actor_loss, has_aux=True)
+    critic_grad = jax.value_and_grad(critic_loss, has_aux=True)
+
+    def micro_grads(a_params, c_params, m: Experience, n_tokens):
+        (_, a_stats), a_grads = actor_grad(a_params, m, n_tokens)
+        (_, c_stats), c_grads = critic_grad(c_params, m, n_tokens)
+        return a_grads, c_grads, {**a_stats, **c_stats}
+
+    def minibatch_step(carry, idx):
+        a_state, c_state = carry
+        mb = jax.tree.map(lambda x: x[idx], exp)
+        n_tokens = jnp.maximum(jnp.sum(mb.response_mask).astype(jnp.float32), 1.0)
+        if n_micro == 1:
+            a_grads, c_grads, stats = micro_grads(a_state.params, c_state.params, mb, n_tokens)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(n_micro, s.micro_batch_size, *x.shape[1:]), mb)
+            first = jax.tree.map(lambda x: x[0], micro)
+            shapes = jax.eval_shape(micro_grads, a_state.params, c_state.params, first, n_tokens)
+
+            def accumulate(acc, m):
+                return _add(acc, micro_grads(a_state.params, c_state.params, m, n_tokens)), None
+
+            (a_grads, c_grads, stats), _ = jax.lax.scan(accumulate, _zeros_like(shapes), micro)
+        stats = dict(stats, actor_grad_norm=optax.global_norm(a_grads),
+                     critic_grad_norm=optax.global_norm(c_grads))
+        a_state = a_state.apply_gradients(a_grads, actor_tx)
+        c_state = c_state.apply_gradients(c_grads, critic_tx)
+        return (a_state, c_state), stats
+
+    def epoch_step(carry, key):
+        perm = jax.random.permutation(key, batch)
+        return jax.lax.scan(minibatch_step, carry, perm.reshape(n_mb, s.mini_batch_size))
+
+    keys = jax.random.split(rng, s.ppo_epochs)
+    (actor_state, critic_state), stats = jax.lax.scan(epoch_step, (actor_state, critic_state), keys)
+    return actor_state, critic_state, stats
