@@ -182,7 +182,8 @@ def main() -> None:
     torch_med, torch_min = time_ms(lambda: torch_step(*ta), args.runs)
 
     default = (core.gae.DEFAULT_GAE_METHOD, core.gae.DEFAULT_UNROLL, core.gae.DEFAULT_CHUNK)
-    configs = [default] + [c for c in (("scan", 1, 0), ("scan", 16, 0), ("associative", 0, 0)) if c != default]
+    others = (("chunked", 1, 16), ("scan", 1, 0), ("scan", 16, 0), ("associative", 0, 0))
+    configs = [default] + [c for c in others if c != default]
     results = {}
     for method, unroll, chunk in configs:
         step = make_jax_step(method, max(unroll, 1), max(chunk, 1))

@@ -7,7 +7,7 @@ and including EOS), is NaN-safe on masked slots, and validates shapes and dtypes
 """
 
 from ppo_jax.core.gae import GAE_METHODS, compute_gae
-from ppo_jax.core.kl import KL_ESTIMATORS, full_kl, kl_penalty
+from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty
 from ppo_jax.core.kl_control import (
     KL_CONTROLLER_KINDS,
     KLControllerState,
@@ -16,7 +16,14 @@ from ppo_jax.core.kl_control import (
 )
 from ppo_jax.core.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_jax.core.losses import policy_loss, value_loss
-from ppo_jax.core.masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from ppo_jax.core.masked import (
+    masked_count,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    safe_divide,
+)
 from ppo_jax.core.registry import (
     get_advantage_estimator,
     get_policy_loss,
@@ -25,14 +32,16 @@ from ppo_jax.core.registry import (
     register_policy_loss,
     register_value_loss,
     registered_names,
+    unregister,
 )
-from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl
+from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl, last_valid_onehot
 
 __all__ = [
     "GAE_METHODS",
     "KL_CONTROLLER_KINDS",
     "KL_ESTIMATORS",
     "KLControllerState",
+    "check_estimator",
     "compute_gae",
     "compute_rewards",
     "compute_rewards_from_kl",
@@ -43,6 +52,7 @@ __all__ = [
     "get_value_loss",
     "init_kl_controller",
     "kl_penalty",
+    "last_valid_onehot",
     "logprobs_from_logits",
     "masked_count",
     "masked_mean",
@@ -54,6 +64,8 @@ __all__ = [
     "register_policy_loss",
     "register_value_loss",
     "registered_names",
+    "safe_divide",
+    "unregister",
     "update_kl_controller",
     "value_loss",
 ]

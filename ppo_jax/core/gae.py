@@ -10,10 +10,12 @@ Three implementations of the same linear recurrence ``A_t = delta_t + c A_{t+1}`
 (``c = gamma lam``), selectable by ``method``; all agree to float rounding:
 
 - ``"chunked"`` (default): two small matmuls, within chunks of ``chunk`` steps and across
-  chunks; no sequential loop, no transposes. Fastest in ``bench/core.py`` (CPU, ``[256, 1024]``)
-  and the shape accelerators like (O(1) depth, matmul units).
+  chunks; no sequential loop, no transposes. Fastest in ``bench/core.py`` (2-core CPU,
+  ``[256, 1024]``); expected to suit GPU/TPU too (matmul units, constant depth), not yet
+  measured there.
 - ``"scan"``: the reference form, a reverse ``jax.lax.scan`` over time (``unroll`` steps per
-  loop iteration; on CPU ``unroll=1`` measured fastest). T sequential steps: slow on GPU/TPU.
+  loop iteration; on CPU ``unroll=1`` measured fastest). T sequential steps, so T loop
+  iterations on an accelerator.
 - ``"associative"``: ``jax.lax.associative_scan`` on the affine maps ``x -> c x + delta``,
   O(log T) depth.
 """
@@ -60,7 +62,8 @@ def _discounted_reverse_cumsum_chunked(deltas: jax.Array, c: jax.Array, chunk: i
 
     def discount_matrix(size: int, base: jax.Array) -> jax.Array:
         lag = jnp.arange(size)[:, None] - jnp.arange(size)[None, :]  # row: source j', col: target j
-        return jnp.where(lag >= 0, base ** jnp.maximum(lag, 0).astype(deltas.dtype), 0).astype(deltas.dtype)
+        powers = base ** jnp.maximum(lag, 0).astype(deltas.dtype)
+        return jnp.where(lag >= 0, powers, 0).astype(deltas.dtype)
 
     hi = jax.lax.Precision.HIGHEST
     local = jnp.einsum("bnk,kj->bnj", padded, discount_matrix(chunk, c), precision=hi)

@@ -29,9 +29,11 @@ def safe_divide(num: jax.Array, den: Any) -> jax.Array:
 
 
 def _prepare(x: Any, mask: Any) -> tuple[jax.Array, jax.Array]:
+    """Validated ``(x with masked entries replaced by 0, valid)``: NaN there cannot reach a
+    value, nor a gradient through a product (``0 * NaN`` in a backward pass)."""
     x = V.as_float("x", x)
     valid = V.as_valid("mask", mask, x.shape)
-    return x, valid
+    return jnp.where(valid, x, 0), valid
 
 
 def masked_sum(x: jax.Array, mask: jax.Array, axis: int | tuple[int, ...] | None = None) -> jax.Array:

@@ -53,7 +53,9 @@ def compute_rewards_from_kl(
     scores = V.as_float("scores", scores, ndim=1)
     valid = V.as_valid("mask", mask, kl.shape)
     if scores.shape[0] != kl.shape[0]:
-        raise ValueError(f"scores has shape {tuple(scores.shape)} but the batch is [B, T] = {tuple(kl.shape)}")
+        raise ValueError(
+            f"scores has shape {tuple(scores.shape)} but the batch is [B, T] = {tuple(kl.shape)}"
+        )
     kl_coef = V.as_scalar("kl_coef", kl_coef)
     if reward_clip is not None:
         V.check_nonnegative("reward_clip", reward_clip)

@@ -7,7 +7,6 @@ They never look at values (values are traced).
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Sequence
 
 import jax
@@ -85,7 +84,7 @@ def same_shape(**arrays: jax.Array) -> tuple[int, ...]:
 
 def is_static_number(x: Any) -> bool:
     """True for a Python / numpy scalar whose value is known at trace time."""
-    return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, bool)
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 def check_positive(name: str, x: Any, *, strictly_greater_than: float = 0.0) -> None:

@@ -58,7 +58,8 @@ class MaskedNanTest(chex.TestCase):
                 out += list(core.compute_rewards(scores, lp, ref, MASK, kl_coef=0.1, estimator=est))
             for method in core.GAE_METHODS:
                 adv, ret = core.compute_gae(values, out[0], MASK, gamma=0.99, lam=0.95, method=method)
-                out += [adv, ret, core.masked_whiten(adv, MASK), core.masked_whiten(ret, MASK, shift_mean=False)]
+                out += [adv, ret, core.masked_whiten(adv, MASK),
+                        core.masked_whiten(ret, MASK, shift_mean=False)]
             stats = (core.masked_mean(values, MASK), core.masked_var(values, MASK),
                      core.masked_sum(values, MASK, axis=1), core.masked_mean(values, MASK, axis=1))
             return out, stats
@@ -68,13 +69,26 @@ class MaskedNanTest(chex.TestCase):
         for x in out:
             np.testing.assert_array_equal(jnp.where(PAD, x, 0), jnp.zeros(MASK.shape))
 
+    def test_nan_in_padding_never_reaches_whitening_gradients(self):
+        x = poisoned(base(6))
+
+        @jax.jit
+        def grads(x):
+            return (jax.grad(lambda x: jnp.sum(core.masked_whiten(x, MASK) ** 3))(x),
+                    jax.grad(lambda x: core.masked_var(x, MASK) + core.masked_mean(x, MASK))(x))
+
+        g_whiten, g_stats = grads(x)
+        assert all_finite((g_whiten, g_stats))
+        np.testing.assert_array_equal(jnp.where(PAD, g_whiten, 0), jnp.zeros(MASK.shape))
+
     def test_entropy_and_full_kl_are_finite_with_minus_inf_logits(self):
         logits = jnp.array([[[0.0, -jnp.inf, 1.0], [2.0, 2.0, -jnp.inf]]])
         ref = jnp.array([[[0.5, 0.0, 1.0], [-jnp.inf, 2.0, 0.0]]])
-        ent, g = jax.value_and_grad(lambda z: core.entropy_from_logits(z).sum())(logits)
+        ent, g = jax.jit(jax.value_and_grad(lambda z: core.entropy_from_logits(z).sum()))(logits)
         assert all_finite((ent, g))
-        np.testing.assert_allclose(ent, core.entropy_from_logits(logits[..., [0, 2]]).sum() + np.log(2), rtol=1e-6)
+        two_way = core.entropy_from_logits(logits[..., [0, 2]]).sum() + np.log(2)  # -inf drops out
+        np.testing.assert_allclose(ent, two_way, rtol=1e-6)
         kl = core.full_kl(logits, ref)
         assert bool(jnp.isfinite(kl[0, 0])) and float(kl[0, 1]) == np.inf  # p > 0 where q == 0
         finite_ref = jnp.where(jnp.isfinite(ref), ref, 0.0)  # p == 0 terms: finite value and grad
-        assert all_finite(jax.value_and_grad(lambda z: core.full_kl(z, finite_ref).sum())(logits))
+        assert all_finite(jax.jit(jax.value_and_grad(lambda z: core.full_kl(z, finite_ref).sum()))(logits))

@@ -6,6 +6,7 @@ in padded slots), gamma and lam in {1, 0.95}, every KL estimator, every GAE meth
 (the fixture restores the previous setting).
 """
 
+import functools
 import math
 
 import jax
@@ -184,21 +185,48 @@ def ref_value_loss(v, old, ret, mask, c):
     return loss / n, grad, {k: s / n for k, s in sums.items()}
 
 
+# ----------------------------------------------------------------- jitted entry points
+# One compile per shape and static option (gamma, lam, kl_coef are traced): far cheaper than
+# op-by-op execution of the same code.
+@functools.partial(jax.jit, static_argnames=("estimator", "reward_clip"))
+def jit_rewards(scores, lp, ref, mask, kl_coef, estimator, reward_clip):
+    rewards, non_score = core.compute_rewards(scores, lp, ref, mask, kl_coef=kl_coef, estimator=estimator,
+                                              reward_clip=reward_clip)
+    return rewards, non_score, core.masked_sum(core.kl_penalty(lp, ref, estimator), mask)
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def jit_gae(values, rewards, mask, gamma, lam, method):
+    return core.compute_gae(values, rewards, mask, gamma=gamma, lam=lam, method=method, chunk=8)
+
+
+@jax.jit
+def jit_logit_functions(logits, ref_logits, tokens, temperature):
+    return (core.logprobs_from_logits(logits, tokens, temperature),
+            core.entropy_from_logits(logits, temperature),
+            core.full_kl(logits, ref_logits, temperature))
+
+
+@jax.jit
+def jit_masked_stats(x, mask):
+    return dict(mean=core.masked_mean(x, mask), var=core.masked_var(x, mask),
+                var_biased=core.masked_var(x, mask, unbiased=False), whiten=core.masked_whiten(x, mask),
+                whiten_keep_mean=core.masked_whiten(x, mask, shift_mean=False),
+                row_means=core.masked_mean(x, mask, axis=1))
+
+
 # ----------------------------------------------------------------- tests
 @pytest.mark.parametrize("seed,shape", list(enumerate(SHAPES)))
 def test_logprobs_entropy_and_full_kl_match_numpy_loops(seed, shape):
     d = ragged_batch(seed, *shape)
     for temperature in (1.0, 0.7):
         lp, ent = ref_logprob_entropy(d["logits"], d["tokens"], temperature)
-        got_lp = core.logprobs_from_logits(jnp.asarray(d["logits"]), jnp.asarray(d["tokens"]), temperature)
+        got_lp, got_ent, got_kl = jit_logit_functions(jnp.asarray(d["logits"]), jnp.asarray(d["ref_logits"]),
+                                                      jnp.asarray(d["tokens"]), temperature)
         assert got_lp.dtype == jnp.float64
         np.testing.assert_allclose(got_lp, lp, **TOL)
-        np.testing.assert_allclose(core.entropy_from_logits(jnp.asarray(d["logits"]), temperature), ent, **TOL)
-        np.testing.assert_allclose(
-            core.full_kl(jnp.asarray(d["logits"]), jnp.asarray(d["ref_logits"]), temperature),
-            ref_full_kl(d["logits"], d["ref_logits"], temperature),
-            **TOL,
-        )
+        np.testing.assert_allclose(got_ent, ent, **TOL)
+        np.testing.assert_allclose(got_kl, ref_full_kl(d["logits"], d["ref_logits"], temperature), **TOL)
 
 
 @pytest.mark.parametrize("seed,shape", list(enumerate(SHAPES)))
@@ -209,21 +237,18 @@ def test_rewards_and_gae_match_numpy_loops_for_every_estimator_gamma_lam_and_met
         reward_clip = None if estimator != "abs" else 1.5
         want_r, want_ns = ref_rewards(d["scores"], d["logprobs"], d["ref_logprobs"], d["mask"], 0.05,
                                       estimator, reward_clip)
-        got_r, got_ns = core.compute_rewards(j["scores"], j["logprobs"], j["ref_logprobs"], j["mask"],
-                                             kl_coef=0.05, estimator=estimator, reward_clip=reward_clip)
+        got_r, got_ns, kl_sum = jit_rewards(j["scores"], j["logprobs"], j["ref_logprobs"], j["mask"], 0.05,
+                                            estimator, reward_clip)
         np.testing.assert_allclose(got_r, want_r, **TOL, err_msg=estimator)
         np.testing.assert_allclose(got_ns, want_ns, **TOL, err_msg=estimator)
-        np.testing.assert_allclose(
-            core.masked_sum(core.kl_penalty(j["logprobs"], j["ref_logprobs"], estimator), j["mask"]),
-            sum(ref_kl(a, b, estimator) for a, b in zip(d["logprobs"][d["mask"] > 0],
-                                                         d["ref_logprobs"][d["mask"] > 0])),
-            **TOL,
-        )
+        valid = d["mask"] > 0
+        pairs = zip(d["logprobs"][valid], d["ref_logprobs"][valid])
+        want_kl_sum = sum(ref_kl(a, b, estimator) for a, b in pairs)
+        np.testing.assert_allclose(kl_sum, want_kl_sum, **TOL)
         for gamma, lam in GAMMA_LAM:
             want_a, want_ret = ref_gae(d["values"], want_r, d["mask"], gamma, lam)
             for method in core.GAE_METHODS:
-                got_a, got_ret = core.compute_gae(j["values"], got_r, j["mask"], gamma=gamma, lam=lam,
-                                                  method=method, chunk=8)
+                got_a, got_ret = jit_gae(j["values"], got_r, j["mask"], gamma, lam, method)
                 msg = f"{estimator} gamma={gamma} lam={lam} {method}"
                 np.testing.assert_allclose(got_a, want_a, **TOL, err_msg=msg)
                 np.testing.assert_allclose(got_ret, want_ret, **TOL, err_msg=msg)
@@ -232,24 +257,24 @@ def test_rewards_and_gae_match_numpy_loops_for_every_estimator_gamma_lam_and_met
 @pytest.mark.parametrize("seed,shape", list(enumerate(SHAPES)))
 def test_masked_statistics_match_numpy_loops(seed, shape):
     d = ragged_batch(seed, *shape)
-    x, m = jnp.asarray(d["values"]), jnp.asarray(d["mask"])
+    got = jit_masked_stats(jnp.asarray(d["values"]), jnp.asarray(d["mask"]))
     mean, var = ref_mean_var(d["values"], d["mask"])
+    np.testing.assert_allclose(got["mean"], mean, **TOL)
+    np.testing.assert_allclose(got["var"], var, **TOL)
     _, var_biased = ref_mean_var(d["values"], d["mask"], unbiased=False)
-    np.testing.assert_allclose(core.masked_mean(x, m), mean, **TOL)
-    np.testing.assert_allclose(core.masked_var(x, m), var, **TOL)
-    np.testing.assert_allclose(core.masked_var(x, m, unbiased=False), var_biased, **TOL)
-    np.testing.assert_allclose(core.masked_whiten(x, m), ref_whiten(d["values"], d["mask"]), **TOL)
-    np.testing.assert_allclose(core.masked_whiten(x, m, shift_mean=False),
-                               ref_whiten(d["values"], d["mask"], shift_mean=False), **TOL)
+    np.testing.assert_allclose(got["var_biased"], var_biased, **TOL)
+    np.testing.assert_allclose(got["whiten"], ref_whiten(d["values"], d["mask"]), **TOL)
+    np.testing.assert_allclose(got["whiten_keep_mean"], ref_whiten(d["values"], d["mask"], shift_mean=False),
+                               **TOL)
     row_means = [ref_mean_var(d["values"][i:i + 1], d["mask"][i:i + 1])[0] for i in range(shape[0])]
-    np.testing.assert_allclose(core.masked_mean(x, m, axis=1), row_means, **TOL)
+    np.testing.assert_allclose(got["row_means"], row_means, **TOL)
 
 
 @pytest.mark.parametrize("eps_high,dual_clip", [(None, None), (0.28, None), (None, 1.5)])
 def test_policy_loss_value_gradient_and_stats_match_numpy_loops(eps_high, dual_clip):
     d = ragged_batch(11, 16, 64, 5)
-    d["logprobs"] = np.where(d["mask"] > 0, d["old_logprobs"] + np.random.default_rng(1).normal(0, 0.4, (16, 64)),
-                             np.nan)
+    noise = np.random.default_rng(1).normal(0, 0.4, (16, 64))
+    d["logprobs"] = np.where(d["mask"] > 0, d["old_logprobs"] + noise, np.nan)
     j = {k: jnp.asarray(x) for k, x in d.items()}
     kw = dict(cliprange=0.2, cliprange_high=eps_high, dual_clip=dual_clip)
     want_loss, want_grad, want_stats = ref_policy_loss(d["logprobs"], d["old_logprobs"], d["advantages"],
@@ -262,40 +287,47 @@ def test_policy_loss_value_gradient_and_stats_match_numpy_loops(eps_high, dual_c
         return core.policy_loss(lp, old, adv, mask, **kw)
 
     args = (j["logprobs"], j["old_logprobs"], j["advantages"], j["mask"])
-    for fn in (loss_fn, jax.jit(loss_fn)):
-        (loss, stats), grad = jax.value_and_grad(fn, has_aux=True)(*args)
-        np.testing.assert_allclose(loss, want_loss, **TOL)
-        np.testing.assert_allclose(grad, want_grad, **TOL)
-        for k, v in want_stats.items():
-            np.testing.assert_allclose(stats[k], v, **TOL, err_msg=k)
-        np.testing.assert_allclose(stats["pg_loss"], want_loss, **TOL)
+    (loss, stats), grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(*args)
+    np.testing.assert_allclose(loss, want_loss, **TOL)
+    np.testing.assert_allclose(grad, want_grad, **TOL)
+    for k, v in want_stats.items():
+        np.testing.assert_allclose(stats[k], v, **TOL, err_msg=k)
+    np.testing.assert_allclose(stats["pg_loss"], want_loss, **TOL)
 
-    # vmap over a stack of two batches equals the two calls.
+    # vmap over a stack of two batches (the second reversed) equals the two separate calls.
     stacked = [jnp.stack([a, a[::-1]]) for a in args]
-    vloss, _ = jax.vmap(loss_fn)(*stacked)
-    np.testing.assert_allclose(vloss, [loss_fn(*args)[0], loss_fn(*[a[::-1] for a in args])[0]], **TOL)
+    vloss, vstats = jax.jit(jax.vmap(loss_fn))(*stacked)
+    np.testing.assert_allclose(vloss[0], want_loss, **TOL)
+    want_reversed = ref_policy_loss(*[a[::-1] for a in (d["logprobs"], d["old_logprobs"], d["advantages"])],
+                                    d["mask"][::-1], 0.2, eps_high, dual_clip)[0]
+    np.testing.assert_allclose(vloss[1], want_reversed, **TOL)
+    assert vstats["clipfrac"].shape == (2,)
 
 
 def test_value_loss_value_gradient_and_stats_match_numpy_loops():
     d = ragged_batch(12, 16, 64, 5)
     j = {k: jnp.asarray(x) for k, x in d.items()}
-    d["values"] = np.where(d["mask"] > 0, d["old_values"] + np.random.default_rng(2).normal(0, 0.3, (16, 64)), 1e30)
+    noise = np.random.default_rng(2).normal(0, 0.3, (16, 64))
+    d["values"] = np.where(d["mask"] > 0, d["old_values"] + noise, 1e30)
     j["values"] = jnp.asarray(d["values"])
-    want_loss, want_grad, want_stats = ref_value_loss(d["values"], d["old_values"], d["returns"], d["mask"], 0.2)
+    want_loss, want_grad, want_stats = ref_value_loss(d["values"], d["old_values"], d["returns"], d["mask"],
+                                                      0.2)
     assert 0 < want_stats["vf_clipfrac"] < 1
 
     def loss_fn(v, old, ret, mask):
         return core.value_loss(v, old, ret, mask, cliprange_value=0.2)
 
     args = (j["values"], j["old_values"], j["returns"], j["mask"])
-    for fn in (loss_fn, jax.jit(loss_fn)):
-        (loss, stats), grad = jax.value_and_grad(fn, has_aux=True)(*args)
-        np.testing.assert_allclose(loss, want_loss, **TOL)
-        np.testing.assert_allclose(grad, want_grad, **TOL)
-        for k, v in want_stats.items():
-            np.testing.assert_allclose(stats[k], v, **TOL, err_msg=k)
+    (loss, stats), grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(*args)
+    np.testing.assert_allclose(loss, want_loss, **TOL)
+    np.testing.assert_allclose(grad, want_grad, **TOL)
+    for k, v in want_stats.items():
+        np.testing.assert_allclose(stats[k], v, **TOL, err_msg=k)
 
     stacked = [jnp.stack([a, a[::-1]]) for a in args]
-    vloss, vstats = jax.vmap(loss_fn)(*stacked)
-    np.testing.assert_allclose(vloss, [loss_fn(*args)[0], loss_fn(*[a[::-1] for a in args])[0]], **TOL)
+    vloss, vstats = jax.jit(jax.vmap(loss_fn))(*stacked)
+    np.testing.assert_allclose(vloss[0], want_loss, **TOL)
+    reversed_rows = [a[::-1] for a in (d["values"], d["old_values"], d["returns"], d["mask"])]
+    want_reversed = ref_value_loss(*reversed_rows, 0.2)[0]
+    np.testing.assert_allclose(vloss[1], want_reversed, **TOL)
     assert vstats["vf_clipfrac"].shape == (2,)

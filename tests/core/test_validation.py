@@ -32,7 +32,8 @@ def test_integer_logprobs_are_rejected_with_their_dtype():
 
 
 def test_wrong_rank_names_the_argument():
-    raises_at_trace(lambda lg: core.logprobs_from_logits(lg, M), F, match=r"logits must have rank 3.*\(2, 4\)")
+    raises_at_trace(lambda lg: core.logprobs_from_logits(lg, M), F,
+                    match=r"logits must have rank 3.*\(2, 4\)")
     raises_at_trace(lambda s: core.compute_rewards(s, F, F, M, kl_coef=0.1), jnp.zeros((2, 1)),
                     match=r"scores must have rank 1")
     raises_at_trace(lambda v: core.value_loss(v, v, v, jnp.ones(4), cliprange_value=0.2), jnp.zeros(4),
@@ -41,7 +42,8 @@ def test_wrong_rank_names_the_argument():
 
 def test_bad_tokens_and_masks_name_the_argument():
     logits = jnp.zeros((2, 4, 3))
-    raises_at_trace(lambda t: core.logprobs_from_logits(logits, t), F, match=r"tokens must be an integer array")
+    raises_at_trace(lambda t: core.logprobs_from_logits(logits, t), F,
+                    match=r"tokens must be an integer array")
     raises_at_trace(lambda t: core.logprobs_from_logits(logits, t), jnp.zeros((2, 3), jnp.int32),
                     match=r"tokens has shape \(2, 3\) but logits has shape \(2, 4, 3\)")
     raises_at_trace(lambda m: core.policy_loss(F, F, F, m, cliprange=0.2), jnp.ones((2, 3)),

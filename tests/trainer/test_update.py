@@ -1,0 +1,146 @@
+"""The PPO update phase: token means across micro-batches, the first-minibatch invariant,
+gradient accumulation, and the experience alignment on a tiny random Llama."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from ppo_jax.core import init_kl_controller, masked_sum, register_policy_loss
+from ppo_jax.core.registry import unregister
+from ppo_jax.models import load_model, split_model
+from ppo_jax.rollout.experience import ExperienceSettings, make_experience
+from ppo_jax.trainer.optim import make_optimizer
+from ppo_jax.trainer.state import TrainState
+from ppo_jax.trainer.update import UpdateSettings, ppo_update
+
+B, P, N = 4, 6, 5
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    actor, _ = load_model(tiny_checkpoint, "causal_lm")
+    critic, _ = load_model(tiny_checkpoint, "value")
+    (ag, ap), (cg, cp) = split_model(actor), split_model(critic)
+    return ag, nnx.to_pure_dict(ap), cg, nnx.to_pure_dict(cp)
+
+
+def rollout(seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(4, 200, (B, P)).astype(np.int32)
+    qm = np.ones((B, P), np.int32)
+    qm[1, :2] = 0  # left padding
+    r = rng.integers(4, 200, (B, N)).astype(np.int32)
+    lengths = np.array([5, 3, 1, 4])
+    rm = (np.arange(N)[None] < lengths[:, None]).astype(np.int32)
+    return tuple(jnp.asarray(x) for x in (q, qm, r, rm))
+
+
+def experience(models, settings=ExperienceSettings(micro_batch_size=2), scores=None):
+    ag, ap, cg, cp = models
+    q, qm, r, rm = rollout()
+    scores = jnp.asarray([1.0, -0.5, 0.25, 0.0]) if scores is None else scores
+    kl = init_kl_controller("adaptive", 0.2, 6.0, 10000)
+    return jax.jit(lambda ap, cp: make_experience(
+        ag, ap, ag, ap, cg, cp, None, None, kl, q, qm, r, rm, scores, jnp.ones(B, bool),
+        settings=settings))(ap, cp)
+
+
+def run_update(models, exp, settings, tx=None):
+    ag, ap, cg, cp = models
+    tx = tx or make_optimizer(1e-3)
+    a, c = TrainState.create(ap, tx), TrainState.create(cp, tx)
+    return jax.jit(lambda a, c, e, k: ppo_update(a, c, e, k, actor_graphdef=ag, critic_graphdef=cg,
+                                                 actor_tx=tx, critic_tx=tx, settings=settings))(
+        a, c, exp, jax.random.PRNGKey(0))
+
+
+def test_first_minibatch_of_first_epoch_has_ratio_one_and_zero_approxkl(models):
+    exp, _, _ = experience(models)
+    _, _, stats = run_update(models, exp, UpdateSettings(ppo_epochs=2, mini_batch_size=2,
+                                                         micro_batch_size=2))
+    # The rollout and update programs are different XLA computations (the update also
+    # differentiates), and XLA CPU's fusion may reassociate float32 sums: log-probs agree to a
+    # few ulp, so ratio is 1 to 1e-6 and approxkl is 0 to 1e-12. Any real mismatch (dropout,
+    # temperature, shifted positions) shows up as approxkl >= 1e-4.
+    assert abs(float(stats["ratio"][0, 0]) - 1.0) < 1e-6
+    assert float(stats["approxkl"][0, 0]) < 1e-12
+    assert float(stats["clipfrac"][0, 0]) == 0.0
+    assert stats["ratio"].shape == (2, 2)
+    # later minibatches see updated params: the policy has moved
+    assert float(stats["approxkl"][1, 1]) > 1e-10
+
+
+def test_token_means_across_micro_batches_are_sums_over_total_tokens(models):
+    # micro-batch 1: one token with loss 1; micro-batch 2: three tokens with loss 0 -> 0.25
+    @register_policy_loss("per_token_advantage")
+    def per_token_advantage(logprobs, old_logprobs, advantages, mask, *, loss_normalizer=None, **kw):
+        loss = masked_sum(advantages + 0.0 * logprobs, mask) / loss_normalizer
+        return loss, {"pg_loss": loss}
+
+    try:
+        exp, _, _ = experience(models)
+        mask = jnp.asarray([[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], jnp.int32)
+        adv = jnp.asarray([[1.0, 9, 9, 9, 9], [0.0, 0, 0, 9, 9]])
+        two = jax.tree.map(lambda x: x[:2], exp).replace(response_mask=mask, advantages=adv)
+        settings = UpdateSettings(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1,
+                                  policy_loss="per_token_advantage")
+        ag, ap, cg, cp = models
+        tx = make_optimizer(1e-3)
+        _, _, stats = ppo_update(TrainState.create(ap, tx), TrainState.create(cp, tx), two,
+                                 jax.random.PRNGKey(0), actor_graphdef=ag, critic_graphdef=cg,
+                                 actor_tx=tx, critic_tx=tx, settings=settings)
+        assert float(stats["pg_loss"][0, 0]) == pytest.approx(0.25, abs=1e-7)
+    finally:
+        unregister("policy loss", "per_token_advantage")
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(models):
+    exp, _, _ = experience(models)
+    one = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4)
+    four = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=1)
+    sgd = optax.sgd(1.0)  # params move by exactly the (accumulated) gradient
+    a1, c1, s1 = run_update(models, exp, one, sgd)
+    a4, c4, s4 = run_update(models, exp, four, sgd)
+    for key in ("pg_loss", "vf_loss", "entropy", "actor_grad_norm", "critic_grad_norm"):
+        np.testing.assert_allclose(s1[key], s4[key], rtol=2e-5, atol=1e-7)
+    for s1_params, s4_params in ((a1.params, a4.params), (c1.params, c4.params)):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+                     s1_params, s4_params)
+
+
+def test_experience_reads_outputs_before_each_response_token(models):
+    """Old log-probs equal log_softmax of the full forward's logits at position P - 1 + t."""
+    ag, ap, cg, cp = models
+    exp, kl_state, stats = experience(models)
+    q, qm, r, rm = rollout()
+    ids, mask = jnp.concatenate([q, r], 1), jnp.concatenate([qm, rm], 1)
+    logits = np.asarray(nnx.merge(ag, ap)(ids, mask)[0], np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = np.take_along_axis(logp[:, P - 1:P - 1 + N], np.asarray(r)[..., None], -1)[..., 0]
+    valid = np.asarray(rm) > 0
+    np.testing.assert_allclose(np.asarray(exp.logprobs)[valid], want[valid], atol=2e-5)
+    # reference == actor here, so the KL and the non-score reward are exactly zero
+    assert float(stats["kl"]) == 0.0 and float(stats["non_score_reward"]) == 0.0
+    # score lands on the last real token; the adaptive controller moved by TRL's formula
+    last = valid.sum(1) - 1
+    np.testing.assert_allclose(np.asarray(exp.rewards)[np.arange(B), last], [1.0, -0.5, 0.25, 0.0])
+    assert float(kl_state.value) == pytest.approx(0.2 * (1 - 0.2 * B / 10000), rel=1e-6)
+    assert np.all(np.asarray(exp.advantages)[~valid] == 0.0)
+
+
+def test_missing_eos_penalty_and_score_scale(models):
+    ag, ap, cg, cp = models
+    q, qm, r, rm = rollout()
+    kl = init_kl_controller("fixed", 0.0)
+    settings = ExperienceSettings(micro_batch_size=4, score_scale=2.0, missing_eos_penalty=1.0)
+    ended = jnp.asarray([True, False, True, False])
+    exp, _, stats = make_experience(ag, ap, ag, ap, cg, cp, None, None, kl, q, qm, r, rm,
+                                    jnp.ones(B), ended, settings=settings)
+    np.testing.assert_allclose(np.asarray(exp.scores), [2.0, 1.0, 2.0, 1.0])
+    assert float(stats["score_mean"]) == 1.0  # raw scores are logged
