@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=30, help="timed runs of the torch version")
-    parser.add_argument("--jax-runs", type=int, default=200, help="timed runs of each JAX version")
+    parser.add_argument("--jax-runs", type=int, default=300, help="timed runs of each JAX version")
     args = parser.parse_args()
     inputs = make_inputs(args.batch, args.length)
     ja, ta = jax_args(inputs), torch_args(inputs)
@@ -179,28 +179,36 @@ def main() -> None:
           f"torch {torch.__version__} with {torch.get_num_threads()} threads (default)")
 
     torch_out = torch_step(*ta)
-    torch_med, torch_min = time_ms(lambda: torch_step(*ta), args.runs)
-
     default = (core.gae.DEFAULT_GAE_METHOD, core.gae.DEFAULT_UNROLL, core.gae.DEFAULT_CHUNK)
     others = (("chunked", 1, 16), ("scan", 1, 0), ("scan", 16, 0), ("associative", 0, 0))
-    configs = [default] + [c for c in others if c != default]
-    results = {}
-    for method, unroll, chunk in configs:
-        step = make_jax_step(method, max(unroll, 1), max(chunk, 1))
+    compiled, compile_s = {}, {}
+    for method, unroll, chunk in [default] + [c for c in others if c != default]:
+        label = gae_label(method, unroll, chunk)
         t0 = time.perf_counter()
-        compiled = step.lower(*ja).compile()
-        compile_s = time.perf_counter() - t0
-        out = jax.block_until_ready(compiled(*ja))
-        check_agree(out, torch_out, inputs["mask"])
-        med, best = time_ms(lambda: jax.block_until_ready(compiled(*ja)), args.jax_runs)
-        results[gae_label(method, unroll, chunk)] = (compile_s, med, best)
+        compiled[label] = make_jax_step(method, max(unroll, 1), max(chunk, 1)).lower(*ja).compile()
+        compile_s[label] = time.perf_counter() - t0
+        check_agree(jax.block_until_ready(compiled[label](*ja)), torch_out, inputs["mask"])
     print("numerics: JAX (every GAE method) == torch/TRL (loss, both gradients, advantages, returns)")
 
+    # Interleaved rounds (one torch call, then a few calls of each JAX version) so that every
+    # version sees the same background load on a shared machine.
+    per_round = max(1, args.jax_runs // args.runs)
+    times = {"torch": []} | {label: [] for label in compiled}
+    for _ in range(args.runs):
+        times["torch"].append(time_ms(lambda: torch_step(*ta), 1)[0])
+        for label, fn in compiled.items():
+            for _ in range(per_round):
+                times[label].append(time_ms(lambda: jax.block_until_ready(fn(*ja)), 1)[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+
     print("\nfull pass (rewards + GAE + whiten + policy/value loss fwd+grad); median (min) per call:")
-    print(f"  torch, TRL 0.11 style            {torch_med:8.3f} ms ({torch_min:.3f})   [{args.runs} runs]")
-    for label, (compile_s, med, best) in results.items():
-        print(f"  jax jit, GAE {label:20s}{med:8.3f} ms ({best:.3f})   x{torch_med / med:5.1f}"
-              f"   compile {compile_s:.2f} s   [{args.jax_runs} runs]")
+    print(f"  torch, TRL 0.11 style            {med['torch']:8.3f} ms ({best['torch']:.3f})"
+          f"   [{args.runs} runs]")
+    for label in compiled:
+        print(f"  jax jit, GAE {label:20s}{med[label]:8.3f} ms ({best[label]:.3f})"
+              f"   x{med['torch'] / med[label]:5.1f} (min/min x{best['torch'] / best[label]:5.1f})"
+              f"   compile {compile_s[label]:.2f} s   [{len(times[label])} runs]")
 
     print("\nGAE alone (jitted, [B, T]); median (min) per call:")
     v, r, m = (jnp.asarray(inputs[n]) for n in ("values", "new_values", "mask"))
@@ -209,13 +217,12 @@ def main() -> None:
         gae = jax.jit(lambda v, r, m: core.compute_gae(v, r, m, gamma=GAMMA, lam=LAM, method=method,
                                                        unroll=unroll, chunk=chunk))
         jax.block_until_ready(gae(v, r, m))
-        med, best = time_ms(lambda: jax.block_until_ready(gae(v, r, m)), args.jax_runs)
-        print(f"  {gae_label(method, unroll, chunk):22s}{med:8.3f} ms ({best:.3f})")
+        gae_med, gae_min = time_ms(lambda: jax.block_until_ready(gae(v, r, m)), args.jax_runs)
+        print(f"  {gae_label(method, unroll, chunk):22s}{gae_med:8.3f} ms ({gae_min:.3f})")
 
     label = gae_label(*default)
-    med = results[label][1]
-    print(f"\nRESULT default GAE {label}: jax {med:.3f} ms vs torch {torch_med:.3f} ms (medians) "
-          f"-> x{torch_med / med:.1f}")
+    print(f"\nRESULT default GAE {label}: jax {med[label]:.3f} ms vs torch {med['torch']:.3f} ms (medians)"
+          f" -> x{med['torch'] / med[label]:.1f}; min/min x{best['torch'] / best[label]:.1f}")
 
 
 if __name__ == "__main__":

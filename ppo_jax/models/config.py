@@ -112,6 +112,7 @@ class ModelConfig:
 
     @property
     def is_llama_family(self) -> bool:
+        """True for llama / qwen2 / mistral (RMSNorm, RoPE, SwiGLU)."""
         return self.model_type in LLAMA_FAMILY
 
     @property

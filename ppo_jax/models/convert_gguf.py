@@ -85,9 +85,9 @@ def convert_gguf(gguf_path, out_dir, *, dtype: str = "float32", overwrite: bool 
     try:
         _write_hf_dir(gguf_path, tmp, dtype)
         _make_readable(tmp)
-        if out_dir.exists():
+        if overwrite and out_dir.exists():
             shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        os.replace(tmp, out_dir)  # atomic; fails if another process created out_dir meanwhile
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -95,6 +95,7 @@ def convert_gguf(gguf_path, out_dir, *, dtype: str = "float32", overwrite: bool 
 
 
 def main(argv=None) -> int:
+    """CLI entry point; prints the output directory. Returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m ppo_jax.models.convert_gguf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("gguf", type=Path, help="input .gguf file")

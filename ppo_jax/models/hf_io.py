@@ -91,6 +91,7 @@ class SafetensorsReader:
 
     @property
     def names(self) -> set[str]:
+        """All tensor names in the checkpoint."""
         return set(self.files)
 
     def get(self, name: str) -> np.ndarray:

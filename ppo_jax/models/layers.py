@@ -21,9 +21,29 @@ from ppo_jax.models.kv_cache import KVCache, slot_layout
 
 MASK_VALUE = -1e30
 
+
+@jax.custom_jvp
+def silu(x: jax.Array) -> jax.Array:
+    """`x / (1 + exp(-x))`, the form PyTorch's CPU kernel evaluates.
+
+    On XLA:CPU this is closer to the exact value than `x * logistic(x)`: on SmolLM2-135M it cuts
+    the float32 logit error against a float64 reference from 1.5e-4 to 1.3e-4, and the gap to
+    transformers from 1.4e-4 to 1.0e-4. The derivative is written with a stable sigmoid, so
+    `exp(-x)` overflowing to inf (x < -88) gives silu = -0 and a finite gradient.
+    """
+    return x / (1 + jnp.exp(-x))
+
+
+@silu.defjvp
+def _silu_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    s = jax.nn.sigmoid(x)
+    return silu(x), t * (s * (1 + x * (1 - s)))
+
+
 ACTIVATIONS: dict[str, Callable] = {
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
+    "silu": silu,
+    "swish": silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),

@@ -108,3 +108,13 @@ def test_reward_kind_requires_score_tensor(hf_checkpoints):
 
     with pytest.raises(CheckpointError, match="'score.weight'"):
         load_model(hf_checkpoints["llama_tied"][0], "reward")
+
+
+def test_saved_critic_reloads_with_same_values_including_bias(hf_checkpoints, tmp_path):
+    critic, cfg = load_model(hf_checkpoints["gpt2"][0], "value", head_init_std=0.05)
+    critic.value_head.bias[...] = jnp.array([0.25], jnp.float32)
+    save_pretrained(critic, cfg, tmp_path)
+    again, _ = load_model(tmp_path, "value")
+    ids, mask = mixed_padding_batch()
+    np.testing.assert_allclose(np.asarray(again(jnp.asarray(ids), jnp.asarray(mask))[0]),
+                               np.asarray(critic(jnp.asarray(ids), jnp.asarray(mask))[0]), atol=1e-6)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppo_jax.models import KVCache, causal_lm_forward, init_cache
+from ppo_jax.models import KVCache, causal_lm_forward, init_cache, positions_from_mask
+from ppo_jax.models.heads import last_real_index
 from hf_tiny import padded_batch
 
 SLOTS = 16  # cache longer than the sequence: unused trailing slots have mask 0
@@ -40,3 +42,22 @@ def test_cache_rejects_mask_not_covering_all_slots(loaded):
     with pytest.raises(ValueError, match="cover all 8 cache slots"):
         causal_lm_forward(graphdef, params, jnp.ones((1, 2), jnp.int32), jnp.ones((1, 4), jnp.int32),
                           cache=cache, cache_index=0)
+
+
+class TestMaskArithmetic(chex.TestCase):
+    """Positions and the reward read index come from the mask alone (hand-checked numbers)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_positions_count_real_tokens_only(self):
+        mask = jnp.array([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
+        pos = self.variant(positions_from_mask)(mask)
+        np.testing.assert_array_equal(pos, [[0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5]])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_reward_is_read_at_last_real_new_token(self):
+        mask = jnp.array([[0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], jnp.int32)
+        idx = self.variant(lambda m: last_real_index(m, 6))(mask)
+        np.testing.assert_array_equal(idx, [2, 5, 5])  # empty row reads the last slot
+        # with a cache: 3 new tokens at slots [2, 5)
+        idx = self.variant(lambda m: last_real_index(m, 3, jnp.int32(2)))(mask)
+        np.testing.assert_array_equal(idx, [0, 2, 2])
