@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from ppo_jax import core  # noqa: E402
 
 GAMMA, LAM, KL_COEF, CLIP, CLIP_V, VF_COEF = 1.0, 0.95, 0.05, 0.2, 0.2, 0.1
+WARMUP = 50  # untimed calls before each timed JAX block
 
 
 # --------------------------------------------------------------------------- inputs
@@ -176,7 +177,8 @@ def main() -> None:
 
     print(f"ppo_jax.core benchmark: B={args.batch} T={args.length} float32")
     print(f"machine: {os.cpu_count()} CPU cores; jax {jax.__version__} on {jax.devices()[0].platform}; "
-          f"torch {torch.__version__} with {torch.get_num_threads()} threads (default)")
+          f"torch {torch.__version__} with {torch.get_num_threads()} threads (default); "
+          f"load average {os.getloadavg()[0]:.2f} (timings are wall clock: other load inflates them)")
 
     torch_out = torch_step(*ta)
     default = (core.gae.DEFAULT_GAE_METHOD, core.gae.DEFAULT_UNROLL, core.gae.DEFAULT_CHUNK)
@@ -190,15 +192,15 @@ def main() -> None:
         check_agree(jax.block_until_ready(compiled[label](*ja)), torch_out, inputs["mask"])
     print("numerics: JAX (every GAE method) == torch/TRL (loss, both gradients, advantages, returns)")
 
-    # Interleaved rounds (one torch call, then a few calls of each JAX version) so that every
-    # version sees the same background load on a shared machine.
-    per_round = max(1, args.jax_runs // args.runs)
-    times = {"torch": []} | {label: [] for label in compiled}
-    for _ in range(args.runs):
-        times["torch"].append(time_ms(lambda: torch_step(*ta), 1)[0])
-        for label, fn in compiled.items():
-            for _ in range(per_round):
-                times[label].append(time_ms(lambda: jax.block_until_ready(fn(*ja)), 1)[0])
+    # torch first, then each JAX version in turn; the first WARMUP calls of each JAX block are
+    # untimed (right after the torch runs, XLA:CPU calls were measured up to 2x slower for a
+    # few tens of ms on a 2-core machine).
+    times = {"torch": [time_ms(lambda: torch_step(*ta), 1)[0] for _ in range(args.runs)]}
+    time.sleep(1.0)
+    for label, fn in compiled.items():
+        for _ in range(WARMUP):
+            jax.block_until_ready(fn(*ja))
+        times[label] = [time_ms(lambda: jax.block_until_ready(fn(*ja)), 1)[0] for _ in range(args.jax_runs)]
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
 
@@ -222,7 +224,8 @@ def main() -> None:
 
     label = gae_label(*default)
     print(f"\nRESULT default GAE {label}: jax {med[label]:.3f} ms vs torch {med['torch']:.3f} ms (medians)"
-          f" -> x{med['torch'] / med[label]:.1f}; min/min x{best['torch'] / best[label]:.1f}")
+          f" -> x{med['torch'] / med[label]:.1f}; min/min x{best['torch'] / best[label]:.1f}; "
+          f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
     value_loss_fn = get_value_loss(s.value_loss)
 
     def actor_loss(params, m: Experience, n_tokens):
+        """(loss, stats) of the actor on micro-batch `m`."""
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
                                             temperature=s.temperature, with_entropy=True)
@@ -93,37 +94,34 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
     def critic_loss(params, m: Experience, n_tokens):
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         values = critic_values(critic_graphdef, params, *rollout)
-        return value_loss_fn(values, m.values, m.returns, m.response_mask,
-                             loss_normalizer=n_tokens, cliprange_value=s.cliprange_value)
+        loss, stats = value_loss_fn(values, m.values, m.returns, m.response_mask,
+                                    loss_normalizer=n_tokens, cliprange_value=s.cliprange_value)
+        return loss, dict(stats)
 
-    actor_grad = jax.value_and_grad(actor_loss, has_aux=True)
-    critic_grad = jax.value_and_grad(critic_loss, has_aux=True)
+    def accumulate(loss_fn, params, mb: Experience, n_tokens):
+        """Sum of micro-batch gradients and stats (each a token sum / minibatch token count)."""
+        grad_fn = jax.grad(loss_fn, has_aux=True)
+        if n_micro == 1:
+            return grad_fn(params, mb, n_tokens)
+        micro = jax.tree.map(lambda x: x.reshape(n_micro, s.micro_batch_size, *x.shape[1:]), mb)
+        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), n_tokens)
 
-    def micro_grads(a_params, c_params, m: Experience, n_tokens):
-        (_, a_stats), a_grads = actor_grad(a_params, m, n_tokens)
-        (_, c_stats), c_grads = critic_grad(c_params, m, n_tokens)
-        return a_grads, c_grads, {**a_stats, **c_stats}
+        def body(acc, m):
+            return _add(acc, grad_fn(params, m, n_tokens)), None
+
+        return jax.lax.scan(body, _zeros_like(shapes), micro)[0]
 
     def minibatch_step(carry, idx):
         a_state, c_state = carry
         mb = jax.tree.map(lambda x: x[idx], exp)
         n_tokens = jnp.maximum(jnp.sum(mb.response_mask).astype(jnp.float32), 1.0)
-        if n_micro == 1:
-            a_grads, c_grads, stats = micro_grads(a_state.params, c_state.params, mb, n_tokens)
-        else:
-            micro = jax.tree.map(lambda x: x.reshape(n_micro, s.micro_batch_size, *x.shape[1:]), mb)
-            first = jax.tree.map(lambda x: x[0], micro)
-            shapes = jax.eval_shape(micro_grads, a_state.params, c_state.params, first, n_tokens)
-
-            def accumulate(acc, m):
-                return _add(acc, micro_grads(a_state.params, c_state.params, m, n_tokens)), None
-
-            (a_grads, c_grads, stats), _ = jax.lax.scan(accumulate, _zeros_like(shapes), micro)
-        stats = dict(stats, actor_grad_norm=optax.global_norm(a_grads),
-                     critic_grad_norm=optax.global_norm(c_grads))
+        a_grads, a_stats = accumulate(actor_loss, a_state.params, mb, n_tokens)
+        a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
         a_state = a_state.apply_gradients(a_grads, actor_tx)
+        c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, n_tokens)
+        c_stats["critic_grad_norm"] = optax.global_norm(c_grads)
         c_state = c_state.apply_gradients(c_grads, critic_tx)
-        return (a_state, c_state), stats
+        return (a_state, c_state), {**a_stats, **c_stats}
 
     def epoch_step(carry, key):
         perm = jax.random.permutation(key, batch)
