@@ -159,7 +159,10 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
         else:
             arr = _read_param(reader, cfg, p, sds.shape, prefix)
         arr = np.asarray(arr).astype(sds.dtype)
-        return jax.device_put(arr, sharding_fn(p, sds.shape)) if sharding_fn else jnp.asarray(arr)
+        if sharding_fn is None:
+            return jnp.asarray(arr)
+        # each device (of every process) receives only its block; no cross-process checks
+        return jax.make_array_from_callback(arr.shape, sharding_fn(p, sds.shape), lambda i: arr[i])
 
     state = jax.tree_util.tree_map_with_path(fill, abstract_state)
     return nnx.merge(graphdef, state), cfg

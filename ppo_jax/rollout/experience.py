@@ -10,11 +10,13 @@ the registered advantage estimator and advantage whitening. The order and formul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from ppo_jax.core import (
     compute_rewards,
@@ -23,7 +25,13 @@ from ppo_jax.core import (
     masked_whiten,
     update_kl_controller,
 )
-from ppo_jax.rollout.scoring import critic_values, map_in_chunks, policy_logprobs, reward_model_scores
+from ppo_jax.rollout.scoring import map_in_chunks as _map_in_chunks
+from ppo_jax.rollout.scoring import (
+    critic_values,
+    policy_logprobs,
+    policy_logprobs_and_values,
+    reward_model_scores,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,8 @@ class ExperienceSettings:
     advantage_estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 0.95
+    shared_critic: bool = False  # actor params hold {"policy", "value_head"}; no critic model
+    mesh: Optional[Mesh] = None  # split the rows of every micro-batch chunk over ("data", "fsdp")
 
 
 @struct.dataclass
@@ -74,7 +84,8 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
 
     Args:
       *_graphdef, *_params: split models; `reward_graphdef` / `reward_params` may be None when
-        `scores` come from a reward function.
+        `scores` come from a reward function; with `settings.shared_critic`, `actor_params` is
+        `{"policy", "value_head"}` and the critic arguments are None.
       kl_state: `KLControllerState`; its `value` is the kl_coef of this step.
       query_ids, query_mask: `[B, P]` int32 left-padded prompts.
       response_ids, response_mask: `[B, N]` int32 (mask 1 up to and including the stop token).
@@ -93,14 +104,21 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
     chunk = s.micro_batch_size
     rollout = (query_ids, query_mask, response_ids, response_mask)
     mask = response_mask.astype(jnp.int32)
+    map_in_chunks = partial(_map_in_chunks, mesh=s.mesh)
 
-    logprobs, entropy = map_in_chunks(
-        lambda *r: policy_logprobs(actor_graphdef, actor_params, *r, temperature=s.temperature,
-                                   with_entropy=True), chunk, *rollout)
+    if s.shared_critic:
+        logprobs, entropy, values = map_in_chunks(
+            lambda *r: policy_logprobs_and_values(actor_graphdef, actor_params, *r,
+                                                  temperature=s.temperature), chunk, *rollout)
+    else:
+        logprobs, entropy = map_in_chunks(
+            lambda *r: policy_logprobs(actor_graphdef, actor_params, *r, temperature=s.temperature,
+                                       with_entropy=True), chunk, *rollout)
+        values = map_in_chunks(lambda *r: critic_values(critic_graphdef, critic_params, *r),
+                               chunk, *rollout)
     ref_logprobs = map_in_chunks(
         lambda *r: policy_logprobs(ref_graphdef, ref_params, *r, temperature=s.temperature),
         chunk, *rollout)
-    values = map_in_chunks(lambda *r: critic_values(critic_graphdef, critic_params, *r), chunk, *rollout)
     if scores is None:
         scores = map_in_chunks(lambda *r: reward_model_scores(reward_graphdef, reward_params, *r),
                                chunk, *rollout)

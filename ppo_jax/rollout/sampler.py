@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ppo_jax.models.kv_cache import init_cache
+from ppo_jax.models.kv_cache import KVCache, init_cache
+from ppo_jax.parallel.mesh import shard_rows
 
 _NEG = -1e30  # finite "minus infinity" for filtered logits
 
@@ -59,6 +60,12 @@ def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0
     return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
 
 
+def _shard_cache(cache: KVCache, mesh) -> KVCache:
+    """KV cache `[layers, B, S, KVH, hd]` laid out like the activations: rows over the batch
+    axes, KV heads over `tensor` (the column-parallel k/v projections produce them there)."""
+    return KVCache(*(shard_rows(c, mesh, axis=1, dims={3: "tensor"}) for c in cache))
+
+
 def _check(prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, stop_token_ids):
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
@@ -76,18 +83,21 @@ def _check(prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, s
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
-                                   "greedy", "stop_token_ids", "pad_token_id", "cache_dtype"))
+                                   "greedy", "stop_token_ids", "pad_token_id", "cache_dtype",
+                                   "mesh"))
 def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens, temperature,
-              top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype):
+              top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype, mesh):
     model = nnx.merge(graphdef, params)
     batch, prompt_len = prompt_ids.shape
     total = prompt_len + max_new_tokens
-    cache = init_cache(model.cfg, batch, total, cache_dtype)
-    mask = jnp.concatenate([prompt_mask.astype(jnp.int32),
-                            jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1)
+    rows = partial(shard_rows, mesh=mesh)
+    cache = _shard_cache(init_cache(model.cfg, batch, total, cache_dtype), mesh)
+    mask = rows(jnp.concatenate([prompt_mask.astype(jnp.int32),
+                                 jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1))
 
-    hidden, cache = model.backbone(prompt_ids.astype(jnp.int32), mask, cache=cache, cache_index=0)
-    logits = model.lm_head(hidden[:, -1])
+    hidden, cache = model.backbone(rows(prompt_ids.astype(jnp.int32)), mask, cache=cache,
+                                   cache_index=0)
+    logits = rows(model.lm_head(hidden[:, -1]))
     stops = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
 
     def cond(state):
@@ -106,18 +116,20 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens,
         slot = prompt_len + t
         mask = mask.at[:, slot].set(1)
         hidden, cache = model.backbone(token[:, None], mask, cache=cache, cache_index=slot)
-        return t + 1, cache, mask, model.lm_head(hidden[:, 0]), tokens, resp_mask, done, rng
+        return (t + 1, _shard_cache(cache, mesh), rows(mask), rows(model.lm_head(hidden[:, 0])),
+                rows(tokens), rows(resp_mask), rows(done), rng)
 
     init = (jnp.int32(0), cache, mask, logits,
-            jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32),
-            jnp.zeros((batch, max_new_tokens), jnp.int32), jnp.zeros((batch,), bool), rng)
+            rows(jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)),
+            rows(jnp.zeros((batch, max_new_tokens), jnp.int32)), rows(jnp.zeros((batch,), bool)), rng)
     _, _, _, _, tokens, resp_mask, _, _ = jax.lax.while_loop(cond, body, init)
     return tokens, resp_mask
 
 
 def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-             stop_token_ids: Sequence[int] = (), pad_token_id: int = 0, cache_dtype=None):
+             stop_token_ids: Sequence[int] = (), pad_token_id: int = 0, cache_dtype=None,
+             mesh=None):
     """Sample responses for a batch of left-padded prompts in one jitted call.
 
     Args:
@@ -131,6 +143,10 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         own; the loop ends early once every row has stopped.
       pad_token_id: written after a row's stop token.
       cache_dtype: KV cache dtype (default: the model's compute dtype).
+      mesh: a `jax.sharding.Mesh` (static) to lay the rows of every per-row array (tokens,
+        masks, logits, KV cache) over its ("data", "fsdp") axes and the KV heads over
+        "tensor"; None (single device) adds no constraint. Params keep whatever sharding they
+        come with (`ppo_jax.parallel.tree_shardings`).
 
     Returns:
       `(response_ids [B, N] int32, response_mask [B, N] int32)`; the mask is 1 on every
@@ -145,7 +161,8 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
                      max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                      top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
                      stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id),
-                     cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+                     cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
+                     mesh=mesh)
 
 
 def bucket_length(length: int, buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024, 2048,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppo_jax.core import entropy_from_logits, logprobs_from_logits
+from ppo_jax.parallel.mesh import shard_rows
 
 
 def _sequence(query_ids, query_mask, response_ids, response_mask):
@@ -68,11 +69,12 @@ def reward_model_scores(graphdef, params, query_ids, query_mask, response_ids, r
     return scores
 
 
-def map_in_chunks(fn, chunk_size: int, *arrays):
+def map_in_chunks(fn, chunk_size: int, *arrays, mesh=None):
     """Apply `fn(*chunk)` to consecutive chunks of `chunk_size` rows with `lax.map`; concatenate.
 
     Bounds activation memory and gives every chunk the same shape as a PPO micro-batch (so
-    rollout and update log-probs come from identical computations).
+    rollout and update log-probs come from identical computations). With a `mesh`, the rows of
+    each chunk are split over its ("data", "fsdp") axes, so every device works on every chunk.
 
     Raises:
       ValueError: the batch is not a multiple of `chunk_size`.
@@ -83,6 +85,40 @@ def map_in_chunks(fn, chunk_size: int, *arrays):
     n = batch // chunk_size
     if n == 1:
         return fn(*arrays)
-    chunked = [a.reshape(n, chunk_size, *a.shape[1:]) for a in arrays]
+    chunked = [shard_rows(a.reshape(n, chunk_size, *a.shape[1:]), mesh, axis=1) for a in arrays]
     out = jax.lax.map(lambda xs: fn(*xs), chunked)
-    return jax.tree.map(lambda y: y.reshape(batch, *y.shape[2:]), out)
+    return jax.tree.map(lambda y: shard_rows(y.reshape(batch, *y.shape[2:]), mesh), out)
+
+
+def value_head(head_params, hidden: jax.Array) -> jax.Array:
+    """A scalar per position: `hidden [..., D] @ kernel [D, 1] + bias [1]` in float32 -> `[...]`.
+
+    The TRL `ValueHead` (a Linear on the last hidden state, after the final norm)."""
+    out = jnp.dot(hidden.astype(jnp.float32), head_params["kernel"].astype(jnp.float32))
+    return (out + head_params["bias"].astype(jnp.float32))[..., 0]
+
+
+def init_value_head(hidden_size: int) -> dict:
+    """Zero-initialised value head params `{"kernel": [D, 1], "bias": [1]}` float32."""
+    return {"kernel": jnp.zeros((hidden_size, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
+
+
+def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response_ids, response_mask,
+                               *, temperature: float = 1.0):
+    """Shared-backbone policy and critic (TRL's `AutoModelForCausalLMWithValueHead`).
+
+    Args:
+      graphdef: the CausalLM graph.
+      params: `{"policy": CausalLM params, "value_head": value_head params}`.
+      (others as `policy_logprobs`)
+
+    Returns:
+      `(logprobs [B, N], entropy [B, N], values [B, N])`, float32, from ONE backbone pass.
+    """
+    model = nnx.merge(graphdef, params["policy"])
+    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    hidden, _ = model.backbone(ids, mask)
+    h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
+    logits = model.lm_head(h)
+    return (logprobs_from_logits(logits, response_ids, temperature),
+            entropy_from_logits(logits, temperature), value_head(params["value_head"], h))

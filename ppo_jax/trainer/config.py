@@ -32,6 +32,7 @@ class ModelConfig:
     reference: Optional[str] = None  # default: the actor's checkpoint
     reward_model: Optional[str] = None  # HF *ForSequenceClassification dir (reward.kind=model)
     critic: Optional[str] = None  # default: reward_model if reward.kind=model, else the actor
+    shared_critic: bool = False  # TRL-style: the value head sits on the actor's backbone
     param_dtype: str = "float32"  # actor and critic params
     dtype: str = "float32"  # compute dtype of all four models
     frozen_param_dtype: str = "float32"  # reference and reward-model params
@@ -62,6 +63,7 @@ class GenerationConfig:
     top_p: float = 1.0  # 1.0 = off
     greedy: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # empty: the tokenizer's EOS
+    ignore_eos: bool = False  # never stop: every response is max_new_tokens long (benchmarks)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class PPOConfig:
     cliprange_high: Optional[float] = None
     dual_clip: Optional[float] = None
     cliprange_value: float = 0.2
+    vf_coef: float = 0.1  # weight of the value loss in the joint loss (model.shared_critic only)
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True

@@ -19,12 +19,14 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import KL_ESTIMATORS, get_advantage_estimator, get_policy_loss, get_value_loss, init_kl_controller
+from ppo_jax.parallel.host import local_rows, to_host
 from ppo_jax.rollout.experience import ExperienceSettings, make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.trainer.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.metrics import MetricsWriter
 from ppo_jax.trainer.optim import make_optimizer
+from ppo_jax.trainer.placement import Placement
 from ppo_jax.trainer.reward_functions import get_reward_function
 from ppo_jax.trainer.setup import build_models, build_prompts, pad_token_id, stop_token_ids
 from ppo_jax.trainer.state import TrainState
@@ -63,16 +65,29 @@ def _mean_stats(stats: dict) -> dict:
 class PPOTrainer:
     """Owns the models, states and jitted steps of one run.
 
-    `PPOTrainer(cfg, resume=False)` loads everything (raising ConfigError / FileNotFoundError /
-    ValueError before any compile); `train()` runs the remaining steps; `step()` runs one.
+    `PPOTrainer(cfg, resume=False, devices=None)` loads everything (raising ConfigError /
+    FileNotFoundError / ValueError before any compile); `train()` runs the remaining steps;
+    `step()` runs one.
+
+    Every array lives on the device mesh of `cfg.mesh` (over `devices`, default all devices of
+    all processes; `trainer.placement`): params and optimiser states sharded by the named rules
+    of `ppo_jax.parallel.rules`, batches split over ("data", "fsdp"), the KL controller and RNG
+    replicated. Each process feeds and reads only its own rows of every batch.
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False):
+    def __init__(self, cfg: Config, *, resume: bool = False, devices=None):
         check_names(cfg)
         self.cfg = cfg
         self.out = Path(cfg.train.output_dir)
         self.process_index = jax.process_index()
-        models = build_models(cfg)
+        try:
+            self.place = Placement.from_config(cfg.mesh, devices)
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        if cfg.ppo.batch_size % self.place.batch_shards:
+            raise ConfigError(f"ppo.batch_size={cfg.ppo.batch_size} is not a multiple of mesh "
+                              f"data x fsdp = {self.place.batch_shards}")
+        models = build_models(cfg, sharding_fn=self.place.sharding_fn)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = build_prompts(cfg, self.tokenizer, models.actor.cfg)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
@@ -86,14 +101,19 @@ class PPOTrainer:
                       max_grad_norm=o.max_grad_norm)
         self.actor_tx = make_optimizer(o.actor_lr, **common)
         self.critic_tx = make_optimizer(o.critic_lr, **common)
-        self.state = {
-            "actor": TrainState.create(models.actor.params, self.actor_tx),
-            "critic": TrainState.create(models.critic.params, self.critic_tx),
-            "kl": init_kl_controller(p.kl_controller, p.kl_coef, p.target_kl, p.horizon),
-            "rng": jax.random.PRNGKey(cfg.train.seed),
+        place = self.place
+        self.state = {  # the train states take over (donate) the loaded param buffers
+            "actor": place.create_state(models.actor.params, self.actor_tx),
+            "critic": place.create_state(models.critic.params, self.critic_tx),
+            "kl": place.replicate(init_kl_controller(p.kl_controller, p.kl_coef, p.target_kl, p.horizon)),
+            "rng": place.replicate(jax.random.PRNGKey(cfg.train.seed)),
         }
+        models.actor.params = models.critic.params = None
         self.ref_params = models.reference.params
         self.reward_params = models.reward.params if models.reward else None
+        if cfg.model.offload_frozen:  # host memory between experience passes
+            self.ref_params = place.offload(self.ref_params)
+            self.reward_params = place.offload(self.reward_params)
         self.sampler = PromptSampler(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
         self.step_count = 0
         self._build_functions()
@@ -116,35 +136,51 @@ class PPOTrainer:
             kl_estimator=p.kl_estimator, reward_clip=p.reward_clip, score_scale=p.score_scale,
             missing_eos_penalty=p.missing_eos_penalty, whiten_rewards=p.whiten_rewards,
             whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
-            gamma=p.gamma, lam=p.lam)
+            gamma=p.gamma, lam=p.lam, mesh=self.place.constraint_mesh)
         upd_settings = UpdateSettings(
             ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
             micro_batch_size=p.micro_batch_size, temperature=g.temperature,
             policy_loss=p.policy_loss, value_loss=p.value_loss, cliprange=p.cliprange,
             cliprange_high=p.cliprange_high, dual_clip=p.dual_clip,
-            cliprange_value=p.cliprange_value)
+            cliprange_value=p.cliprange_value, mesh=self.place.constraint_mesh)
         reward_graphdef = m.reward.graphdef if m.reward else None
+        stops = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 
         def experience(actor_params, ref_params, critic_params, reward_params, kl_state, q, qm, r,
-                       rm, scores, ended):
-            return make_experience(m.actor.graphdef, actor_params, m.reference.graphdef, ref_params,
-                                   m.critic.graphdef, critic_params, reward_graphdef, reward_params,
-                                   kl_state, q, qm, r, rm, scores, ended, settings=exp_settings)
+                       rm, scores):
+            ended = jnp.isin(r, stops).any(axis=1) & (rm.sum(axis=1) > 0)
+            exp, kl_state, stats = make_experience(
+                m.actor.graphdef, actor_params, m.reference.graphdef, ref_params,
+                m.critic.graphdef, critic_params, reward_graphdef, reward_params, kl_state, q, qm,
+                r, rm, scores, ended, settings=exp_settings)
+            tokens = {"prompt": jnp.sum(qm), "response": jnp.sum(rm)}
+            return exp, kl_state, stats, tokens
 
         def update(actor_state, critic_state, exp, rng):
             return ppo_update(actor_state, critic_state, exp, rng, actor_graphdef=m.actor.graphdef,
                               critic_graphdef=m.critic.graphdef, actor_tx=self.actor_tx,
                               critic_tx=self.critic_tx, settings=upd_settings)
 
-        self._experience = jax.jit(experience)
-        self._update = jax.jit(update, donate_argnums=(0, 1))
+        def sample(params, q, qm, key):
+            return generate(m.actor.graphdef, params, q, qm, key,
+                            max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                            top_k=g.top_k, top_p=g.top_p, greedy=g.greedy,
+                            stop_token_ids=() if g.ignore_eos else self.stop_ids,
+                            pad_token_id=self.pad_id, mesh=self.place.constraint_mesh)
 
-    def _generate(self, params, q, qm, key):
-        g = self.cfg.generation
-        return generate(self.models.actor.graphdef, params, q, qm, key,
-                        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                        top_p=g.top_p, greedy=g.greedy, stop_token_ids=self.stop_ids,
-                        pad_token_id=self.pad_id)
+        # explicit layouts: params by the rules, batches by rows, the rest replicated
+        place, rows, rep = self.place, self.place.rows, self.place.replicated
+        actor_sh, critic_sh = place.shardings(self.state["actor"]), place.shardings(self.state["critic"])
+        frozen_sh = place.shardings(self.ref_params), place.shardings(self.reward_params)
+        self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
+        self._generate = jax.jit(sample, in_shardings=(actor_sh.params, rows, rows, rep),
+                                 out_shardings=(rows, rows))
+        self._experience = jax.jit(
+            experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_sh.params, frozen_sh[1],
+                                      rep, rows, rows, rows, rows, rows),
+            out_shardings=(rows, rep, rep, rep))
+        self._update = jax.jit(update, in_shardings=(actor_sh, critic_sh, rows, rep),
+                               out_shardings=(actor_sh, critic_sh, rep), donate_argnums=(0, 1))
 
     # ----------------------------------------------------------------------------------------
     def _decode(self, ids: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -152,27 +188,37 @@ class PPOTrainer:
                 for row, m in zip(ids, mask)]
 
     def step(self) -> dict:
-        """One PPO step; returns its metrics (floats)."""
-        cfg = self.cfg
+        """One PPO step; returns its metrics (floats).
+
+        Host work inside the step is limited to this process's rows: their prompt ids go in,
+        and with a reward function their response tokens come out, are decoded and scored, and
+        the scores go back in (`jax.make_array_from_process_local_data` with several
+        processes). Everything else stays on the devices until the step's scalars are read.
+        """
+        cfg, place = self.cfg, self.place
+        batch, width = cfg.ppo.batch_size, self.prompts.ids.shape[1]
         t0 = time.perf_counter()
-        idx = self.sampler.next_indices(cfg.ppo.batch_size)
-        q, qm = jnp.asarray(self.prompts.ids[idx]), jnp.asarray(self.prompts.mask[idx])
-        rng, gen_key, upd_key = jax.random.split(self.state["rng"], 3)
+        lo, hi = place.row_range(batch)
+        idx = self.sampler.next_indices(batch)[lo:hi]  # this process's rows of the global batch
+        q = place.put_rows(self.prompts.ids[idx], (batch, width))
+        qm = place.put_rows(self.prompts.mask[idx], (batch, width))
+        rng, gen_key, upd_key = self._split(self.state["rng"])
         actor, critic = self.state["actor"], self.state["critic"]
 
         resp, resp_mask = jax.block_until_ready(self._generate(actor.params, q, qm, gen_key))
         t_gen = time.perf_counter()
-        resp_np, mask_np = np.asarray(resp), np.asarray(resp_mask)
-        ended = np.isin(resp_np, self.stop_ids).any(axis=1) & (mask_np.sum(1) > 0)
-        responses = self._decode(resp_np, mask_np)
         prompts = [self.prompts.texts[i] for i in idx]
-        scores = None
+        responses, scores = None, None
         if self.reward_fn is not None:
-            scores = jnp.asarray(self.reward_fn(prompts, responses), jnp.float32)
-        exp, kl_state, exp_stats = self._experience(
-            actor.params, self.ref_params, critic.params, self.reward_params, self.state["kl"], q,
-            qm, resp, resp_mask, scores, jnp.asarray(ended))
-        exp_stats = jax.device_get(exp_stats)
+            responses = self._decode(local_rows(resp), local_rows(resp_mask))
+            local_scores = np.asarray(self.reward_fn(prompts, responses), np.float32)
+            scores = place.put_rows(local_scores, (batch,))
+        ref, reward = place.onload(self.ref_params), place.onload(self.reward_params)
+        exp, kl_state, exp_stats, tokens = self._experience(
+            actor.params, ref, critic.params, reward, self.state["kl"], q, qm, resp, resp_mask,
+            scores)
+        del ref, reward  # offloaded frozen params: the device copy lives for this pass only
+        exp_stats = jax.device_get(exp_stats)  # replicated scalars: readable on every process
         t_score = time.perf_counter()
         actor, critic, upd_stats = self._update(actor, critic, exp, upd_key)
         upd_stats = jax.device_get(upd_stats)
@@ -180,8 +226,8 @@ class PPOTrainer:
 
         self.state = {"actor": actor, "critic": critic, "kl": kl_state, "rng": rng}
         self.step_count += 1
-        gen_tokens = float(mask_np.sum())
-        total_tokens = float(np.asarray(qm).sum()) + gen_tokens
+        gen_tokens = float(tokens["response"])
+        total_tokens = float(tokens["prompt"]) + gen_tokens
         metrics = {k: float(v) for k, v in exp_stats.items()}
         metrics.update(_mean_stats(upd_stats))
         metrics.update({
@@ -191,9 +237,20 @@ class PPOTrainer:
             "tokens_per_s/step": total_tokens / max(t_update - t0, 1e-9),
             "data_position": self.sampler.position,
         })
-        self.last_samples = [{"prompt": p_, "response": r_, "score": float(s_)} for p_, r_, s_ in
-                             zip(prompts, responses, np.asarray(exp.scores))]
+        self._last_rollout = (prompts, responses, resp, resp_mask, exp.scores)
         return metrics
+
+    @property
+    def last_samples(self) -> list[dict]:
+        """This process's rows of the last step as `{"prompt", "response", "score"}` dicts
+        (decoded on demand when the reward came from a reward model)."""
+        if getattr(self, "_last_rollout", None) is None:
+            return []
+        prompts, responses, resp, resp_mask, scores = self._last_rollout
+        if responses is None:
+            responses = self._decode(local_rows(resp), local_rows(resp_mask))
+        return [{"prompt": p_, "response": r_, "score": float(s_)}
+                for p_, r_, s_ in zip(prompts, responses, local_rows(scores))]
 
     # ----------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -212,11 +269,17 @@ class PPOTrainer:
         print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
 
     def export_actor(self, out_dir: Path | None = None) -> Path:
-        """Save the current actor as an HF directory (loadable by transformers)."""
+        """Save the current actor as an HF directory (loadable by transformers).
+
+        Collective: every process gathers the sharded params to host memory (one tensor at a
+        time is replicated for the gather); process 0 writes."""
         from ppo_jax.models import save_pretrained
 
         out_dir = Path(out_dir or self.out / "actor_hf")
-        model = nnx.merge(self.models.actor.graphdef, self.state["actor"].params)
+        params = to_host(self.state["actor"].params)
+        if self.process_index != 0:
+            return out_dir
+        model = nnx.merge(self.models.actor.graphdef, params)
         return save_pretrained(model, self.models.actor.cfg, out_dir, self.tokenizer)
 
     def train(self, progress: bool | None = None) -> list[dict]:
@@ -237,7 +300,7 @@ class PPOTrainer:
                 n = self.step_count
                 if n % cfg.log_every == 0 or n == cfg.steps:
                     self.writer.write(n, metrics)
-                if cfg.sample_every and (n % cfg.sample_every == 0 or n == 1):
+                if self.writer.enabled and cfg.sample_every and (n % cfg.sample_every == 0 or n == 1):
                     self.writer.write_samples(n, self.last_samples[:cfg.num_samples])
                 if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
                     self.save()
@@ -249,6 +312,6 @@ class PPOTrainer:
             if bar is not None:
                 bar.close()
             self.writer.close()
-        if cfg.export_hf and self.process_index == 0:
-            self.export_actor()
+        if cfg.export_hf:
+            self.export_actor()  # collective; process 0 writes
         return history

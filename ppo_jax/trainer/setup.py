@@ -51,8 +51,10 @@ class Split:
     cfg: Any
 
 
-def _load(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0) -> Split:
-    model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed)
+def _load(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0,
+          sharding_fn=None) -> Split:
+    model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed,
+                            sharding_fn=sharding_fn)
     graphdef, params = split_model(model)
     return Split(graphdef, nnx.to_pure_dict(params), cfg)
 
@@ -69,9 +71,10 @@ class Models:
     actor_path: Path
 
 
-def build_models(cfg: Config) -> Models:
+def build_models(cfg: Config, sharding_fn=None) -> Models:
     """Load the four models named by `cfg.model` (reference and reward frozen, in
-    `frozen_param_dtype`).
+    `frozen_param_dtype`). `sharding_fn(path, shape) -> Sharding` places each param on the
+    device mesh as it is read (`Placement.sharding_fn`); None: the default device.
 
     Critic: from `model.critic` when set; else from the reward model (DeepSpeed-Chat: value head
     initialised from its score head) when `reward.kind == "model"`; else from the actor with a
@@ -93,8 +96,9 @@ def build_models(cfg: Config) -> Models:
     tokenizer = load_tokenizer(actor_path)
     if tokenizer.eos_token_id is None and not cfg.generation.stop_token_ids:
         raise ConfigError("the tokenizer has no EOS token: set generation.stop_token_ids")
-    trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
-    frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none")
+    trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
+    frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
+                  sharding_fn=sharding_fn)
     actor = _load(actor_path, "causal_lm", **trained)
     reference = _load(ref_path, "causal_lm", **frozen)
     critic = _load(critic_path, "value", **trained, seed=cfg.train.seed)

@@ -16,10 +16,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from ppo_jax.core import get_policy_loss, get_value_loss, masked_sum
+from ppo_jax.parallel import shard_like_params, shard_rows, shard_rows_tree
 from ppo_jax.rollout.experience import Experience
-from ppo_jax.rollout.scoring import critic_values, policy_logprobs
+from ppo_jax.rollout.scoring import critic_values, policy_logprobs, policy_logprobs_and_values
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class UpdateSettings:
     cliprange_high: Optional[float] = None
     dual_clip: Optional[float] = None
     cliprange_value: float = 0.2
+    shared_critic: bool = False  # one state {"policy", "value_head"}; loss = pg + vf_coef * vf
+    vf_coef: float = 0.1
+    mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
 
     def policy_kwargs(self) -> dict:
         kw = {"cliprange": self.cliprange}
@@ -60,7 +65,9 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
     """Run the whole PPO update on one batch of experience.
 
     Args:
-      actor_state, critic_state: `TrainState`s.
+      actor_state, critic_state: `TrainState`s. With `settings.shared_critic` the actor state
+        holds `{"policy", "value_head"}` params, trained on `pg_loss + vf_coef * vf_loss` (TRL
+        0.11 `PPOTrainer.loss`), and `critic_state` / `critic_graphdef` / `critic_tx` are None.
       exp: `Experience` with batch B (a multiple of mini_batch_size).
       rng: PRNG key for the per-epoch permutations.
       actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
@@ -98,26 +105,47 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
                                     loss_normalizer=n_tokens, cliprange_value=s.cliprange_value)
         return loss, dict(stats)
 
+    def joint_loss(params, m: Experience, n_tokens):
+        """(pg_loss + vf_coef * vf_loss, stats) of the shared policy/value model."""
+        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
+        logprobs, entropy, values = policy_logprobs_and_values(actor_graphdef, params, *rollout,
+                                                               temperature=s.temperature)
+        pg, p_stats = policy_loss_fn(logprobs, m.logprobs, m.advantages, m.response_mask,
+                                     loss_normalizer=n_tokens, **s.policy_kwargs())
+        vf, v_stats = value_loss_fn(values, m.values, m.returns, m.response_mask,
+                                    loss_normalizer=n_tokens, cliprange_value=s.cliprange_value)
+        entropy = masked_sum(jax.lax.stop_gradient(entropy), m.response_mask) / n_tokens
+        return pg + s.vf_coef * vf, {**p_stats, **v_stats, "entropy": entropy}
+
     def accumulate(loss_fn, params, mb: Experience, n_tokens):
         """Sum of micro-batch gradients and stats (each a token sum / minibatch token count)."""
-        grad_fn = jax.grad(loss_fn, has_aux=True)
+        def grad_fn(p, m):
+            grads, stats = jax.grad(loss_fn, has_aux=True)(p, m, n_tokens)
+            return shard_like_params(grads, s.mesh), stats  # gradients live like their params
+
         if n_micro == 1:
-            return grad_fn(params, mb, n_tokens)
-        micro = jax.tree.map(lambda x: x.reshape(n_micro, s.micro_batch_size, *x.shape[1:]), mb)
-        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), n_tokens)
+            return grad_fn(params, mb)
+        micro = jax.tree.map(lambda x: shard_rows(
+            x.reshape(n_micro, s.micro_batch_size, *x.shape[1:]), s.mesh, axis=1), mb)
+        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+        zeros = _zeros_like(shapes)
+        zeros = (shard_like_params(zeros[0], s.mesh), zeros[1])
 
         def body(acc, m):
-            return _add(acc, grad_fn(params, m, n_tokens)), None
+            return _add(acc, grad_fn(params, m)), None
 
-        return jax.lax.scan(body, _zeros_like(shapes), micro)[0]
+        return jax.lax.scan(body, zeros, micro)[0]
 
     def minibatch_step(carry, idx):
         a_state, c_state = carry
-        mb = jax.tree.map(lambda x: x[idx], exp)
+        mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], exp), s.mesh)
         n_tokens = jnp.maximum(jnp.sum(mb.response_mask).astype(jnp.float32), 1.0)
-        a_grads, a_stats = accumulate(actor_loss, a_state.params, mb, n_tokens)
+        a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
+                                      a_state.params, mb, n_tokens)
         a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
         a_state = a_state.apply_gradients(a_grads, actor_tx)
+        if s.shared_critic:
+            return (a_state, c_state), a_stats
         c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, n_tokens)
         c_stats["critic_grad_norm"] = optax.global_norm(c_grads)
         c_state = c_state.apply_gradients(c_grads, critic_tx)

@@ -144,3 +144,38 @@ def test_missing_eos_penalty_and_score_scale(models):
                                     jnp.ones(B), ended, settings=settings)
     np.testing.assert_allclose(np.asarray(exp.scores), [2.0, 1.0, 2.0, 1.0])
     assert float(stats["score_mean"]) == 1.0  # raw scores are logged
+
+
+def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_actor(models):
+    from ppo_jax.rollout.scoring import init_value_head
+
+    ag, ap, cg, cp = models
+    q, qm, r, rm = rollout()
+    kl = init_kl_controller("fixed", 0.1)
+    scores, ended = jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool)
+    shared = {"policy": ap, "value_head": init_value_head(64)}
+    exp_s, _, stats_s = make_experience(ag, shared, ag, ap, None, None, None, None, kl, q, qm, r, rm,
+                                        scores, ended, settings=ExperienceSettings(micro_batch_size=4, shared_critic=True))
+    exp, _, _ = make_experience(ag, ap, ag, ap, cg, cp, None, None, kl, q, qm, r, rm, scores, ended,
+                                settings=ExperienceSettings(micro_batch_size=4))
+    # zero value heads on both sides: same values (0), same advantages
+    np.testing.assert_allclose(exp_s.advantages, exp.advantages, atol=1e-6)
+    assert float(stats_s["values_mean"]) == 0.0
+    tx = optax.sgd(0.1)
+    settings = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2)
+    a_sep, _, _ = ppo_update(TrainState.create(ap, tx), TrainState.create(cp, tx), exp,
+                             jax.random.PRNGKey(0), actor_graphdef=ag, critic_graphdef=cg,
+                             actor_tx=tx, critic_tx=tx, settings=settings)
+    joint = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True,
+                           vf_coef=0.0)
+    a_sh, none, stats = ppo_update(TrainState.create(shared, tx), None, exp_s, jax.random.PRNGKey(0),
+                                   actor_graphdef=ag, critic_graphdef=None, actor_tx=tx,
+                                   critic_tx=None, settings=joint)
+    assert none is None and "vf_loss" in stats and "pg_loss" in stats
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), a_sh.params["policy"], a_sep.params)
+    # with vf_coef > 0 the value head learns
+    joint = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True, vf_coef=1.0)
+    a_sh, _, _ = ppo_update(TrainState.create(shared, tx), None, exp_s, jax.random.PRNGKey(0),
+                            actor_graphdef=ag, critic_graphdef=None, actor_tx=tx, critic_tx=None,
+                            settings=joint)
+    assert float(jnp.abs(a_sh.params["value_head"]["kernel"]).sum()) > 0.0

@@ -1,0 +1,113 @@
+"""Where the arrays of a run live: the device mesh, the shardings of train states, frozen params
+and batches, and the host <-> device moves of a step (safe with several processes).
+
+    place = Placement.from_config(cfg.mesh)            # mesh over all devices of all processes
+    models = build_models(cfg, sharding_fn=place.sharding_fn)   # params placed as they are read
+    state = place.create_state(params, tx)              # TrainState, optimiser state sharded like params
+    lo, hi = place.row_range(B)                         # this process's rows of every batch
+    q = place.put_rows(ids[lo:hi], (B, P))
+
+Frozen params (reference, reward model) can be kept in pinned host memory between phases
+(`model.offload_frozen`): `offload` moves them to host, `onload` brings a device copy for the
+experience pass, which is dropped after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from ppo_jax.parallel import batch_shards, batch_sharding, make_mesh, param_spec, replicated, tree_shardings
+from ppo_jax.parallel.host import put_rows, row_range
+from ppo_jax.trainer.state import TrainState
+
+HOST_MEMORY = "pinned_host"
+
+
+@dataclass
+class Placement:
+    """The mesh of a run and the shardings derived from it (see module docstring)."""
+
+    mesh: Mesh
+
+    @classmethod
+    def from_config(cls, mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> "Placement":
+        """Raises ValueError when the mesh sizes do not fit the devices."""
+        return cls(make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices))
+
+    @property
+    def rows(self) -> NamedSharding:
+        """Leading (batch) dim over ("data", "fsdp")."""
+        return batch_sharding(self.mesh)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return replicated(self.mesh)
+
+    @property
+    def batch_shards(self) -> int:
+        return batch_shards(self.mesh)
+
+    @property
+    def constraint_mesh(self) -> Optional[Mesh]:
+        """The mesh for in-jit sharding constraints; None on one device (plain single-device
+        programs, exactly as without a mesh)."""
+        return self.mesh if self.mesh.devices.size > 1 else None
+
+    def sharding_fn(self, path: str, shape) -> NamedSharding:
+        """`load_model(sharding_fn=...)`: the named-rule sharding of one param."""
+        return NamedSharding(self.mesh, param_spec(path, shape, self.mesh))
+
+    def shardings(self, tree: Any) -> Any:
+        """Shardings of params, or of any pytree holding them (train states), by the rules."""
+        return tree_shardings(tree, self.mesh)
+
+    def replicate(self, tree: Any) -> Any:
+        """Small host values (RNG key, KL controller) -> replicated on every device."""
+        return jax.device_put(jax.tree.map(np.asarray, tree), self.replicated)
+
+    def create_state(self, params: Any, tx: optax.GradientTransformation) -> TrainState:
+        """`TrainState.create(params, tx)` built on the devices: Adam moments come out sharded
+        like their params (never materialised whole); the param buffers are donated."""
+        def create(p):
+            return TrainState.create(p, tx)
+
+        out = self.shardings(jax.eval_shape(create, params))
+        return jax.jit(create, out_shardings=out, donate_argnums=0)(params)
+
+    # --- batches ---------------------------------------------------------------------------
+    def row_range(self, global_rows: int) -> tuple[int, int]:
+        """This process's rows `[lo, hi)` of a batch of `global_rows`."""
+        return row_range(self.rows, global_rows)
+
+    def put_rows(self, local: np.ndarray, global_shape: Sequence[int]) -> jax.Array:
+        """This process's rows -> the global batch-sharded array."""
+        return put_rows(local, self.rows, global_shape)
+
+    # --- host offload of frozen params -----------------------------------------------------
+    def can_offload(self) -> bool:
+        """Whether every device of the mesh has pinned host memory (TPU, GPU, and CPU in
+        jax >= 0.4.3x all do)."""
+        try:
+            return all(HOST_MEMORY in {m.kind for m in d.addressable_memories()}
+                       for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        except (AttributeError, NotImplementedError):
+            return False
+
+    def offload(self, params: Any) -> Any:
+        """Params -> pinned host memory, same layout (no-op when unsupported or params None)."""
+        if params is None or not self.can_offload():
+            return params
+        host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), self.shardings(params))
+        return jax.device_put(params, host)
+
+    def onload(self, params: Any) -> Any:
+        """A device-memory copy of (possibly offloaded) params, in their rule shardings."""
+        if params is None:
+            return None
+        return jax.device_put(params, self.shardings(params))

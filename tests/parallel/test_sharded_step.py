@@ -1,0 +1,139 @@
+"""Issue 5, acceptance 1 and 2: a PPO step sharded over a mesh of 8 CPU devices, and two PPO
+steps over two processes, equal the single-device run; params really are sharded.
+
+The runs happen in subprocesses (`sharded_run.py`): the device count and `jax.distributed` are
+fixed when jax starts, and the pytest process already has one CPU device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TOL = 1e-5
+
+
+def launch(out: Path, meshes, *, devices: int, steps: int = 1, loop: str = "step",
+           extra=(), cache: Path, process=None) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PPO_JAX_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(HERE / "sharded_run.py"), "--out", str(out), "--steps", str(steps),
+           "--loop", loop, *extra]
+    for m in meshes:
+        cmd += ["--mesh", ",".join(map(str, m))]
+    if process is not None:
+        coordinator, count, index = process
+        cmd += ["--coordinator", coordinator, "--num-processes", str(count), "--process-id", str(index)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> None:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"sharded run timed out:\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-4000:]
+
+
+def load(out: Path, mesh):
+    name = "x".join(map(str, mesh))
+    return json.loads((out / f"{name}.json").read_text()), dict(np.load(out / f"{name}.npz"))
+
+
+def assert_same_run(got, want, what: str) -> None:
+    (g_rec, g_params), (w_rec, w_params) = got, want
+    assert len(g_rec["metrics"]) == len(w_rec["metrics"])
+    for step, (g, w) in enumerate(zip(g_rec["metrics"], w_rec["metrics"])):
+        assert g.keys() == w.keys()
+        for k in w:
+            assert abs(g[k] - w[k]) <= TOL * max(1.0, abs(w[k])), f"{what} step {step}: {k} {g[k]} != {w[k]}"
+    assert g_params.keys() == w_params.keys()
+    for k in w_params:
+        np.testing.assert_allclose(g_params[k], w_params[k], atol=TOL, rtol=0, err_msg=f"{what}: {k}")
+    # the update moved the params (the comparison is not vacuous)
+    assert g_rec["metrics"][0]["actor_grad_norm"] > 0
+
+
+def assert_sharded(record, mesh) -> None:
+    data, fsdp, tensor = mesh
+    for when in ("layout_before", "layout_after"):
+        lay = record[when]
+        q = lay["params/backbone/layers/attn/q_proj/kernel"]  # [layers, D, H*hd]
+        assert q["shard_shape"] == [2, 64 // fsdp, 64 // tensor], (when, q)
+        o = lay["params/backbone/layers/attn/o_proj/kernel"]  # [layers, H*hd, D], row-parallel
+        assert o["shard_shape"] == [2, 64 // tensor, 64 // fsdp], (when, o)
+        down = lay["params/backbone/layers/mlp/down_proj/kernel"]
+        assert down["shard_shape"] == [2, 128 // tensor, 64 // fsdp], (when, down)
+        emb = lay["params/backbone/embed_tokens/embedding"]  # [V, D]: vocab over tensor
+        assert emb["shard_shape"] == [208 // tensor, 64 // fsdp], (when, emb)
+        assert lay["params/backbone/norm/scale"]["spec"] == "P()"
+        # Adam's first moment lives like its param
+        assert lay["opt_state/1/0/mu/backbone/layers/attn/q_proj/kernel"]["spec"] == q["spec"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+MESHES_FAST = [(2, 2, 2)]
+MESHES_SLOW = [(8, 1, 1), (2, 4, 1), (1, 8, 1)]
+
+
+def run_meshes(tmp_path, cache, meshes):
+    out = tmp_path / "runs"
+    finish(launch(out, [(1, 1, 1), *meshes], devices=8, cache=cache))
+    want = load(out, (1, 1, 1))
+    for mesh in meshes:
+        got = load(out, mesh)
+        assert got[0]["devices"] == int(np.prod(mesh))
+        assert_sharded(got[0], mesh)
+        assert_same_run(got, want, f"mesh {mesh}")
+
+
+def test_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
+    run_meshes(tmp_path, cache, MESHES_FAST)
+
+
+@pytest.mark.slow
+def test_ppo_step_on_data_fsdp_meshes_equals_one_device(tmp_path, cache):
+    run_meshes(tmp_path, cache, MESHES_SLOW)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_over_localhost_equal_one_process(tmp_path, cache):
+    """Two jax processes (2 CPU devices each, gloo collectives), mesh (1, 2, 2): fsdp spans the
+    processes, tensor stays inside each. Two steps of `train()` (checkpoints written by both,
+    HF export gathered) agree with one process on one device."""
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    coordinator = f"localhost:{free_port()}"
+    procs = [launch(multi, [(1, 2, 2)], devices=2, steps=2, loop="train", cache=cache,
+                    process=(coordinator, 2, i)) for i in range(2)]
+    ref = launch(single, [(1, 1, 1)], devices=1, steps=2, loop="train", cache=cache)
+    for p in (*procs, ref):
+        finish(p)
+    got, want = load(multi, (1, 2, 2)), load(single, (1, 1, 1))
+    assert got[0]["processes"] == 2
+    assert_sharded(got[0], (1, 2, 2))
+    assert_same_run(got, want, "two processes")
+    run = multi / "run_1x2x2"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+    assert (run / "actor_hf" / "model.safetensors").is_file()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # process 0 only

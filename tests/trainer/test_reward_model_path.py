@@ -1,0 +1,61 @@
+"""reward.kind=model: a score-head reward model over the actor's tokenizer, and a critic
+initialised from it (DeepSpeed-Chat)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ppo_jax.models import init_model, load_model, load_tokenizer, save_pretrained
+from ppo_jax.models.tiny_random import tiny_config
+from ppo_jax.trainer.config import load_config
+from ppo_jax.trainer.loop import PPOTrainer
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tiny_checkpoint, tmp_path_factory):
+    tok = load_tokenizer(tiny_checkpoint)
+    rm = init_model(tiny_config(len(tok)), "reward", seed=7)
+    # a score head with some weight, so scores differ between responses
+    rm.score.kernel[...] = jax.random.normal(jax.random.PRNGKey(1), rm.score.kernel.shape)
+    return save_pretrained(rm, tiny_config(len(tok)), tmp_path_factory.mktemp("rm") / "rm", tok)
+
+
+def test_reward_model_scores_and_critic_from_reward_model(tiny_checkpoint, reward_dir, tmp_path):
+    cfg = load_config("configs/tiny.yaml", [
+        f"model.actor={tiny_checkpoint}", f"model.reward_model={reward_dir}", "reward.kind=model",
+        f"train.output_dir={tmp_path}", "train.progress=false", "train.steps=1"])
+    trainer = PPOTrainer(cfg)
+    rm, _ = load_model(reward_dir, "reward")
+    # the critic starts from the reward model: same backbone, value head = score head
+    critic = trainer.state["critic"].params
+    np.testing.assert_array_equal(critic["value_head"]["kernel"], nnx.to_pure_dict(nnx.state(rm))["score"]["kernel"])
+    metrics = trainer.step()
+    assert np.isfinite(metrics["pg_loss"]) and np.isfinite(metrics["vf_loss"])
+    assert metrics["score_std"] > 0.0  # scores vary across the batch
+
+
+def test_experience_scores_are_the_reward_model_at_the_last_real_token(tiny_checkpoint, reward_dir):
+    from ppo_jax.core import init_kl_controller
+    from ppo_jax.models import split_model
+    from ppo_jax.rollout.experience import ExperienceSettings, make_experience
+
+    actor, _ = load_model(tiny_checkpoint, "causal_lm")
+    critic, _ = load_model(reward_dir, "value")
+    rm, _ = load_model(reward_dir, "reward")
+    (ag, ap), (cg, cp), (rg, rp) = split_model(actor), split_model(critic), split_model(rm)
+    rng = np.random.default_rng(0)
+    q = rng.integers(4, 200, (2, 5)).astype(np.int32)
+    qm = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], np.int32)
+    r = rng.integers(4, 200, (2, 4)).astype(np.int32)
+    rmask = np.array([[1, 1, 0, 0], [1, 1, 1, 1]], np.int32)
+    exp, _, _ = make_experience(ag, ap, ag, ap, cg, cp, rg, rp, init_kl_controller("fixed", 0.1),
+                                q, qm, r, rmask, None, jnp.ones(2, bool),
+                                settings=ExperienceSettings(micro_batch_size=1))
+    for b in range(2):  # each row alone, without any padding
+        ids = np.concatenate([q[b][qm[b] > 0], r[b][rmask[b] > 0]])[None]
+        want = rm(jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids)))[0][0]
+        assert float(exp.scores[b]) == pytest.approx(float(want), abs=1e-5)
