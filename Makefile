@@ -1,7 +1,17 @@
 # One command each, on a fresh machine: `make train` (main job) and `make test` (test suite).
 ARGS ?=
 
-.PHONY: train test test-slow bench
+.PHONY: train test test-slow bench bench-quick bench-gpu-dry
+
+# Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
+# bench/generate.py and bench/ppo_step.py (each writes JSON under $(BENCH_RAW)), then
+# bench/report.py writes bench/results.md (with a GPU section when bench/gpu.sh --json left a
+# gpu.json there). Takes 30-60 minutes on a 2-core machine; run it on a quiet machine (other
+# load inflates every figure). `make bench-quick` runs the same pipeline with tiny sizes (a
+# smoke check of the scripts, not figures to quote; ~5 minutes) and writes
+# bench/results_raw/quick/results.md instead.
+BENCH_RAW ?= bench/results_raw
+BENCH_QUICK_RAW ?= bench/results_raw/quick
 
 train:
 	scripts/setup_venv.sh gguf
@@ -14,3 +24,26 @@ test:
 test-slow:
 	scripts/setup_venv.sh test
 	.venv/bin/python -m pytest -q -m slow $(ARGS)
+
+bench:
+	scripts/setup_venv.sh test
+	bench/setup_trl_env.sh
+	mkdir -p $(BENCH_RAW)
+	.venv/bin/python bench/core.py --json $(BENCH_RAW)/core.json
+	.venv/bin/python bench/generate.py --json $(BENCH_RAW)/generate.json
+	.venv/bin/python bench/ppo_step.py --json $(BENCH_RAW)/ppo_step.json
+	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
+
+bench-quick:
+	scripts/setup_venv.sh test
+	bench/setup_trl_env.sh
+	mkdir -p $(BENCH_QUICK_RAW)
+	.venv/bin/python bench/core.py --batch 16 --length 64 --runs 3 --jax-runs 10 --json $(BENCH_QUICK_RAW)/core.json
+	.venv/bin/python bench/generate.py --new-tokens 4 --runs 1 --json $(BENCH_QUICK_RAW)/generate.json
+	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
+	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
+
+# bench/gpu.sh on the CPU with a tiny model: checks the GPU benchmark's code path anywhere.
+bench-gpu-dry:
+	scripts/setup_venv.sh test
+	bench/gpu.sh --dry-run

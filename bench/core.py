@@ -14,14 +14,17 @@ and the new values.
 The two are checked to agree numerically before timing. Also times the GAE alone, reverse
 ``lax.scan`` (several unrolls) against ``lax.associative_scan``.
 
-Usage: ``python bench/core.py [--batch 256] [--length 1024] [--runs 20]``. torch is a
-benchmark-only dependency.
+Usage: ``python bench/core.py [--batch 256] [--length 1024] [--runs 30] [--jax-runs 300]
+[--json PATH]``. `--json` writes the figures (the `core.json` that `bench/report.py` reads).
+torch is a benchmark-only dependency.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -171,6 +174,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=30, help="timed runs of the torch version")
     parser.add_argument("--jax-runs", type=int, default=300, help="timed runs of each JAX version")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     inputs = make_inputs(args.batch, args.length)
     ja, ta = jax_args(inputs), torch_args(inputs)
@@ -212,6 +216,7 @@ def main() -> None:
               f"   x{med['torch'] / med[label]:5.1f} (min/min x{best['torch'] / best[label]:5.1f})"
               f"   compile {compile_s[label]:.2f} s   [{len(times[label])} runs]")
 
+    gae_alone = {}
     print("\nGAE alone (jitted, [B, T]); median (min) per call:")
     v, r, m = (jnp.asarray(inputs[n]) for n in ("values", "new_values", "mask"))
     for method, unroll, chunk in (("chunked", 1, 16), ("chunked", 1, 32), ("chunked", 1, 64), ("scan", 1, 1),
@@ -221,11 +226,30 @@ def main() -> None:
         jax.block_until_ready(gae(v, r, m))
         gae_med, gae_min = time_ms(lambda: jax.block_until_ready(gae(v, r, m)), args.jax_runs)
         print(f"  {gae_label(method, unroll, chunk):22s}{gae_med:8.3f} ms ({gae_min:.3f})")
+        gae_alone[gae_label(method, unroll, chunk)] = {"median_ms": gae_med, "min_ms": gae_min}
 
     label = gae_label(*default)
     print(f"\nRESULT default GAE {label}: jax {med[label]:.3f} ms vs torch {med['torch']:.3f} ms (medians)"
           f" -> x{med['torch'] / med[label]:.1f}; min/min x{best['torch'] / best[label]:.1f}; "
           f"load average {os.getloadavg()[0]:.2f}")
+
+    if args.json:
+        data = {
+            "bench": "core", "batch": args.batch, "length": args.length, "dtype": "float32",
+            "runs": args.runs, "jax_runs": args.jax_runs, "default_gae": label,
+            "torch": {"median_ms": med["torch"], "min_ms": best["torch"]},
+            "jax": {k: {"median_ms": med[k], "min_ms": best[k], "compile_s": compile_s[k]}
+                    for k in compiled},
+            "gae_alone": gae_alone,
+            "speedup_default": med["torch"] / med[label],
+            "versions": {"jax": jax.__version__, "torch": torch.__version__},
+            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "platform": jax.devices()[0].platform, "load_average": os.getloadavg()[0],
+            "command": ".venv/bin/python bench/core.py " + shlex.join(sys.argv[1:]),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

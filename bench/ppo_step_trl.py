@@ -25,12 +25,13 @@ Tokens/s use the same counts as ppo_jax: generation = B * new_tokens / t; scorin
 (unpadded) prompt + response tokens / t; update = epochs * those tokens / t.
 
 Prints one line `BENCH_JSON {...}` (median, min, max of each figure over the measured steps after
-`--warmup` untimed steps; peak RSS of this process). Run one configuration per process so that
+`--warmup` untimed steps; the first step's time; peak RSS of this process, from
+`getrusage(RUSAGE_SELF).ru_maxrss`). Run one configuration per process so that
 peak RSS is per configuration.
 
 Usage (normally called by ppo_step.py):
   .venv-bench/bin/python bench/ppo_step_trl.py --model-dir DIR [--prompt-ids FILE.json]
-      [--epochs 4] [--batch 8] [--new-tokens 48] [--steps 3] [--warmup 2]
+      [--epochs 4] [--batch 8] [--new-tokens 48] [--steps 3] [--warmup 1]
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def main() -> None:
     parser.add_argument("--mini-batch", type=int, default=None, help="default: --batch")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--max-prompt-length", type=int, default=64)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -180,7 +181,7 @@ def main() -> None:
         f"{args.new_tokens} new tokens; torch {torch.__version__} ({torch.get_num_threads()} "
         f"threads), transformers {transformers.__version__}, trl {trl.__version__}")
 
-    records = []
+    records, first_step_s = [], None
     for i in range(args.warmup + args.steps):
         start = (i * args.batch) % len(prompts)
         rows = [prompts[(start + k) % len(prompts)] for k in range(args.batch)]
@@ -214,7 +215,7 @@ def main() -> None:
             "time/step": t3 - t0,
             **timing,
             "gen_tokens": gen_tokens, "seq_tokens": seq_tokens,
-            "max_prompt_len": max(len(r) for r in rows),
+            "prompt_tokens": seq_tokens - gen_tokens, "max_prompt_len": max(len(r) for r in rows),
         }
         rec["tokens_per_s/generation"] = gen_tokens / rec["time/generation"]
         rec["tokens_per_s/scoring"] = seq_tokens / rec["time/scoring"]
@@ -225,20 +226,23 @@ def main() -> None:
             f"{rec['time/generation']:.2f}, scoring {rec['time/scoring']:.2f}, update "
             f"{rec['time/update']:.2f}); score {float(np.mean([float(x) for x in scores])):+.3f}, "
             f"kl {float(out['objective/kl']):.4f}")
+        if first_step_s is None:
+            first_step_s = rec["time/step"]
         if i >= args.warmup:
             records.append(rec)
 
     keys = [k for k in records[0] if k.startswith(("time/", "tokens_per_s/"))]
     result = {
-        "bench": "ppo_step", "impl": "trl", "mode": "shared",
+        "bench": "ppo_step", "impl": "trl", "mode": "shared", "config": "trl",
         "label": "TRL 0.11 PPOTrainer (value head on actor)",
         "epochs": args.epochs, "batch": args.batch, "mini_batch": mini, "micro_batch": mini,
         "new_tokens": args.new_tokens, "dtype": "float32", "device": "cpu",
         "model": args.model_dir.name, "n_params": n_params,
         "warmup_steps": args.warmup, "measured_steps": len(records),
-        "load_s": load_s, "compile_s": None,
+        "load_s": load_s, "first_step_s": first_step_s, "compile_s": None,
         "gen_tokens": records[0]["gen_tokens"],
         "seq_tokens_mean": statistics.mean(r["seq_tokens"] for r in records),
+        "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in records),
         "padded_seq_len_mean": statistics.mean(r["max_prompt_len"] + args.new_tokens for r in records),
         "stats": {k: stats(r[k] for r in records) for k in keys},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -246,6 +250,7 @@ def main() -> None:
                      "transformers": transformers.__version__, "trl": trl.__version__,
                      "torch_threads": torch.get_num_threads()},
         "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
     }
     print(JSON_TAG + json.dumps(result), flush=True)
 

@@ -7,7 +7,11 @@
 # release the main environment uses (a plain `pip install torch` could pull a CUDA build).
 # Idempotent: reinstalls only when this script changed since the last successful install.
 # Usage: bench/setup_trl_env.sh     (PYTHON=python3.11 to pick the interpreter)
+# torch comes from pip's configured indexes; where those serve the CUDA build under the plain
+# version (PyPI on Linux), point TORCH_INDEX_URL at the CPU wheels, e.g.
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bench/setup_trl_env.sh
 set -euo pipefail
+script="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 venv=.venv-bench
@@ -36,8 +40,11 @@ pins=(
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
-if [ ! -f "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ "$script" -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    "$venv/bin/python" -m pip install -q --index-url "$TORCH_INDEX_URL" "${pins[0]}"
+  fi
   "$venv/bin/python" -m pip install -q "${pins[@]}"
   # Fail here, not in the middle of a benchmark, if a wrong torch (CUDA) or TRL slipped in.
   "$venv/bin/python" - <<'PY'

@@ -22,6 +22,7 @@ from ppo_jax.core import KL_ESTIMATORS, get_advantage_estimator, get_policy_loss
 from ppo_jax.parallel.host import local_rows, to_host
 from ppo_jax.rollout.experience import ExperienceSettings, make_experience
 from ppo_jax.rollout.sampler import generate
+from ppo_jax.rollout.scoring import init_value_head
 from ppo_jax.trainer.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.metrics import MetricsWriter
@@ -102,13 +103,21 @@ class PPOTrainer:
         self.actor_tx = make_optimizer(o.actor_lr, **common)
         self.critic_tx = make_optimizer(o.critic_lr, **common)
         place = self.place
+        self.shared_critic = cfg.model.shared_critic
+        actor_params = models.actor.params
+        if self.shared_critic:  # TRL: value head on the actor's backbone, one joint loss
+            head = place.replicate(init_value_head(models.actor.cfg.hidden_size))
+            actor_params = {"policy": actor_params, "value_head": head}
         self.state = {  # the train states take over (donate) the loaded param buffers
-            "actor": place.create_state(models.actor.params, self.actor_tx),
-            "critic": place.create_state(models.critic.params, self.critic_tx),
+            "actor": place.create_state(actor_params, self.actor_tx),
+            "critic": (None if self.shared_critic
+                       else place.create_state(models.critic.params, self.critic_tx)),
             "kl": place.replicate(init_kl_controller(p.kl_controller, p.kl_coef, p.target_kl, p.horizon)),
             "rng": place.replicate(jax.random.PRNGKey(cfg.train.seed)),
         }
-        models.actor.params = models.critic.params = None
+        models.actor.params = None
+        if models.critic is not None:
+            models.critic.params = None
         self.ref_params = models.reference.params
         self.reward_params = models.reward.params if models.reward else None
         if cfg.model.offload_frozen:  # host memory between experience passes
@@ -136,13 +145,16 @@ class PPOTrainer:
             kl_estimator=p.kl_estimator, reward_clip=p.reward_clip, score_scale=p.score_scale,
             missing_eos_penalty=p.missing_eos_penalty, whiten_rewards=p.whiten_rewards,
             whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
-            gamma=p.gamma, lam=p.lam, mesh=self.place.constraint_mesh)
+            gamma=p.gamma, lam=p.lam, shared_critic=self.shared_critic,
+            mesh=self.place.constraint_mesh)
         upd_settings = UpdateSettings(
             ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
             micro_batch_size=p.micro_batch_size, temperature=g.temperature,
             policy_loss=p.policy_loss, value_loss=p.value_loss, cliprange=p.cliprange,
             cliprange_high=p.cliprange_high, dual_clip=p.dual_clip,
-            cliprange_value=p.cliprange_value, mesh=self.place.constraint_mesh)
+            cliprange_value=p.cliprange_value, shared_critic=self.shared_critic,
+            vf_coef=p.vf_coef, mesh=self.place.constraint_mesh)
+        critic_graphdef = m.critic.graphdef if m.critic is not None else None
         reward_graphdef = m.reward.graphdef if m.reward else None
         stops = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 
@@ -151,17 +163,19 @@ class PPOTrainer:
             ended = jnp.isin(r, stops).any(axis=1) & (rm.sum(axis=1) > 0)
             exp, kl_state, stats = make_experience(
                 m.actor.graphdef, actor_params, m.reference.graphdef, ref_params,
-                m.critic.graphdef, critic_params, reward_graphdef, reward_params, kl_state, q, qm,
+                critic_graphdef, critic_params, reward_graphdef, reward_params, kl_state, q, qm,
                 r, rm, scores, ended, settings=exp_settings)
             tokens = {"prompt": jnp.sum(qm), "response": jnp.sum(rm)}
             return exp, kl_state, stats, tokens
 
         def update(actor_state, critic_state, exp, rng):
             return ppo_update(actor_state, critic_state, exp, rng, actor_graphdef=m.actor.graphdef,
-                              critic_graphdef=m.critic.graphdef, actor_tx=self.actor_tx,
+                              critic_graphdef=critic_graphdef, actor_tx=self.actor_tx,
                               critic_tx=self.critic_tx, settings=upd_settings)
 
         def sample(params, q, qm, key):
+            if self.shared_critic:
+                params = params["policy"]
             return generate(m.actor.graphdef, params, q, qm, key,
                             max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                             top_k=g.top_k, top_p=g.top_p, greedy=g.greedy,
@@ -171,12 +185,13 @@ class PPOTrainer:
         # explicit layouts: params by the rules, batches by rows, the rest replicated
         place, rows, rep = self.place, self.place.rows, self.place.replicated
         actor_sh, critic_sh = place.shardings(self.state["actor"]), place.shardings(self.state["critic"])
+        critic_params_sh = None if critic_sh is None else critic_sh.params
         frozen_sh = place.shardings(self.ref_params), place.shardings(self.reward_params)
         self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
         self._generate = jax.jit(sample, in_shardings=(actor_sh.params, rows, rows, rep),
                                  out_shardings=(rows, rows))
         self._experience = jax.jit(
-            experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_sh.params, frozen_sh[1],
+            experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_params_sh, frozen_sh[1],
                                       rep, rows, rows, rows, rows, rows),
             out_shardings=(rows, rep, rep, rep))
         self._update = jax.jit(update, in_shardings=(actor_sh, critic_sh, rows, rep),
@@ -215,7 +230,7 @@ class PPOTrainer:
             scores = place.put_rows(local_scores, (batch,))
         ref, reward = place.onload(self.ref_params), place.onload(self.reward_params)
         exp, kl_state, exp_stats, tokens = self._experience(
-            actor.params, ref, critic.params, reward, self.state["kl"], q, qm, resp, resp_mask,
+            actor.params, ref, None if critic is None else critic.params, reward, self.state["kl"], q, qm, resp, resp_mask,
             scores)
         del ref, reward  # offloaded frozen params: the device copy lives for this pass only
         exp_stats = jax.device_get(exp_stats)  # replicated scalars: readable on every process
@@ -277,6 +292,8 @@ class PPOTrainer:
 
         out_dir = Path(out_dir or self.out / "actor_hf")
         params = to_host(self.state["actor"].params)
+        if self.shared_critic:
+            params = params["policy"]
         if self.process_index != 0:
             return out_dir
         model = nnx.merge(self.models.actor.graphdef, params)

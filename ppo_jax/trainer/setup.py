@@ -65,7 +65,7 @@ class Models:
 
     actor: Split
     reference: Split
-    critic: Split
+    critic: Optional[Split]  # None with model.shared_critic (the value head sits on the actor)
     reward: Optional[Split]
     tokenizer: Any
     actor_path: Path
@@ -78,7 +78,8 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
 
     Critic: from `model.critic` when set; else from the reward model (DeepSpeed-Chat: value head
     initialised from its score head) when `reward.kind == "model"`; else from the actor with a
-    fresh zero value head (TRL).
+    fresh zero value head. With `model.shared_critic` no critic is loaded: the trainer puts a
+    value head on the actor's own backbone (TRL's `AutoModelForCausalLMWithValueHead`).
 
     Raises:
       FileNotFoundError: a model directory is missing.
@@ -88,6 +89,9 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     actor_path = resolve_model_path(m.actor, "model.actor")
     ref_path = resolve_model_path(m.reference, "model.reference") if m.reference else actor_path
     rm_path = resolve_model_path(m.reward_model, "model.reward_model") if m.reward_model else None
+    if m.shared_critic and m.critic:
+        raise ConfigError(f"model.critic={m.critic!r} cannot be used with model.shared_critic=true "
+                          "(the value head sits on the actor)")
     if m.critic:
         critic_path = resolve_model_path(m.critic, "model.critic")
     else:
@@ -101,7 +105,7 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
                   sharding_fn=sharding_fn)
     actor = _load(actor_path, "causal_lm", **trained)
     reference = _load(ref_path, "causal_lm", **frozen)
-    critic = _load(critic_path, "value", **trained, seed=cfg.train.seed)
+    critic = None if m.shared_critic else _load(critic_path, "value", **trained, seed=cfg.train.seed)
     reward = _load(rm_path, "reward", **frozen) if cfg.reward.kind == "model" else None
     if reference.cfg.vocab_size != actor.cfg.vocab_size:
         raise ConfigError(f"model.reference vocab_size {reference.cfg.vocab_size} != actor "

@@ -71,3 +71,40 @@ def test_resume_continues_at_the_next_step(run_dir):
 def test_bad_config_fails_before_loading(capsys):
     assert train.main(["--config", str(ROOT / "configs/tiny.yaml"), "--set", "ppo.kl_coeff=1"]) == 2
     assert "kl_coeff" in capsys.readouterr().err
+
+
+def test_shared_critic_runs_checkpoints_resumes_and_exports(tmp_path, monkeypatch):
+    """model.shared_critic (TRL's value head on the actor): no critic state, the value head
+    trains (vf_loss finite, head params move), checkpoint/resume and the HF export still work."""
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    from ppo_jax.trainer.config import load_config
+    from ppo_jax.trainer.loop import PPOTrainer
+
+    sets = [f"train.output_dir={tmp_path / 'run'}", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
+            "train.steps=2", "train.progress=false", "model.shared_critic=true", "ppo.vf_coef=0.5"]
+    trainer = PPOTrainer(load_config(ROOT / "configs/tiny.yaml", sets))
+    assert trainer.state["critic"] is None
+    assert set(trainer.state["actor"].params) == {"policy", "value_head"}
+    history = trainer.train(progress=False)
+    assert [math.isfinite(h["vf_loss"]) and math.isfinite(h["pg_loss"]) for h in history] == [True, True]
+    assert history[0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-6)
+    import numpy as np
+
+    head = np.asarray(trainer.state["actor"].params["value_head"]["kernel"])
+    assert np.abs(head).max() > 0  # zero-initialised, moved by the value loss
+    assert (tmp_path / "run" / "actor_hf" / "config.json").is_file()
+
+    resumed = PPOTrainer(load_config(ROOT / "configs/tiny.yaml", sets[:2] + ["train.steps=3"] + sets[3:]),
+                         resume=True)
+    assert resumed.step_count == 2
+    np.testing.assert_array_equal(np.asarray(resumed.state["actor"].params["value_head"]["kernel"]), head)
+    assert resumed.train(progress=False)[0]["data_position"] == 12
+
+
+def test_shared_critic_with_a_critic_path_is_rejected(tmp_path):
+    from ppo_jax.trainer.config import ConfigError, load_config
+    from ppo_jax.trainer.setup import build_models
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.shared_critic=true", f"model.critic={tmp_path}"])
+    with pytest.raises(ConfigError, match="model.critic"):
+        build_models(cfg)

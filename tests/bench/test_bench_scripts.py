@@ -1,0 +1,131 @@
+"""The benchmark scripts' own logic: config overrides, FLOPs model, peak table, report tables.
+
+No model is run here except in the slow test (one tiny ppo_jax worker step, the code path of
+`bench/ppo_step.py` and `bench/gpu.sh --dry-run`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ppo_step, gpu, report = _load("ppo_step"), _load("gpu"), _load("report")
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_worker_overrides_are_a_valid_config(mode, tmp_path):
+    from ppo_jax.trainer.config import load_config
+
+    args = Namespace(batch=8, dtype="float32", remat="none", max_prompt_length=64, new_tokens=48,
+                     epochs=4, warmup=1, steps=3, seed=0)
+    cfg = load_config(None, ppo_step.jax_overrides(tmp_path, mode, args, str(tmp_path / "out")))
+    assert cfg.model.shared_critic == (mode == "shared")
+    assert cfg.generation.ignore_eos and cfg.generation.max_new_tokens == 48
+    assert cfg.ppo.batch_size == cfg.ppo.mini_batch_size == cfg.ppo.micro_batch_size == 8
+    assert cfg.ppo.kl_controller == "fixed" and cfg.ppo.kl_coef == 0.05 and cfg.ppo.vf_coef == 0.1
+    assert cfg.optim.max_grad_norm == 1.0 and not cfg.data.shuffle
+    assert not cfg.train.tensorboard and not cfg.train.export_hf and not cfg.train.progress
+
+
+def test_matmul_params_equal_the_model_params():
+    """Tied-embedding Llama: every param but the embedding is a matmul weight or a norm, and the
+    tied embedding is the LM-head matmul, so N_lm == the model's param count."""
+    from ppo_jax.models import count_params, init_model, split_model
+    from ppo_jax.models.tiny_random import tiny_config
+
+    cfg = tiny_config(211)
+    n = count_params(split_model(init_model(cfg, "causal_lm"))[1])
+    mc = {"vocab_size": 211, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+          "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+          "head_dim": cfg.head_dim}
+    n_lm, n_value = gpu.matmul_params(mc)
+    assert n_lm == n
+    assert n_value == n - 211 * cfg.hidden_size + cfg.hidden_size
+
+
+def test_flops_per_phase():
+    r = {"model_config": {"vocab_size": 10, "hidden_size": 4, "intermediate_size": 8,
+                          "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 2},
+         "seq_tokens_mean": 100, "epochs": 4, "mode": "separate"}
+    f = gpu.phase_flops(r)
+    n_lm, n_v = f["n_lm"], f["n_value"]
+    assert f["generation"] == 2 * n_lm * 100
+    assert f["scoring"] == 2 * 100 * (2 * n_lm + n_v)
+    assert f["update"] == 4 * 6 * 100 * (n_lm + n_v)
+    shared = gpu.phase_flops({**r, "mode": "shared"})
+    assert shared["update"] == 4 * 6 * 100 * n_lm and shared["scoring"] == 4 * 100 * n_lm
+
+
+@pytest.mark.parametrize("kind,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                       ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                       ("NVIDIA L40S", 362.0), ("TPU v5 lite", 197.0), ("cpu", None)])
+def test_peak_table(kind, peak):
+    assert gpu.peak_tflops(kind, None)[0] == peak
+    assert gpu.peak_tflops(kind, 123.0) == (123.0, "override")
+
+
+def _result(config, t_gen, t_score, t_upd, tokens=400):
+    st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
+    t_step = t_gen + t_score + t_upd
+    return {"config": config, "label": config, "epochs": 1, "peak_rss_mib": 1000.0,
+            "compile_s": None if config == "trl" else {f"time/{k}": 1.0 for k in
+                                                       ("generation", "scoring", "update", "step")},
+            "load_s": 1.0, "first_step_s": 2.0,
+            "stats": {"time/generation": st(t_gen), "time/scoring": st(t_score),
+                      "time/update": st(t_upd), "time/step": st(t_step),
+                      "tokens_per_s/generation": st(384 / t_gen),
+                      "tokens_per_s/scoring": st(tokens / t_score),
+                      "tokens_per_s/update": st(tokens / t_upd),
+                      "tokens_per_s/step": st(tokens / t_step)}}
+
+
+def test_ppo_step_markdown_ratios():
+    data = {"settings": {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48,
+                         "kl_coef": 0.05, "max_grad_norm": 1.0, "warmup": 1, "steps": 3},
+            "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
+    text = report.ppo_step_markdown(data)
+    ratio_rows = [ln for ln in text.splitlines() if ln.startswith("| jax-shared:")]
+    assert len(ratio_rows) == 2
+    for row in ratio_rows:  # generation x2, scoring x3, update x4, step 13/4
+        assert row.split(" | ")[1:] == ["×2.00", "×3.00", "×4.00", "×3.25 |"]
+    assert text.index("| trl |") < text.index("| jax-shared |")  # TRL row first
+
+
+def test_report_renders_missing_sections(tmp_path):
+    (tmp_path / "core.json").write_text(json.dumps({
+        "batch": 4, "length": 8, "runs": 3, "jax_runs": 10, "default_gae": "scan(unroll=1)",
+        "torch": {"median_ms": 2.0, "min_ms": 1.5},
+        "jax": {"scan(unroll=1)": {"median_ms": 0.5, "min_ms": 0.4, "compile_s": 0.3}},
+        "gae_alone": {}, "load_average": 0.5, "command": ".venv/bin/python bench/core.py"}))
+    text = report.render(tmp_path)
+    assert "| jax jit, GAE scan(unroll=1) (default) | 0.500 (0.400) | ×4.0 | 0.30 |" in text
+    assert "_not run (no ppo_step.json)_" in text and "_not run (no generate.json)_" in text
+
+
+@pytest.mark.slow
+def test_jax_worker_runs_a_tiny_step(tiny_checkpoint):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench/ppo_step.py"), "--worker", "jax", "--mode", "shared",
+         "--model-dir", str(tiny_checkpoint), "--epochs", "1", "--batch", "2", "--new-tokens", "3",
+         "--steps", "1", "--warmup", "1", "--max-prompt-length", "16"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith(ppo_step.JSON_TAG))
+    r = json.loads(line[len(ppo_step.JSON_TAG):])
+    assert r["gen_tokens"] == 6 and r["measured_steps"] == 1 and r["peak_rss_mib"] > 0
+    assert set(r["compile_s"]) == {"time/generation", "time/scoring", "time/update", "time/step"}
