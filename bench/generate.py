@@ -5,27 +5,40 @@ dtype (float32), same batch of real chat-template prompts (left-padded, attentio
 same number of new tokens, greedy decoding on both sides, in the same process:
 
 - ppo_jax: `ppo_jax.rollout.sampler.generate` (prefill + `lax.while_loop` decode, one jitted
-  call). Compile time (first call minus a steady-state call) is reported separately.
+  call). Its compile time is reported separately: the wall time the first call spent tracing,
+  lowering and compiling (JAX's `/jax/core/compile/*` monitoring events, overlapping spans
+  merged), next to the whole first call.
 - transformers: `AutoModelForCausalLM.generate(do_sample=False)` on PyTorch CPU (its default
-  dynamic KV cache), under `torch.inference_mode()`.
+  dynamic KV cache), under `torch.inference_mode()`, once per `--torch-threads` setting
+  (default: torch's default thread count, and 1 thread). On a machine shared with other jobs
+  PyTorch's OpenMP threads can slow down many times over (each op's barrier waits for a
+  descheduled thread), so the headline ratio is taken against the fastest setting measured.
 
 Neither side may stop early: no stop tokens are passed to ours and `eos_token_id=None` to
 transformers, and the script checks that every row got exactly `--new-tokens` tokens.
 Tokens/s = batch * new_tokens / wall time of one whole `generate` call (prefill included).
-Steady state is the median of `--runs` timed calls after one warm-up call, with min and max.
+After one warm-up call each, the `--runs` timed calls alternate (ours, then transformers at each
+thread setting, then ours again, ...) so that load from other processes drifting over time hits
+both sides alike; steady state is the median, with min and max, and the paired ratio of each
+ours/transformers pair.
 It also reports how many rows of the two greedy outputs agree token for token.
 
-Usage: ``python bench/generate.py [--batch 8] [--new-tokens 64] [--runs 5]``.
-torch is a benchmark-only dependency.
+Usage: ``python bench/generate.py [--batch 8] [--new-tokens 64] [--runs 5]
+[--torch-threads 0 1] [--json PATH]``.
+`--json` writes the figures (the `generate.json` that `bench/report.py` reads). torch is a
+benchmark-only dependency.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -47,6 +60,7 @@ PROMPTS = [
     "Tell me a short story about a brave little robot who wanted to see the ocean.",
     "Why is the sky blue?",
 ]
+COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, jaxpr -> MLIR, backend (XLA) compile
 
 
 def chat_batch(tok, batch: int):
@@ -58,34 +72,71 @@ def chat_batch(tok, batch: int):
     return enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(np.int32)
 
 
-def timed(fn, runs: int):
-    """(first-call seconds, [steady seconds] of `runs` calls after the first, last result)."""
+class CompileClock:
+    """Wall time spent in JAX tracing / lowering / XLA compilation while active.
+
+    Listens to JAX's `/jax/core/compile/*` time-span events and merges overlapping spans (a
+    nested jit is traced inside its caller's trace), so nothing is counted twice.
+    """
+
+    def __init__(self):
+        self.spans: list[tuple[str, float, float]] = []
+        self.active = False
+        jax.monitoring.register_event_time_span_listener(self._on_span)
+
+    def _on_span(self, event, start, end, **_):
+        if self.active and event.startswith(COMPILE_EVENTS):
+            self.spans.append((event, start, end))
+
+    def total_s(self, event_suffix: str = "") -> float:
+        spans = sorted((s, e) for ev, s, e in self.spans if ev.endswith(event_suffix))
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                total += 0.0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+
+def timed_call(fn, clock: CompileClock | None = None):
+    """(seconds, result) of one call, with `clock` recording compilation during it."""
+    if clock is not None:
+        clock.active = True
     t0 = time.perf_counter()
     out = fn()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return first, times, out
+    dt = time.perf_counter() - t0
+    if clock is not None:
+        clock.active = False
+    return dt, out
 
 
-def summary(name: str, times, tokens: int) -> float:
+def stats(xs) -> dict:
+    """{median, min, max, n} of a list of floats."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def summary(name: str, times, tokens: int) -> dict:
+    """Print one line of steady-state figures; return them as a JSON-able dict."""
     med = statistics.median(times)
     tps = [tokens / t for t in times]
-    print(f"{name:>13}: {tokens / med:8.1f} tok/s  (median {med * 1e3:7.1f} ms/call, "
+    print(f"{name:>20}: {tokens / med:8.1f} tok/s  (median {med * 1e3:7.1f} ms/call, "
           f"min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}; tok/s range "
           f"{min(tps):.1f}-{max(tps):.1f}; {len(times)} runs)")
-    return tokens / med
+    return {"tokens_per_s": stats(tps), "seconds": stats(times)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=5, help="timed calls after one warm-up")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="timed calls per side after one warm-up")
     parser.add_argument("--model-dir", default=None, help="HF dir (default: ensure_smollm2())")
+    parser.add_argument("--torch-threads", type=int, nargs="+", default=[0, 1],
+                        help="torch thread counts to time transformers with (0 = torch's default)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     n, runs = args.new_tokens, max(args.runs, 3)
 
@@ -109,41 +160,89 @@ def main() -> None:
                                  stop_token_ids=(), pad_token_id=int(tok.pad_token_id))
         return jax.block_until_ready((out, out_mask))
 
-    first, jax_times, (ours_ids, ours_mask) = timed(ours, runs)
+    clock = CompileClock()
+    first, (ours_ids, ours_mask) = timed_call(ours, clock)
+    compile_s, xla_s = clock.total_s(), clock.total_s("backend_compile_duration")
     ours_ids, ours_mask = np.asarray(ours_ids), np.asarray(ours_mask)
     assert ours_ids.shape == (ids.shape[0], n) and ours_mask.all(), "ours stopped early"
-    compile_s = first - statistics.median(jax_times)
 
     # ------------------------------------------------------------------ transformers
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    default_threads = torch.get_num_threads()
+    settings = list(dict.fromkeys(t if t > 0 else default_threads for t in args.torch_threads))
 
-    def theirs():
+    def theirs(threads: int):
+        torch.set_num_threads(threads)
         with torch.inference_mode():
             return hf.generate(t_ids, attention_mask=t_mask, max_new_tokens=n, min_new_tokens=n,
                                do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
                                temperature=None, top_p=None, top_k=None)
 
-    hf_first, hf_times, hf_out = timed(theirs, runs)
-    hf_ids = hf_out[:, ids.shape[1]:].numpy()
-    assert hf_ids.shape == (ids.shape[0], n), f"transformers generated {hf_ids.shape[1]} tokens"
+    hf_first, hf_ids = {}, {}
+    for th in settings:
+        hf_first[th], out = timed_call(partial(theirs, th))
+        hf_ids[th] = out[:, ids.shape[1]:].numpy()
+        assert hf_ids[th].shape == (ids.shape[0], n), \
+            f"transformers generated {hf_ids[th].shape[1]} tokens"
+
+    # ------------------------------------------------------------------ timed, alternating
+    jax_times, hf_times = [], {th: [] for th in settings}
+    for _ in range(runs):
+        jax_times.append(timed_call(ours)[0])
+        for th in settings:
+            hf_times[th].append(timed_call(partial(theirs, th))[0])
+    torch.set_num_threads(default_threads)
 
     # ------------------------------------------------------------------ report
-    print(f"ppo_jax compile: {compile_s:.1f} s (first call {first:.1f} s minus a steady call); "
-          f"transformers first call {hf_first:.2f} s")
-    ours_tps = summary("ppo_jax", jax_times, tokens)
-    hf_tps = summary("transformers", hf_times, tokens)
-    ratios = sorted(h / j for j, h in zip(jax_times, hf_times))
-    print(f"ratio ppo_jax / transformers: {ours_tps / hf_tps:.2f}x (medians; paired-run range "
-          f"{ratios[0]:.2f}-{ratios[-1]:.2f}x); target >= 2x")
-    same = (ours_ids == hf_ids).all(axis=1)
-    print(f"greedy rows identical token for token: {int(same.sum())}/{len(same)}", end="")
-    if not same.all():
-        first_diff = [int(np.argmax(a != b)) for a, b, s in zip(ours_ids, hf_ids, same) if not s]
-        print(f" (first divergence at steps {first_diff})", end="")
-    print()
+    print(f"ppo_jax compile: {compile_s:.1f} s (trace + lower + XLA compile in the first call; "
+          f"XLA alone {xla_s:.1f} s); first call {first:.1f} s; transformers first call "
+          + ", ".join(f"{hf_first[th]:.2f} s ({th} threads)" for th in settings))
+    ours_fig = summary("ppo_jax", jax_times, tokens)
+    hf_figs = {th: summary(f"transformers ({th} thr)" if len(settings) > 1 else "transformers",
+                           hf_times[th], tokens) for th in settings}
+    best = max(settings, key=lambda th: hf_figs[th]["tokens_per_s"]["median"])
+    ratios = {th: ours_fig["tokens_per_s"]["median"] / hf_figs[th]["tokens_per_s"]["median"]
+              for th in settings}
+    paired = {th: [h / j for j, h in zip(jax_times, hf_times[th])] for th in settings}
+    for th in settings:
+        tag = " <- the fastest setting" if len(settings) > 1 and th == best else ""
+        print(f"ratio ppo_jax / transformers ({th} threads): {ratios[th]:.2f}x (medians; "
+              f"paired-run range {min(paired[th]):.2f}-{max(paired[th]):.2f}x){tag}")
+    print(f"ratio ppo_jax / transformers: {ratios[best]:.2f}x (vs its fastest setting, {best} "
+          f"threads); target >= 2x")
+    same = {th: (ours_ids == hf_ids[th]).all(axis=1) for th in settings}
+    first_diff = {th: [int(np.argmax(a != b))
+                       for a, b, s in zip(ours_ids, hf_ids[th], same[th]) if not s]
+                  for th in settings}
+    print(f"greedy rows identical token for token: {int(same[best].sum())}/{len(same[best])}"
+          + (f" (first divergence at steps {first_diff[best]})" if first_diff[best] else ""))
+
+    if args.json:
+        data = {
+            "model": model_dir.name, "dtype": "float32", "batch": int(ids.shape[0]),
+            "prompt_width": int(ids.shape[1]), "new_tokens": n, "runs": runs,
+            "ppo_jax": {**ours_fig, "first_call_s": first},
+            "transformers": {**hf_figs[best], "first_call_s": hf_first[best],
+                             "torch_threads": best},
+            "transformers_by_threads": {str(th): {**hf_figs[th], "first_call_s": hf_first[th]}
+                                        for th in settings},
+            "ratio": ratios[best], "paired_ratio": stats(paired[best]),
+            "ratio_by_threads": {str(th): ratios[th] for th in settings}, "target_ratio": 2.0,
+            "compile_s": compile_s, "xla_compile_s": xla_s,
+            "identical_rows": int(same[best].sum()), "first_divergence_steps": first_diff[best],
+            "versions": {"jax": jax.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "torch_default_threads": default_threads, "cpus": os.cpu_count(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "load_average": os.getloadavg()[0],
+            "command": ".venv/bin/python bench/generate.py " + shlex.join(sys.argv[1:]),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
