@@ -25,6 +25,7 @@ from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head
 from ppo_jax.trainer.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
+from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.metrics import MetricsWriter
 from ppo_jax.trainer.optim import make_optimizer
 from ppo_jax.trainer.placement import Placement
@@ -228,12 +229,15 @@ class PPOTrainer:
             responses = self._decode(local_rows(resp), local_rows(resp_mask))
             local_scores = np.asarray(self.reward_fn(prompts, responses), np.float32)
             scores = place.put_rows(local_scores, (batch,))
+        release_host_memory()  # the freed buffers of a phase are not reusable by the next one
         ref, reward = place.onload(self.ref_params), place.onload(self.reward_params)
+        critic_params = None if critic is None else critic.params
         exp, kl_state, exp_stats, tokens = self._experience(
-            actor.params, ref, None if critic is None else critic.params, reward, self.state["kl"], q, qm, resp, resp_mask,
+            actor.params, ref, critic_params, reward, self.state["kl"], q, qm, resp, resp_mask,
             scores)
         del ref, reward  # offloaded frozen params: the device copy lives for this pass only
         exp_stats = jax.device_get(exp_stats)  # replicated scalars: readable on every process
+        release_host_memory()
         t_score = time.perf_counter()
         actor, critic, upd_stats = self._update(actor, critic, exp, upd_key)
         upd_stats = jax.device_get(upd_stats)
@@ -272,6 +276,7 @@ class PPOTrainer:
         """Write an orbax checkpoint of the current step (collective over processes)."""
         meta = {"step": self.step_count, "data_position": self.sampler.position}
         self.checkpointer.save(self.step_count, self.state, meta)
+        release_host_memory()  # orbax's write buffers, freed on its threads
 
     def _restore(self) -> None:
         step = self.checkpointer.latest_step()

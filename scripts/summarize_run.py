@@ -1,0 +1,44 @@
+"""Summarise a finished run from its metrics.jsonl: reward and KL at the start and the end
+(means over windows of steps, since one batch of 8 is noisy), and the median time per phase.
+
+Usage: .venv/bin/python scripts/summarize_run.py runs/default [--window 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--window", type=int, default=5, help="steps averaged at each end")
+    args = parser.parse_args()
+    path = args.run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"no metrics file: {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    w = min(args.window, len(rows))
+    first, last = rows[:w], rows[-w:]
+
+    def mean(rs, key):
+        return statistics.fmean(r[key] for r in rs)
+
+    print(f"{len(rows)} steps; windows of {w} steps (steps {first[0]['step']}-{first[-1]['step']} "
+          f"and {last[0]['step']}-{last[-1]['step']})")
+    for key in ("score_mean", "kl", "non_score_reward", "entropy", "response_length", "approxkl"):
+        if key in rows[0]:
+            print(f"  {key:18s} start {mean(first, key):8.3f}   end {mean(last, key):8.3f}")
+    print(f"  {'max kl':18s} {max(r['kl'] for r in rows):8.3f}")
+    steady = rows[1:] or rows  # step 1 holds the compilation
+    for key in ("time/generation", "time/scoring", "time/update", "time/step"):
+        if key in rows[0]:
+            print(f"  {key:18s} median {statistics.median(r[key] for r in steady):6.1f} s "
+                  f"(step 1: {rows[0][key]:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
