@@ -108,3 +108,30 @@ def test_shared_critic_with_a_critic_path_is_rejected(tmp_path):
     cfg = load_config(ROOT / "configs/tiny.yaml", ["model.shared_critic=true", f"model.critic={tmp_path}"])
     with pytest.raises(ConfigError, match="model.critic"):
         build_models(cfg)
+
+
+def test_bfloat16_frozen_models_offloaded_to_host_between_phases(tmp_path, monkeypatch):
+    """model.frozen_param_dtype=bfloat16 + model.offload_frozen: the reference lives in bf16 in
+    pinned host memory, actor/critic stay float32, and a step still gives finite losses with
+    ratio 1 on the first minibatch (the actor's old log-probs do not depend on the reference)."""
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    import jax
+    import jax.numpy as jnp
+    from ppo_jax.trainer.config import load_config
+    from ppo_jax.trainer.loop import PPOTrainer
+
+    sets = [f"train.output_dir={tmp_path / 'run'}", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
+            "train.steps=1", "train.progress=false", "model.frozen_param_dtype=bfloat16",
+            "model.offload_frozen=true"]
+    trainer = PPOTrainer(load_config(ROOT / "configs/tiny.yaml", sets))
+    ref_leaves = jax.tree.leaves(trainer.ref_params)
+    assert {x.dtype for x in ref_leaves} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(trainer.state["actor"].params)} == {jnp.dtype(jnp.float32)}
+    if trainer.place.can_offload():
+        assert {x.sharding.memory_kind for x in ref_leaves} == {"pinned_host"}
+    metrics = trainer.step()
+    assert math.isfinite(metrics["pg_loss"]) and math.isfinite(metrics["kl"])
+    assert metrics["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-6)
+    # still offloaded after the step (the device copy was only for the experience pass)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.ref_params)} == \
+        {x.sharding.memory_kind for x in ref_leaves}
