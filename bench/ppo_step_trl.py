@@ -157,7 +157,7 @@ def main() -> None:
     def value_head_model():
         base = AutoModelForCausalLM.from_pretrained(args.model_dir, config=hf_cfg,
                                                     torch_dtype=torch.float32)
-        # dropout off everywhere (DESIGN.md); TRL's value head defaults to dropout 0.1.
+        # dropout off everywhere, as in ppo_jax; TRL's value head defaults to dropout 0.1.
         return AutoModelForCausalLMWithValueHead.from_pretrained(base, summary_dropout_prob=0.0)
 
     model, ref_model = value_head_model(), value_head_model()

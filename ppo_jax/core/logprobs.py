@@ -1,8 +1,9 @@
 """Per-token log-probabilities and entropies from logits, with sampling temperature.
 
-The same temperature must be used for rollout, old, new and reference log-probs (DESIGN.md,
-"Details"): the sampled distribution is ``softmax(logits / temperature)``. Everything is
-computed in float32 (or float64 when the logits are float64), whatever the logits' dtype.
+The same temperature must be used for rollout, old, new and reference log-probs (else the
+first-minibatch ratio is not 1): the sampled distribution is ``softmax(logits / temperature)``.
+Everything is computed in float32 (or float64 when the logits are float64), whatever the
+logits' dtype.
 """
 
 from __future__ import annotations

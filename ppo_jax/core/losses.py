@@ -5,7 +5,7 @@ over this call's ``mask``. With ``loss_normalizer = N`` (the total number of val
 whole minibatch, a Python number or traced scalar) the loss and every stat are
 ``masked_sum / N``: summing ``(loss, stats)`` over the micro-batches of a minibatch
 (``jax.tree.map(jnp.add, ...)``) gives exactly the minibatch token means — sums divided by the
-total token count, never means of means (DESIGN.md, "Update phase"). Stats are
+total token count, never means of means. Stats are
 ``stop_gradient``-ed scalars with a fixed set of keys.
 
 Masked slots may hold NaN/inf in any input: they are replaced with ``jnp.where`` before any

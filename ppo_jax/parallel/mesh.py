@@ -1,6 +1,6 @@
 """The device mesh of a run and the layout of batches on it.
 
-Three named axes (DESIGN.md "Parallelism"): `data` (pure data parallelism: params replicated),
+Three named axes: `data` (pure data parallelism: params replicated),
 `fsdp` (data parallelism with params, gradients and optimiser state sharded, ZeRO-3 /
 FSDP), `tensor` (Megatron-style splits of attention heads and MLP columns, Shoeybi et al. 2019).
 A batch is split over `data` x `fsdp`; `tensor` shards see the same rows.

@@ -57,10 +57,20 @@ def check_names(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
 
 
+def existing_checkpoints(directory: Path) -> list[int]:
+    """Steps of the finished checkpoints under `directory` (orbax step folders), sorted."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
 def _mean_stats(stats: dict) -> dict:
+    """Means over epochs x minibatches; the first minibatch's ratio and approxkl (the PPO
+    invariant: 1 and 0) when the policy loss reports them."""
     out = {k: float(np.mean(np.asarray(v))) for k, v in stats.items()}
-    out["ratio_first_minibatch"] = float(np.asarray(stats["ratio"])[0, 0])
-    out["approxkl_first_minibatch"] = float(np.asarray(stats["approxkl"])[0, 0])
+    for key in ("ratio", "approxkl"):
+        if key in stats:
+            out[f"{key}_first_minibatch"] = float(np.asarray(stats[key])[0, 0])
     return out
 
 
@@ -81,6 +91,13 @@ class PPOTrainer:
         check_names(cfg)
         self.cfg = cfg
         self.out = Path(cfg.train.output_dir)
+        if not resume:
+            done = existing_checkpoints(self.out / "checkpoints")
+            if done:
+                raise ConfigError(
+                    f"train.output_dir={cfg.train.output_dir!r} already holds checkpoints (steps "
+                    f"{done}); pass --resume to continue that run, or choose a new "
+                    "train.output_dir (nothing was written)")
         self.process_index = jax.process_index()
         try:
             self.place = Placement.from_config(cfg.mesh, devices)
@@ -283,7 +300,13 @@ class PPOTrainer:
         if step is None:
             print(f"--resume: no checkpoint under {self.checkpointer.directory}; starting at step 0")
             return
-        self.state, meta = self.checkpointer.restore(step, self.state)
+        try:
+            self.state, meta = self.checkpointer.restore(step, self.state)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"checkpoint {self.checkpointer.directory / str(step)} does not fit this run's "
+                "train state: was it written with other model.* settings (shared_critic, actor, "
+                f"critic, param_dtype)? ({type(e).__name__}: {str(e)[:300]})") from None
         self.step_count = int(meta["step"])
         self.sampler.position = int(meta["data_position"])
         print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
@@ -307,6 +330,11 @@ class PPOTrainer:
     def train(self, progress: bool | None = None) -> list[dict]:
         """Run steps until `train.steps`; log, sample, checkpoint; export the actor at the end."""
         cfg = self.cfg.train
+        if self.step_count >= cfg.steps:
+            if self.process_index == 0:
+                print(f"nothing to do: the run is at step {self.step_count} and train.steps="
+                      f"{cfg.steps}; raise train.steps to continue it")
+            return []
         show = cfg.progress if progress is None else progress
         history = []
         bar = None

@@ -4,7 +4,7 @@ Built from nested `lax.scan`s (purejaxrl's shape): epochs -> minibatches (a fres
 per epoch, reshaped into `[n_minibatches, mini_batch_size]`) -> micro-batches (gradient
 accumulation). Each micro-batch loss is a token SUM divided by the minibatch's total token
 count, so the accumulated gradient and stats are exact minibatch token means, not means of
-means (DESIGN.md "Update phase"). Actor and critic have separate train states and optimisers
+means. Actor and critic have separate train states and optimisers
 (DeepSpeed-Chat step 3).
 """
 

@@ -135,3 +135,41 @@ def test_bfloat16_frozen_models_offloaded_to_host_between_phases(tmp_path, monke
     # still offloaded after the step (the device copy was only for the experience pass)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.ref_params)} == \
         {x.sharding.memory_kind for x in ref_leaves}
+
+
+def test_a_forks_registered_loss_runs_through_train_import(tmp_path, monkeypatch):
+    """README "Swapping a formula": `--import examples.my_losses --set ppo.policy_loss=plain_pg`."""
+    from ppo_jax.core import unregister
+
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--set", f"train.output_dir={out}",
+            "--set", "train.steps=1", "--set", "train.progress=false", "--set", "train.export_hf=false",
+            "--import", "examples.my_losses", "--set", "ppo.policy_loss=plain_pg"]
+    try:
+        assert train.main(args) == 0
+    finally:
+        unregister("policy loss", "plain_pg")
+        sys.modules.pop("examples.my_losses", None)
+    (record,) = read_metrics(out)
+    assert math.isfinite(record["pg_loss"]) and "clipfrac" not in record  # not ppo_clip's stats
+    assert record["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-6)
+    assert train.main(["--import", "no_such_module_xyz"]) == 2
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(run_dir, capsys):
+    out, args = run_dir
+    before = (out / "metrics.jsonl").read_text(), (out / "config.json").read_text()
+    assert train.main(args + ["--set", "ppo.kl_coef=0.5"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert ((out / "metrics.jsonl").read_text(), (out / "config.json").read_text()) == before
+
+
+def test_malformed_jsonl_names_the_file_and_line(tmp_path):
+    from ppo_jax.trainer.data import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
+    with pytest.raises(ValueError, match=r"data.prompts: .*p.jsonl is not valid JSONL \(line 3"):
+        read_prompts(path)
