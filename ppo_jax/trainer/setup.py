@@ -114,9 +114,18 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
 
 
 def stop_token_ids(cfg: Config, tokenizer, model_cfg) -> tuple[int, ...]:
-    """Configured stop tokens, else the tokenizer's EOS plus the model config's EOS ids."""
+    """Configured stop tokens, else the tokenizer's EOS plus the model config's EOS ids.
+
+    Raises:
+      ConfigError: a configured id is outside the model's vocabulary.
+    """
     if cfg.generation.stop_token_ids:
-        return tuple(int(t) for t in cfg.generation.stop_token_ids)
+        ids = tuple(int(t) for t in cfg.generation.stop_token_ids)
+        bad = [t for t in ids if not 0 <= t < model_cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"generation.stop_token_ids={list(ids)}: {bad} outside the "
+                              f"vocabulary [0, {model_cfg.vocab_size})")
+        return ids
     ids = {int(tokenizer.eos_token_id)} | {int(t) for t in model_cfg.eos_token_ids}
     return tuple(sorted(ids))
 

@@ -173,3 +173,12 @@ def test_malformed_jsonl_names_the_file_and_line(tmp_path):
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
     with pytest.raises(ValueError, match=r"data.prompts: .*p.jsonl is not valid JSONL \(line 3"):
         read_prompts(path)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--set", f"train.output_dir={tmp_path}",
+            "--set", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
+            "--set", "generation.stop_token_ids=[-1]"]
+    assert train.main(args) == 2
+    assert "generation.stop_token_ids=[-1]" in capsys.readouterr().err
