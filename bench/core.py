@@ -22,7 +22,6 @@ torch is a benchmark-only dependency.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -36,6 +35,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_load, write_json  # noqa: E402
 from ppo_jax import core  # noqa: E402
 
 GAMMA, LAM, KL_COEF, CLIP, CLIP_V, VF_COEF = 1.0, 0.95, 0.05, 0.2, 0.2, 0.1
@@ -243,13 +244,11 @@ def main() -> None:
             "gae_alone": gae_alone,
             "speedup_default": med["torch"] / med[label],
             "versions": {"jax": jax.__version__, "torch": torch.__version__},
-            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "platform": jax.devices()[0].platform, "load_average": os.getloadavg()[0],
+            "torch_threads": torch.get_num_threads(), "platform": jax.devices()[0].platform,
+            **machine_load(),
             "command": ".venv/bin/python bench/core.py " + shlex.join(sys.argv[1:]),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1))
-        print(f"wrote {args.json}")
+        write_json(args.json, data)
 
 
 if __name__ == "__main__":

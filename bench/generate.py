@@ -32,7 +32,6 @@ benchmark-only dependency.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -46,6 +45,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_load, stats, write_json  # noqa: E402
 from ppo_jax.models import load_model, load_tokenizer, split_model  # noqa: E402
 from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
 from ppo_jax.rollout.sampler import generate  # noqa: E402
@@ -110,11 +111,6 @@ def timed_call(fn, clock: CompileClock | None = None):
     if clock is not None:
         clock.active = False
     return dt, out
-
-
-def stats(xs) -> dict:
-    """{median, min, max, n} of a list of floats."""
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def summary(name: str, times, tokens: int) -> dict:
@@ -235,14 +231,11 @@ def main() -> None:
             "identical_rows": int(same[best].sum()), "first_divergence_steps": first_diff[best],
             "versions": {"jax": jax.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__},
-            "torch_default_threads": default_threads, "cpus": os.cpu_count(),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "load_average": os.getloadavg()[0],
+            "torch_default_threads": default_threads,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), **machine_load(),
             "command": ".venv/bin/python bench/generate.py " + shlex.join(sys.argv[1:]),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1))
-        print(f"wrote {args.json}")
+        write_json(args.json, data)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
+from common import stats, write_json  # noqa: E402
 
 JSON_TAG = "BENCH_JSON "
 PROMPTS = ROOT / "configs/prompts/reviews.jsonl"
@@ -80,12 +81,6 @@ KL_COEF, LR, VF_COEF, CLIP, MAX_GRAD_NORM = 0.05, 1e-5, 0.1, 0.2, 1.0
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def stats(values) -> dict:
-    values = [float(v) for v in values]
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
 
 
 def resolve_model_dir(model_dir: str | None) -> Path:
@@ -352,9 +347,7 @@ def main() -> None:
     }
     print(ppo_step_markdown(data))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1))
-        log(f"wrote {args.json}")
+        write_json(args.json, data)
     if len(results) < len(configs) * len(args.epochs):
         raise SystemExit("some configurations failed (see above)")
 

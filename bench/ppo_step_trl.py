@@ -47,16 +47,14 @@ import time
 import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import stats  # noqa: E402
+
 JSON_TAG = "BENCH_JSON "
 
 
 def log(msg: str) -> None:
     print(f"[trl] {msg}", file=sys.stderr, flush=True)
-
-
-def stats(values) -> dict:
-    values = [float(v) for v in values]
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 # --------------------------------------------------------------------------- loading

@@ -20,7 +20,8 @@ from ppo_jax.models import load_model, load_tokenizer, split_model
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.trainer.data import read_prompts, tokenize_prompts
 from ppo_jax.trainer.reward_functions import get_reward_function
-from ppo_jax.trainer.setup import pad_token_id, resolve_model_path
+from ppo_jax.trainer.config import Config
+from ppo_jax.trainer.setup import pad_token_id, resolve_model_path, stop_token_ids
 
 
 def sample(path, texts, *, seed, max_new_tokens, max_prompt_length):
@@ -29,7 +30,7 @@ def sample(path, texts, *, seed, max_new_tokens, max_prompt_length):
     graphdef, params = split_model(model)
     pad = pad_token_id(tokenizer)
     prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=max_prompt_length, pad_token_id=pad)
-    stops = tuple(sorted({int(tokenizer.eos_token_id), *map(int, cfg.eos_token_ids)}))
+    stops = stop_token_ids(Config(), tokenizer, cfg)  # the trainer's default: the EOS ids
     ids, mask = generate(graphdef, params, prompts.ids, prompts.mask, jax.random.PRNGKey(seed),
                          max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad)
     ids, mask = np.asarray(ids), np.asarray(mask)

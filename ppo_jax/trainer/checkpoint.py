@@ -15,6 +15,13 @@ import jax
 import orbax.checkpoint as ocp
 
 
+def finished_steps(directory: str | Path) -> list[int]:
+    """Sorted steps of the finished checkpoints under `directory` (none if it does not exist),
+    read without creating anything."""
+    directory = Path(directory)
+    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.is_dir() else []
+
+
 class Checkpointer:
     """Thin wrapper over `orbax.checkpoint.CheckpointManager`."""
 

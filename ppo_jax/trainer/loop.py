@@ -23,7 +23,7 @@ from ppo_jax.parallel.host import local_rows, to_host
 from ppo_jax.rollout.experience import ExperienceSettings, make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head
-from ppo_jax.trainer.checkpoint import Checkpointer
+from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.metrics import MetricsWriter
@@ -57,13 +57,6 @@ def check_names(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
 
 
-def existing_checkpoints(directory: Path) -> list[int]:
-    """Steps of the finished checkpoints under `directory` (orbax step folders), sorted."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
-
-
 def _mean_stats(stats: dict) -> dict:
     """Means over epochs x minibatches; the first minibatch's ratio and approxkl (the PPO
     invariant: 1 and 0) when the policy loss reports them."""
@@ -92,7 +85,7 @@ class PPOTrainer:
         self.cfg = cfg
         self.out = Path(cfg.train.output_dir)
         if not resume:
-            done = existing_checkpoints(self.out / "checkpoints")
+            done = finished_steps(self.out / "checkpoints")
             if done:
                 raise ConfigError(
                     f"train.output_dir={cfg.train.output_dir!r} already holds checkpoints (steps "
