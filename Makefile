@@ -1,7 +1,7 @@
 # One command each, on a fresh machine: `make train` (main job) and `make test` (test suite).
 ARGS ?=
 
-.PHONY: train test test-slow bench bench-quick bench-gpu-dry
+.PHONY: train test test-slow bench bench-quick bench-floor bench-gpu-dry
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py and bench/ppo_step.py (each writes JSON under $(BENCH_RAW)), then
@@ -42,6 +42,11 @@ bench-quick:
 	.venv/bin/python bench/generate.py --new-tokens 4 --runs 1 --json $(BENCH_QUICK_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
+
+# How far the sampler is from its weight-matmul floor (prints only; about 2 minutes).
+bench-floor:
+	scripts/setup_venv.sh test
+	.venv/bin/python bench/decode_floor.py
 
 # bench/gpu.sh on the CPU with a tiny model: checks the GPU benchmark's code path anywhere.
 bench-gpu-dry:

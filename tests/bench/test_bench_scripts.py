@@ -129,3 +129,28 @@ def test_jax_worker_runs_a_tiny_step(tiny_checkpoint):
     r = json.loads(line[len(ppo_step.JSON_TAG):])
     assert r["gen_tokens"] == 6 and r["measured_steps"] == 1 and r["peak_rss_mib"] > 0
     assert set(r["compile_s"]) == {"time/generation", "time/scoring", "time/update", "time/step"}
+
+
+def test_decode_floor_reads_every_weight_once_in_both_layer_forms():
+    """bench/decode_floor.py: the weight-matmul-only decode step counts the 7 layer matmuls and
+    the (tied) LM head, and its scanned and unrolled forms compute the same thing."""
+    import jax
+    import numpy as np
+
+    from ppo_jax.models import flat_params, init_model, split_model
+    from ppo_jax.models.tiny_random import tiny_config
+
+    floor = _load("decode_floor")
+    cfg = tiny_config(211)
+    params = split_model(init_model(cfg, "causal_lm"))[1]
+    flat = flat_params(params)
+    expect = sum(int(flat[f"backbone/layers/{m}/kernel"].nbytes) for m in floor.MATMULS)
+    expect += int(flat["backbone/embed_tokens/embedding"].nbytes)
+    outs = []
+    for unrolled in (False, True):
+        run, h0, nbytes = floor.weight_matmul_steps(params, cfg, batch=3, steps=2,
+                                                    unrolled=unrolled)
+        assert nbytes == expect and h0.shape == (3, cfg.hidden_size)
+        outs.append(np.asarray(jax.block_until_ready(run(h0))))
+    assert np.isfinite(outs[0]).all() and not np.allclose(outs[0], np.asarray(h0))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
