@@ -21,7 +21,8 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
 
     Raises:
       FileNotFoundError: the file does not exist.
-      ValueError: unknown extension, a record without `field`, or an empty set.
+      ValueError: unknown extension, a record without `field`, a prompt that is not a
+        non-blank string (records count from 0, blank JSONL lines skipped), or an empty set.
     """
     path = Path(path)
     if not path.is_file():
@@ -51,7 +52,7 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
         if field not in table.column_names:
             raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
                              f"(columns: {table.column_names})")
-        prompts = [str(x) for x in table.column(field).to_pylist()]
+        prompts = [_text(x, field, path, i) for i, x in enumerate(table.column(field).to_pylist())]
     else:
         raise ValueError(f"data.prompts: unsupported prompt file type {suffix!r} "
                          "(use .jsonl, .json, .txt or .parquet)")
@@ -73,10 +74,20 @@ def _bad_line(text: str) -> int:
 
 def _field(record, field: str, path: Path, index: int) -> str:
     if isinstance(record, str):
-        return record
+        return _text(record, field, path, index)
     if isinstance(record, dict) and field in record:
-        return str(record[field])
+        return _text(record[field], field, path, index)
     raise ValueError(f"data.prompt_field={field!r}: record {index} of {path} has no such field")
+
+
+def _text(value, field: str, path: Path, index: int) -> str:
+    """A prompt must be a non-blank string (a number, null or list is a data error, not text)."""
+    if not isinstance(value, str):
+        raise ValueError(f"data.prompts: record {index} of {path}: {field!r} is "
+                         f"{type(value).__name__} {value!r:.60}, not a string")
+    if not value.strip():
+        raise ValueError(f"data.prompts: record {index} of {path}: {field!r} is empty")
+    return value
 
 
 def apply_template(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None) -> list[int]:

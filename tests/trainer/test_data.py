@@ -33,6 +33,21 @@ def test_read_prompts_errors_name_the_problem(tmp_path):
     (tmp_path / "c.csv").write_text("x\n")
     with pytest.raises(ValueError, match=".csv"):
         read_prompts(tmp_path / "c.csv")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "fine"}\n{"prompt": 42}\n')
+    with pytest.raises(ValueError, match="record 1 of .*d.jsonl: 'prompt' is int 42, not a string"):
+        read_prompts(tmp_path / "d.jsonl")
+    (tmp_path / "e.json").write_text(json.dumps([{"prompt": "a"}, {"prompt": None}]))
+    with pytest.raises(ValueError, match="record 1 .*NoneType None"):
+        read_prompts(tmp_path / "e.json")
+    (tmp_path / "f.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "  "}\n')
+    with pytest.raises(ValueError, match="record 1 of .*f.jsonl: 'prompt' is empty"):
+        read_prompts(tmp_path / "f.jsonl")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", None]}), tmp_path / "g.parquet")
+    with pytest.raises(ValueError, match="record 1 of .*g.parquet"):
+        read_prompts(tmp_path / "g.parquet")
 
 
 def test_left_pad():
