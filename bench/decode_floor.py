@@ -3,15 +3,17 @@
 `bench/generate.py` compares whole `generate` calls. This script splits ours into prefill and
 per-token decode, and times the part of a decode step that no sampler can skip: the matmuls
 that read every weight once (q, k, v, o, gate, up, down in each layer, then the LM head), with
-the model's own weights, batch rows and dtype, in a jitted loop of steps (layers scanned,
-as in the model), and nothing else (no attention, norms, RoPE, cache or sampling).
+the model's own weights, batch rows and dtype, in a jitted loop of steps, and nothing else
+but an RMS normalisation per layer that keeps the numbers finite (no attention, RoPE, cache
+or sampling). Layers run both as a scan over the stacked weights (as the model does) and as an
+unrolled loop over per-layer arrays; the faster form is the floor.
 In the same run it times transformers' `generate` (PyTorch CPU) and prints the ratio the
 sampler would reach if everything but those matmuls were free:
 
     best-case ratio = transformers' time / (our prefill + (new_tokens - 1) * floor step)
 
-Our prefill is timed as a `generate` call with one new token (prefill, one LM head and one
-sample). Greedy, float32, no stop tokens, on the converted SmolLM2 by default.
+Our prefill is timed as a `generate` call with one new token (the prefill pass, its LM head
+and one sample: N tokens take the prefill and N - 1 one-token passes). Greedy, float32, no stop tokens, on the converted SmolLM2 by default.
 
 Usage: ``python bench/decode_floor.py [--batch 8] [--new-tokens 64] [--runs 5]
 [--torch-threads 2]``.
@@ -62,6 +64,7 @@ def weight_matmul_steps(params, cfg, batch: int, steps: int, unrolled: bool):
         return jnp.tile(y, (1, -(-n // y.shape[-1])))[:, :n]
 
     def layer(h, k):
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
         q, kk, v = h @ k["attn/q_proj"], h @ k["attn/k_proj"], h @ k["attn/v_proj"]
         mix = q + widen(kk, q.shape[-1]) + widen(v, q.shape[-1])  # stands in for attention
         h = h + 1e-2 * (mix @ k["attn/o_proj"])
@@ -101,6 +104,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
     args = parser.parse_args()
+    if args.new_tokens < 2 or args.batch < 1:
+        parser.error(f"--new-tokens {args.new_tokens} must be >= 2 (the floor is per decode step "
+                     f"after the first token) and --batch {args.batch} >= 1")
     n, runs, med = args.new_tokens, max(args.runs, 3), statistics.median
 
     model_dir = ensure_smollm2()

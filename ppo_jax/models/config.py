@@ -96,6 +96,11 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -134,7 +139,8 @@ class ModelConfig:
         """Build from a HF config (a `PretrainedConfig` or the `config.json` dict).
 
         `overrides` set our own fields (param_dtype, dtype, remat, ...).
-        Raises ValueError on an unsupported model_type or rope type, KeyError on a missing size.
+        Raises ValueError on an unsupported model_type or rope type, a missing size field, or a
+        size that is not a positive int.
         """
         d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
         mt = d.get("model_type")
@@ -142,7 +148,10 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
-        fields = _gpt2_fields(d) if mt == "gpt2" else _llama_fields(d, mt)
+        try:
+            fields = _gpt2_fields(d) if mt == "gpt2" else _llama_fields(d, mt)
+        except KeyError as e:
+            raise ValueError(f"{mt} config is missing the required field {e.args[0]!r}") from None
         fields.update(_special_ids(d))
         fields.update(overrides)
         return cls(**fields)

@@ -8,12 +8,14 @@ Saving writes the inverse, loadable by `transformers.AutoModelForCausalLM.from_p
 
 Errors: FileNotFoundError (missing directory, config.json, weights or index shard),
 ValueError (unsupported model_type, bad config), `CheckpointError` (a ValueError) naming the
-tensor for a missing tensor or a shape mismatch.
+tensor for a missing tensor or a shape mismatch, or the file for an unreadable one. A
+UserWarning lists checkpoint weights that no param read (e.g. more layers than config.json).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ppo_jax.models import hf_names
@@ -41,7 +43,7 @@ def load_config(path, **overrides) -> ModelConfig:
     """`ModelConfig` from `<path>/config.json`; overrides: param_dtype, dtype, remat, ...
 
     Raises FileNotFoundError (no directory / config.json), ValueError (invalid JSON,
-    unsupported model_type).
+    unsupported model_type, a missing or malformed size; the message names the file).
     """
     path = Path(path)
     if not path.is_dir():
@@ -85,9 +87,10 @@ class SafetensorsReader:
         else:
             files = {}
             for f in shards:
-                with safe_open(f, framework="np") as h:
+                with _open(f) as h:
                     files.update({name: f for name in h.keys()})
         self.path, self.files, self._handles = path, files, {}
+        self.used: set[str] = set()  # names read so far (for the unused-tensor warning)
 
     @property
     def names(self) -> set[str]:
@@ -100,8 +103,34 @@ class SafetensorsReader:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
         f = self.files[name]
         if f not in self._handles:
-            self._handles[f] = safe_open(f, framework="np")
-        return self._handles[f].get_tensor(name)
+            self._handles[f] = _open(f)
+        self.used.add(name)
+        try:
+            return self._handles[f].get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{f}: cannot read tensor {name!r}: {e}") from None
+
+
+def _open(file: Path):
+    try:
+        return safe_open(file, framework="np")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+# tensors a checkpoint may hold that no model kind reads: buffers (RoPE tables, GPT-2's causal
+# masks) and heads of other kinds (a causal LM's lm_head loaded as critic, a score head as LM)
+_NOT_WEIGHTS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+_OTHER_HEADS = ("lm_head.", "score.", "v_head.", "value_head.")
+
+
+def _warn_unused(reader: SafetensorsReader) -> None:
+    unused = sorted(n for n in reader.names - reader.used
+                    if not n.endswith(_NOT_WEIGHTS) and not n.startswith(_OTHER_HEADS))
+    if unused:
+        shown = ", ".join(unused[:6]) + (f", ... ({len(unused)} in all)" if len(unused) > 6 else "")
+        warnings.warn(f"{reader.path}: {len(unused)} checkpoint tensors were not loaded (does "
+                      f"config.json match the weights?): {shown}", stacklevel=3)
 
 
 def _read_param(reader: SafetensorsReader, cfg: ModelConfig, path: str, shape, prefix: str):
@@ -135,7 +164,8 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
       (critic from a reward model, DeepSpeed-Chat); otherwise a fresh head: zeros, or
       N(0, head_init_std^2) (critic from an SFT / causal-LM checkpoint, TRL).
     sharding_fn(path_str, shape) -> jax.sharding.Sharding places each param as it is read.
-    Returns (model, cfg). Raises FileNotFoundError, ValueError, CheckpointError (see module doc).
+    Returns (model, cfg). Raises FileNotFoundError, ValueError, CheckpointError (see module doc);
+    warns when backbone tensors of the checkpoint were left unread.
     """
     path = Path(path)
     cfg = load_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat)
@@ -165,6 +195,7 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
         return jax.make_array_from_callback(arr.shape, sharding_fn(p, sds.shape), lambda i: arr[i])
 
     state = jax.tree_util.tree_map_with_path(fill, abstract_state)
+    _warn_unused(reader)
     return nnx.merge(graphdef, state), cfg
 
 

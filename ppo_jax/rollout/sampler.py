@@ -1,9 +1,10 @@
 """Batched autoregressive sampling with a preallocated KV cache, as one jitted call.
 
-Prompts are left-padded `[B, P]`; the cache holds `S = P + max_new_tokens` slots shared by all
-rows. One prefill call writes the prompt, then a `lax.while_loop` samples one token per row and
-feeds it back, stopping early once every row has emitted a stop token. Positions come from the
-attention mask (docs/contracts.md), so left padding never changes a row's distribution.
+Prompts are left-padded `[B, P]`; the cache holds `S = P + max_new_tokens - 1` slots shared by
+all rows. One prefill call writes the prompt and gives the first token; a `lax.while_loop` then
+runs each sampled token through the model to sample the next (N tokens: the prefill and N - 1
+one-token passes), stopping early once every row has emitted a stop token. Positions come from
+the attention mask (docs/contracts.md), so left padding never changes a row's distribution.
 
 Sampling filters (temperature, top-k, top-p) follow transformers' logits warpers
 (`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`); greedy is argmax. The
@@ -18,6 +19,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ppo_jax.models.kv_cache import KVCache, init_cache
@@ -66,20 +68,90 @@ def _shard_cache(cache: KVCache, mesh) -> KVCache:
     return KVCache(*(shard_rows(c, mesh, axis=1, dims={3: "tensor"}) for c in cache))
 
 
-def _check(prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, stop_token_ids):
+def _int_setting(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def _token_id(name: str, value, vocab_size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}: {value!r} is not an int token id")
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name}: {value} is outside the vocabulary [0, {vocab_size})")
+    return int(value)
+
+
+def _check_prompts(prompt_ids, prompt_mask, vocab_size: int) -> None:
+    """Shapes and dtypes always; values (ids in the vocabulary, 0/1 left-padded masks) when the
+    arrays are concrete (not traced inside a caller's jit) and fully addressable."""
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
                          f"{tuple(prompt_mask.shape)} must both be [B, P]")
+    if prompt_ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)}: prompts need at least one column")
     if not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
         raise ValueError(f"prompt_ids must be integer, got {prompt_ids.dtype}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0 (use greedy=True for argmax)")
-    if top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"top_k={top_k} must be >= 0 and top_p={top_p} in (0, 1]")
-    if any(not isinstance(t, int) for t in stop_token_ids):
-        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be ints")
+    if not (jnp.issubdtype(prompt_mask.dtype, jnp.integer) or prompt_mask.dtype == bool):
+        raise ValueError(f"prompt_mask must be integer or bool (1 = real token), got "
+                         f"{prompt_mask.dtype}")
+    if any(isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True)
+           for x in (prompt_ids, prompt_mask)):
+        return
+    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask).astype(np.int64)
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        r, c = bad[0]
+        raise ValueError(f"prompt_ids[{r}, {c}] = {ids[r, c]} is outside the vocabulary "
+                         f"[0, {vocab_size}) ({len(bad)} such entries; padding positions are "
+                         "embedded too, so the pad id must be a real token)")
+    if not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"prompt_mask must hold 0 and 1 only, got values "
+                         f"{np.unique(mask)[:8].tolist()}")
+    right_padded = np.flatnonzero(np.diff(mask, axis=1).min(axis=1, initial=0) < 0)
+    if right_padded.size:
+        r = right_padded[0]
+        raise ValueError(f"prompts must be left-padded (padding first, then the prompt): row {r} "
+                         f"has padding after a real token (prompt_mask[{r}] = {mask[r].tolist()})")
+    empty = np.flatnonzero(mask.sum(axis=1) == 0)
+    if empty.size:
+        raise ValueError(f"row {empty[0]} of prompt_mask is all 0: every row needs a prompt token")
+
+
+def _check_settings(cfg, prompt_width: int, max_new_tokens, temperature, top_k, top_p, greedy,
+                    stop_token_ids, pad_token_id, cache_dtype) -> dict:
+    """Validate the static settings; returns them normalised for `_generate`."""
+    out = {"max_new_tokens": _int_setting("max_new_tokens", max_new_tokens, 1),
+           "top_k": _int_setting("top_k", top_k, 0), "greedy": bool(greedy)}
+    if not isinstance(temperature, (int, float, np.number)) or not 0 < temperature < np.inf:
+        if not greedy:
+            raise ValueError(f"temperature={temperature!r} must be a finite number > 0 "
+                             "(greedy=True for argmax)")
+        temperature = 1.0  # unused when greedy
+    if not isinstance(top_p, (int, float, np.number)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a sequence of token ids")
+    out["stop_token_ids"] = tuple(_token_id("stop_token_ids", t, cfg.vocab_size)
+                                  for t in stop_token_ids)
+    out["pad_token_id"] = _token_id("pad_token_id", pad_token_id, cfg.vocab_size)
+    if cache_dtype is not None:
+        try:
+            dt = jnp.dtype(cache_dtype)
+        except TypeError:
+            raise ValueError(f"cache_dtype={cache_dtype!r} is not a dtype") from None
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"cache_dtype={cache_dtype!r} must be a float dtype")
+        cache_dtype = dt.name
+    total = prompt_width + out["max_new_tokens"]
+    if cfg.model_type == "gpt2" and total > cfg.max_position_embeddings:
+        raise ValueError(f"prompt width {prompt_width} + max_new_tokens {out['max_new_tokens']} "
+                         f"= {total} exceeds GPT-2's {cfg.max_position_embeddings} learned "
+                         "positions")
+    return {**out, "temperature": float(temperature), "top_p": float(top_p),
+            "cache_dtype": cache_dtype}
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
@@ -89,39 +161,45 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens,
               top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype, mesh):
     model = nnx.merge(graphdef, params)
     batch, prompt_len = prompt_ids.shape
-    total = prompt_len + max_new_tokens
+    # the last token is sampled but never fed back, so it needs no cache slot
+    total = prompt_len + max_new_tokens - 1
     rows = partial(shard_rows, mesh=mesh)
     cache = _shard_cache(init_cache(model.cfg, batch, total, cache_dtype), mesh)
     mask = rows(jnp.concatenate([prompt_mask.astype(jnp.int32),
-                                 jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1))
+                                 jnp.zeros((batch, max_new_tokens - 1), jnp.int32)], axis=1))
 
     hidden, cache = model.backbone(rows(prompt_ids.astype(jnp.int32)), mask, cache=cache,
                                    cache_index=0)
     logits = rows(model.lm_head(hidden[:, -1]))
     stops = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
 
-    def cond(state):
-        t, _, _, _, _, _, done, _ = state
-        return (t < max_new_tokens) & ~jnp.all(done)
-
-    def body(state):
-        t, cache, mask, logits, tokens, resp_mask, done, rng = state
+    def sample_at(t, logits, tokens, resp_mask, done, rng):
+        """Draw token t of every row (pad once a row is done) and record it."""
         rng, key = jax.random.split(rng)
         token = sample_tokens(logits, key, temperature=temperature, top_k=top_k, top_p=top_p,
                               greedy=greedy)
         token = jnp.where(done, pad_token_id, token)
         tokens = tokens.at[:, t].set(token)
         resp_mask = resp_mask.at[:, t].set((~done).astype(jnp.int32))
-        done = done | jnp.isin(token, stops)
+        return token, rows(tokens), rows(resp_mask), rows(done | jnp.isin(token, stops)), rng
+
+    def cond(state):  # another token is wanted and some row is still going
+        t, _, _, _, _, _, done, _ = state
+        return (t + 1 < max_new_tokens) & ~jnp.all(done)
+
+    def body(state):  # run token t through the model, then sample token t + 1
+        t, cache, mask, token, tokens, resp_mask, done, rng = state
         slot = prompt_len + t
         mask = mask.at[:, slot].set(1)
         hidden, cache = model.backbone(token[:, None], mask, cache=cache, cache_index=slot)
-        return (t + 1, _shard_cache(cache, mesh), rows(mask), rows(model.lm_head(hidden[:, 0])),
-                rows(tokens), rows(resp_mask), rows(done), rng)
+        logits = rows(model.lm_head(hidden[:, 0]))
+        token, tokens, resp_mask, done, rng = sample_at(t + 1, logits, tokens, resp_mask, done, rng)
+        return t + 1, _shard_cache(cache, mesh), rows(mask), token, tokens, resp_mask, done, rng
 
-    init = (jnp.int32(0), cache, mask, logits,
-            rows(jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)),
-            rows(jnp.zeros((batch, max_new_tokens), jnp.int32)), rows(jnp.zeros((batch,), bool)), rng)
+    first = sample_at(0, logits, rows(jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)),
+                      rows(jnp.zeros((batch, max_new_tokens), jnp.int32)),
+                      rows(jnp.zeros((batch,), bool)), rng)
+    init = (jnp.int32(0), cache, mask) + first
     _, _, _, _, tokens, resp_mask, _, _ = jax.lax.while_loop(cond, body, init)
     return tokens, resp_mask
 
@@ -134,15 +212,17 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
 
     Args:
       graphdef, params: a split `CausalLM`.
-      prompt_ids: `[B, P]` int32, left-padded.
-      prompt_mask: `[B, P]` int32, 1 on real prompt tokens.
-      rng: PRNG key (unused when greedy).
-      max_new_tokens: N, the response length (static).
-      temperature, top_k, top_p, greedy: sampling settings (static; top_k=0 / top_p=1 = off).
+      prompt_ids: `[B, P]` int32, left-padded; every id (padding included) in [0, vocab).
+      prompt_mask: `[B, P]` int or bool, 1 on real prompt tokens: zeros then ones in each row,
+        at least one 1.
+      rng: PRNG key (`jax.random.key` / `PRNGKey`); may be None when greedy.
+      max_new_tokens: N, the response length (static int >= 1).
+      temperature, top_k, top_p, greedy: sampling settings (static; top_k=0 / top_p=1 = off;
+        temperature is ignored when greedy).
       stop_token_ids: tokens that end a row (e.g. the tokenizer's EOS); each row stops on its
         own; the loop ends early once every row has stopped.
-      pad_token_id: written after a row's stop token.
-      cache_dtype: KV cache dtype (default: the model's compute dtype).
+      pad_token_id: written after a row's stop token (a token of the vocabulary).
+      cache_dtype: KV cache float dtype (default: the model's compute dtype).
       mesh: a `jax.sharding.Mesh` (static) to lay the rows of every per-row array (tokens,
         masks, logits, KV cache) over its ("data", "fsdp") axes and the KV heads over
         "tensor"; None (single device) adds no constraint. Params keep whatever sharding they
@@ -150,19 +230,38 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
 
     Returns:
       `(response_ids [B, N] int32, response_mask [B, N] int32)`; the mask is 1 on every
-      generated token up to and including the first stop token, 0 after it.
+      generated token up to and including the first stop token, 0 after it. N tokens take the
+      prefill and N - 1 one-token passes (the last token is not fed back).
 
     Raises:
-      ValueError: malformed shapes or settings (before compiling).
+      ValueError: malformed shapes, dtypes or settings, ids outside the vocabulary, a mask that
+        is not 0/1 left padding (value checks only on concrete arrays, not under a caller's
+        jit), or more positions than GPT-2's table; all before compiling.
     """
-    stop_token_ids = tuple(int(t) for t in stop_token_ids)
-    _check(prompt_ids, prompt_mask, max_new_tokens, temperature, top_k, top_p, stop_token_ids)
+    cfg = nnx.merge(graphdef, params).cfg
+    prompt_ids = prompt_ids if hasattr(prompt_ids, "ndim") else np.asarray(prompt_ids)
+    prompt_mask = prompt_mask if hasattr(prompt_mask, "ndim") else np.asarray(prompt_mask)
+    _check_prompts(prompt_ids, prompt_mask, cfg.vocab_size)
+    settings = _check_settings(cfg, prompt_ids.shape[1], max_new_tokens, temperature, top_k,
+                               top_p, greedy, stop_token_ids, pad_token_id, cache_dtype)
+    if rng is None:
+        if not greedy:
+            raise ValueError("rng is required for sampling (greedy=False)")
+        rng = jax.random.PRNGKey(0)
+    elif not _is_key(rng):
+        raise ValueError(f"rng must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
+                         f"{type(rng).__name__} {getattr(rng, 'shape', '')}")
     return _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
-                     max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                     top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
-                     stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id),
-                     cache_dtype=None if cache_dtype is None else jnp.dtype(cache_dtype).name,
-                     mesh=mesh)
+                     mesh=mesh, **settings)
+
+
+def _is_key(rng) -> bool:
+    dtype = getattr(rng, "dtype", None)
+    if dtype is None:
+        return False
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == jnp.uint32 and tuple(rng.shape[-1:]) == (2,)
 
 
 def bucket_length(length: int, buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024, 2048,

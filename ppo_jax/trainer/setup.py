@@ -140,13 +140,24 @@ def build_prompts(cfg: Config, tokenizer, model_cfg) -> PromptSet:
 
     Raises:
       FileNotFoundError / ValueError: see `read_prompts`, `tokenize_prompts`.
-      ConfigError: prompt width + generation.max_new_tokens exceeds the model's context.
+      ConfigError: prompt width + generation.max_new_tokens exceeds the model's context, or the
+        tokenizer gives ids (prompt or pad) outside the model's vocabulary.
     """
     d = cfg.data
     texts = read_prompts(d.prompts, d.prompt_field)
     prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, use_chat_template=d.use_chat_template,
                                system_prompt=d.system_prompt, pad_token_id=pad_token_id(tokenizer))
+    pad = pad_token_id(tokenizer)
+    if not 0 <= pad < model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer's pad id {pad} is outside the model vocabulary "
+                          f"[0, {model_cfg.vocab_size})")
+    real = prompts.ids[prompts.mask > 0]
+    if real.size and real.max() >= model_cfg.vocab_size:
+        row = int(np.argwhere((prompts.ids >= model_cfg.vocab_size) & (prompts.mask > 0))[0, 0])
+        raise ConfigError(f"prompt {row} ({texts[row][:40]!r}) has token id {int(real.max())} >= "
+                          f"the model vocab_size {model_cfg.vocab_size}: tokenizer and model do "
+                          "not match")
     total = prompts.ids.shape[1] + cfg.generation.max_new_tokens
     if total > model_cfg.max_position_embeddings:
         raise ConfigError(

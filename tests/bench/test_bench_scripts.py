@@ -131,9 +131,24 @@ def test_jax_worker_runs_a_tiny_step(tiny_checkpoint):
     assert set(r["compile_s"]) == {"time/generation", "time/scoring", "time/update", "time/step"}
 
 
-def test_decode_floor_reads_every_weight_once_in_both_layer_forms():
-    """bench/decode_floor.py: the weight-matmul-only decode step counts the 7 layer matmuls and
-    the (tied) LM head, and its scanned and unrolled forms compute the same thing."""
+def _count_primitive(jaxpr, name: str) -> int:
+    """Occurrences of primitive `name` in a jaxpr and every jaxpr nested in its equations."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count_primitive(inner, name)
+    return n
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_floor_reads_every_weight_once_in_both_layer_forms(tied):
+    """bench/decode_floor.py: a step holds the 7 layer matmuls (once in the scan body, once per
+    layer unrolled) plus the LM head and nothing else that multiplies matrices; both forms
+    compute the same finite numbers; the byte count is the weights of those matmuls."""
     import jax
     import numpy as np
 
@@ -141,16 +156,18 @@ def test_decode_floor_reads_every_weight_once_in_both_layer_forms():
     from ppo_jax.models.tiny_random import tiny_config
 
     floor = _load("decode_floor")
-    cfg = tiny_config(211)
+    cfg = tiny_config(211).replace(tie_word_embeddings=tied)
     params = split_model(init_model(cfg, "causal_lm"))[1]
     flat = flat_params(params)
+    head = "backbone/embed_tokens/embedding" if tied else "unembed/kernel"
     expect = sum(int(flat[f"backbone/layers/{m}/kernel"].nbytes) for m in floor.MATMULS)
-    expect += int(flat["backbone/embed_tokens/embedding"].nbytes)
     outs = []
     for unrolled in (False, True):
-        run, h0, nbytes = floor.weight_matmul_steps(params, cfg, batch=3, steps=2,
+        run, h0, nbytes = floor.weight_matmul_steps(params, cfg, batch=3, steps=4,
                                                     unrolled=unrolled)
-        assert nbytes == expect and h0.shape == (3, cfg.hidden_size)
+        assert nbytes == expect + int(flat[head].nbytes) and h0.shape == (3, cfg.hidden_size)
+        per_step = 7 * (cfg.num_layers if unrolled else 1) + 1
+        assert _count_primitive(jax.make_jaxpr(run)(h0).jaxpr, "dot_general") == per_step
         outs.append(np.asarray(jax.block_until_ready(run(h0))))
     assert np.isfinite(outs[0]).all() and not np.allclose(outs[0], np.asarray(h0))
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)

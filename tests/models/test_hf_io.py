@@ -130,3 +130,41 @@ def test_missing_weights_or_shard_raises_file_not_found(hf_checkpoints, tmp_path
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
         load_model(s)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"},
+     "missing the required field 'hidden_size'"),
+    (lambda c: {**c, "hidden_size": "64"}, "hidden_size='64' must be a positive int"),
+    (lambda c: {**c, "num_hidden_layers": 0}, "num_layers=0 must be a positive int"),
+])
+def test_malformed_config_names_the_file_and_field(hf_checkpoints, tmp_path, edit, match):
+    d = copy_ckpt(hf_checkpoints["llama_tied"][0], tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(edit(cfg)))
+    with pytest.raises(ValueError, match=f"config.json: .*{match}"):
+        load_model(d)
+
+
+def test_unreadable_safetensors_names_the_file(hf_checkpoints, tmp_path):
+    d = copy_ckpt(hf_checkpoints["llama_tied"][0], tmp_path / "c")
+    (d / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors"):
+        load_model(d)
+
+
+def test_weights_the_config_does_not_use_are_reported(hf_checkpoints, tmp_path):
+    """config.json with fewer layers than the weights: loading works (as in transformers) but
+    warns with the unread tensors; a causal LM's own checkpoint loads without a warning."""
+    import warnings
+
+    d = copy_ckpt(hf_checkpoints["llama_tied"][0], tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(d)
+        load_model(hf_checkpoints["llama3_untied"][0], "value")  # lm_head unused: no warning
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+    with pytest.warns(UserWarning, match=r"tensors were not loaded .*model\.layers\.1\."):
+        model, loaded_cfg = load_model(d)
+    assert loaded_cfg.num_layers == 1

@@ -150,3 +150,94 @@ def test_prompt_buckets():
     ids, mask = pad_prompts_to(np.ones((2, 3), np.int32), np.ones((2, 3), np.int32), 5, pad_token_id=9)
     np.testing.assert_array_equal(np.asarray(ids)[0], [9, 9, 1, 1, 1])
     np.testing.assert_array_equal(np.asarray(mask)[0], [0, 0, 1, 1, 1])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an int"),
+    (dict(max_new_tokens="4"), "max_new_tokens='4' must be an int"),
+    (dict(top_k=2.7), "top_k=2.7 must be an int"),
+    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+    (dict(stop_token_ids=2), "stop_token_ids=2 must be a sequence"),
+    (dict(stop_token_ids=(1.9,)), "stop_token_ids: 1.9 is not an int"),
+    (dict(stop_token_ids=(VOCAB,)), rf"stop_token_ids: {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
+    (dict(stop_token_ids=(-1,)), "stop_token_ids: -1 is outside"),
+    (dict(pad_token_id=None), "pad_token_id: None is not an int"),
+    (dict(pad_token_id=999), "pad_token_id: 999 is outside"),
+    (dict(cache_dtype="int8"), "cache_dtype='int8' must be a float dtype"),
+    (dict(cache_dtype="int4x"), "cache_dtype='int4x' is not a dtype"),
+    (dict(rng=0), "rng must be a PRNG key"),
+    (dict(rng=None), "rng is required for sampling"),
+])
+def test_bad_settings_name_the_field_before_compiling(split, kwargs, match):
+    from ppo_jax.rollout import sampler
+
+    ids, mask = prompts()
+    args = {"rng": jax.random.PRNGKey(0), "max_new_tokens": 2, "pad_token_id": 0, **kwargs}
+    compiled = sampler._generate._cache_size()
+    with pytest.raises(ValueError, match=match):
+        generate(*split, ids, mask, args.pop("rng"), **args)
+    assert sampler._generate._cache_size() == compiled
+
+
+def test_bad_prompts_name_the_problem(split):
+    ids, mask = prompts()
+    rng = jax.random.PRNGKey(0)
+
+    def call(i, m):
+        return generate(*split, i, m, rng, max_new_tokens=2, greedy=True, pad_token_id=0)
+
+    oov = ids.copy()
+    oov[1, 0] = VOCAB  # even a padding position: it is embedded and would turn the row to NaN
+    with pytest.raises(ValueError, match=rf"prompt_ids\[1, 0\] = {VOCAB} is outside the vocabulary"):
+        call(oov, mask)
+    neg = ids.copy()
+    neg[0, 3] = -1
+    with pytest.raises(ValueError, match=r"prompt_ids\[0, 3\] = -1"):
+        call(neg, mask)
+    with pytest.raises(ValueError, match="0 and 1 only"):
+        call(ids, mask * 2)
+    with pytest.raises(ValueError, match="prompt_mask must be integer or bool"):
+        call(ids, mask.astype(np.float32))
+    with pytest.raises(ValueError, match="left-padded.*row 1"):
+        call(ids, mask[:, ::-1].copy())  # right padding
+    empty = mask.copy()
+    empty[2] = 0
+    with pytest.raises(ValueError, match="row 2 of prompt_mask is all 0"):
+        call(ids, empty)
+    with pytest.raises(ValueError, match="at least one column"):
+        call(ids[:, :0], mask[:, :0])
+    out, _ = call(ids.tolist(), mask.tolist())  # nested lists are fine
+    assert np.asarray(out).shape == (4, 2)
+    out, _ = generate(*split, ids, mask.astype(bool), None, max_new_tokens=2, greedy=True,
+                      temperature=0.0)  # greedy needs no key and ignores the temperature
+    assert np.asarray(out).shape == (4, 2)
+
+
+def test_n_tokens_take_the_prefill_and_n_minus_1_passes(split, monkeypatch):
+    """The last sampled token is not run through the model; a batch that stops at its first
+    token runs the prefill only."""
+    from ppo_jax.models.llama import LlamaBackbone
+
+    calls = []
+    original = LlamaBackbone.__call__
+
+    def counted(self, input_ids, *a, **kw):
+        jax.debug.callback(lambda: calls.append(1))
+        return original(self, input_ids, *a, **kw)
+
+    monkeypatch.setattr(LlamaBackbone, "__call__", counted)
+    ids, mask = prompts()
+    free, _ = generate(*split, ids, mask, None, max_new_tokens=5, greedy=True, pad_token_id=0)
+    jax.effects_barrier()
+    assert len(calls) == 1 + 4
+    calls.clear()
+    first = np.asarray(free)[:, 0]
+    out, out_mask = generate(*split, ids, mask, None, max_new_tokens=5, greedy=True,
+                             stop_token_ids=sorted({int(t) for t in first}), pad_token_id=0)
+    jax.effects_barrier()
+    assert len(calls) == 1
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], first)
+    np.testing.assert_array_equal(np.asarray(out_mask), np.arange(5)[None].repeat(4, 0) < 1)
+    one, _ = generate(*split, ids, mask, None, max_new_tokens=1, greedy=True, pad_token_id=0)
+    np.testing.assert_array_equal(np.asarray(one)[:, 0], first)

@@ -182,3 +182,23 @@ def test_stop_token_ids_outside_the_vocabulary_are_rejected(capsys, tmp_path, mo
             "--set", "generation.stop_token_ids=[-1]"]
     assert train.main(args) == 2
     assert "generation.stop_token_ids=[-1]" in capsys.readouterr().err
+
+
+def test_prompt_ids_outside_the_model_vocabulary_are_rejected(tmp_path, monkeypatch):
+    """A tokenizer larger than the model (e.g. an added pad token without resized embeddings)
+    would feed ids the embedding cannot look up: rejected when the prompts are built."""
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    from ppo_jax.models import load_tokenizer
+    from ppo_jax.trainer.config import ConfigError, load_config
+    from ppo_jax.trainer.setup import build_prompts, resolve_model_path
+
+    cfg = load_config(ROOT / "configs/tiny.yaml",
+                      [f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}"])
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.actor, "model.actor"))
+    from ppo_jax.models.tiny_random import tiny_config
+
+    model_cfg = tiny_config(len(tokenizer))
+    assert build_prompts(cfg, tokenizer, model_cfg).ids.max() < model_cfg.vocab_size
+    small = model_cfg.replace(vocab_size=12)
+    with pytest.raises(ConfigError, match="vocab_size 12: tokenizer and model do not match"):
+        build_prompts(cfg, tokenizer, small)
