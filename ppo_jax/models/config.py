@@ -21,6 +21,8 @@ LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2",)
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+# HF `hidden_act` / `activation_function` names the decoders implement (`layers.ACTIVATIONS`)
+ACTIVATION_NAMES = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 
 REMAT_POLICIES = (
@@ -49,7 +51,7 @@ class ModelConfig:
       head_dim: sizes (GQA when num_kv_heads < num_heads).
       max_position_embeddings: context length (GPT-2: size of the learned position table).
       norm_eps: RMSNorm / LayerNorm epsilon.
-      hidden_act: "silu" (SwiGLU gate) or "gelu_new" (GPT-2 MLP), or another name in `ACTIVATIONS`.
+      hidden_act: "silu" (SwiGLU gate) or "gelu_new" (GPT-2 MLP), or another of `ACTIVATION_NAMES`.
       tie_word_embeddings: LM head shares the token embedding.
       qkv_bias / o_bias / mlp_bias: biases on q,k,v projections / output projection / MLP.
       rope_theta, rope_type ("default" | "linear" | "llama3"), rope_factor,
@@ -107,6 +109,9 @@ class ModelConfig:
             )
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {ROPE_TYPES}")
+        if self.hidden_act not in ACTIVATION_NAMES:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                             f"{ACTIVATION_NAMES}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {DTYPES}")

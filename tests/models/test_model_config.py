@@ -27,6 +27,15 @@ def test_unsupported_rope_type_and_model_type_are_named():
         ModelConfig.from_hf({**BASE, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="model_type 't5'"):
         ModelConfig.from_hf({**BASE, "model_type": "t5"})
+    with pytest.raises(ValueError, match="hidden_act 'foo'"):
+        ModelConfig.from_hf({**BASE, "hidden_act": "foo"})
+
+
+def test_every_accepted_activation_is_implemented():
+    from ppo_jax.models.config import ACTIVATION_NAMES
+    from ppo_jax.models.layers import ACTIVATIONS
+
+    assert set(ACTIVATION_NAMES) == set(ACTIVATIONS)
 
 
 def test_sliding_windows_per_layer():
