@@ -62,7 +62,9 @@ def _discounted_reverse_cumsum_chunked(deltas: jax.Array, c: jax.Array, chunk: i
 
     def discount_matrix(size: int, base: jax.Array) -> jax.Array:
         lag = jnp.arange(size)[:, None] - jnp.arange(size)[None, :]  # row: source j', col: target j
-        powers = base ** jnp.maximum(lag, 0).astype(deltas.dtype)
+        # base ** 0 written as 1, not computed: its derivative 0 * base ** -1 is NaN at base 0
+        powers = base ** jnp.maximum(lag, 1).astype(deltas.dtype)
+        powers = jnp.where(lag == 0, 1, powers)
         return jnp.where(lag >= 0, powers, 0).astype(deltas.dtype)
 
     hi = jax.lax.Precision.HIGHEST

@@ -35,7 +35,8 @@ def logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature: Any 
 
     Args:
       logits: ``[B, T, V]`` float (any float dtype; computed in at least float32).
-      tokens: ``[B, T]`` int token ids in ``[0, V)``.
+      tokens: ``[B, T]`` int token ids in ``[0, V)`` (not checked: the values may be traced;
+        an id outside gives an undefined log-prob, e.g. -1 reads the last column).
       temperature: positive scalar (Python float or traced 0-d array).
 
     Returns:

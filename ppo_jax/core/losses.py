@@ -85,8 +85,9 @@ def policy_loss(
       ``pg_loss`` (= loss), all token means / normalised sums.
 
     Raises:
-      ValueError: wrong ranks / dtypes / shapes; static ``cliprange < 0``,
-        ``cliprange_high < 0``, ``dual_clip <= 1``, ``loss_normalizer < 0``.
+      ValueError: wrong ranks / dtypes / shapes; a clip range or ``dual_clip`` that is not a
+        numeric scalar; static ``cliprange < 0``, ``cliprange_high < 0``, ``dual_clip <= 1``,
+        ``loss_normalizer < 0``.
     """
     V.check_nonnegative("cliprange", cliprange)
     if cliprange_high is not None:
@@ -99,10 +100,13 @@ def policy_loss(
     reduce = _reducer(valid, dtype, loss_normalizer)
     adv = jax.lax.stop_gradient(adv)
     old = jax.lax.stop_gradient(old)
+    cliprange = V.as_scalar("cliprange", cliprange).astype(dtype)
+    high = cliprange if cliprange_high is None else V.as_scalar("cliprange_high", cliprange_high).astype(dtype)
+    if dual_clip is not None:
+        dual_clip = V.as_scalar("dual_clip", dual_clip).astype(dtype)
 
     log_ratio = lp - old  # 0 on masked slots: both were replaced by 0
     ratio = jnp.exp(log_ratio)
-    high = cliprange if cliprange_high is None else cliprange_high
     pg1 = -adv * ratio
     pg2 = -adv * jnp.clip(ratio, 1.0 - cliprange, 1.0 + high)
     per_token = jnp.maximum(pg1, pg2)
@@ -155,8 +159,8 @@ def value_loss(
       ``vpred`` (mean ``V``), all token means / normalised sums.
 
     Raises:
-      ValueError: wrong ranks / dtypes / shapes; static ``cliprange_value < 0`` or
-        ``loss_normalizer < 0``.
+      ValueError: wrong ranks / dtypes / shapes; ``cliprange_value`` not a numeric scalar;
+        static ``cliprange_value < 0`` or ``loss_normalizer < 0``.
     """
     V.check_nonnegative("cliprange_value", cliprange_value)
     (v, old, ret), valid, dtype = _prepare(
@@ -165,6 +169,7 @@ def value_loss(
     reduce = _reducer(valid, dtype, loss_normalizer)
     old = jax.lax.stop_gradient(old)
     ret = jax.lax.stop_gradient(ret)
+    cliprange_value = V.as_scalar("cliprange_value", cliprange_value).astype(dtype)
 
     v_clipped = jnp.clip(v, old - cliprange_value, old + cliprange_value)
     err1 = (v - ret) ** 2

@@ -10,21 +10,28 @@ under a new name, with no trainer edit::
         ...
         return advantages, returns
 
-Signatures a registered function must have (all arrays ``[B, T]``; ``mask`` is 0/1; the
-trainer passes the config's keyword arguments for that entry, plus those shown):
+Signatures a registered function must have (all arrays ``[B, T]``; ``mask`` is 0/1). The
+trainer calls each one with the keyword arguments below plus the entries of the matching
+``ppo.*_kwargs`` config dict (scalars or strings, e.g. ``--set ppo.policy_loss_kwargs.beta=0.1``),
+and checks at start-up that the signature accepts that call:
 
 - advantage estimator:
-  ``fn(values, rewards, mask, **kwargs) -> (advantages [B, T], returns [B, T])``.
-  Built-in: ``"gae"`` (``compute_gae``; kwargs ``gamma``, ``lam``, ``method``, ``unroll``).
+  ``fn(values, rewards, mask, *, gamma, lam, **advantage_kwargs)
+  -> (advantages [B, T], returns [B, T])``.
+  Built-in: ``"gae"`` (``compute_gae``; ``advantage_kwargs`` may set ``method`` and ``unroll``).
 - policy loss:
-  ``fn(logprobs, old_logprobs, advantages, mask, *, loss_normalizer=None, **kwargs)
-  -> (loss scalar, stats dict[str, scalar])``.
-  Built-in: ``"ppo_clip"`` (``policy_loss``; kwargs ``cliprange``, ``cliprange_high``,
-  ``dual_clip``).
+  ``fn(logprobs, old_logprobs, advantages, mask, *, loss_normalizer, cliprange,
+  **policy_loss_kwargs) -> (loss scalar, stats dict[str, scalar])``; ``cliprange_high`` and
+  ``dual_clip`` are passed too when the config sets them.
+  Built-in: ``"ppo_clip"`` (``policy_loss``).
 - value loss:
-  ``fn(values, old_values, returns, mask, *, loss_normalizer=None, **kwargs)
-  -> (loss scalar, stats dict[str, scalar])``.
-  Built-in: ``"clipped_mse"`` (``value_loss``; kwarg ``cliprange_value``).
+  ``fn(values, old_values, returns, mask, *, loss_normalizer, cliprange_value,
+  **value_loss_kwargs) -> (loss scalar, stats dict[str, scalar])``.
+  Built-in: ``"clipped_mse"`` (``value_loss``).
+
+A function that has no use for a keyword can take ``**unused``. Registering a name twice
+raises unless ``override=True`` (re-running a notebook cell that registers a new function
+object under the same name needs it).
 
 Losses and stats must be token sums divided by ``loss_normalizer`` when it is given (token
 means over ``mask`` otherwise), so that summing them over micro-batches gives exact minibatch

@@ -21,6 +21,8 @@ def last_valid_onehot(valid: jax.Array) -> jax.Array:
     Works for any mask, not only prefixes (like TRL's ``mask.nonzero()[-1]``); an empty row
     has last index -1, which matches no position.
     """
+    if valid.shape[-1] == 0:  # zero-length responses: no last position
+        return jnp.zeros(valid.shape, bool)
     positions = jnp.arange(valid.shape[-1], dtype=jnp.int32)
     last = jnp.max(jnp.where(valid, positions, -1), axis=-1, keepdims=True)
     return positions == last
@@ -60,7 +62,8 @@ def compute_rewards_from_kl(
     if reward_clip is not None:
         V.check_nonnegative("reward_clip", reward_clip)
         scores = jnp.clip(scores, -reward_clip, reward_clip)
-    non_score = jnp.where(valid, -kl_coef.astype(kl.dtype) * kl, 0)
+    # mask before multiplying, so garbage in masked slots reaches no gradient (d/dkl_coef)
+    non_score = -kl_coef.astype(kl.dtype) * jnp.where(valid, kl, 0)
     at_last = last_valid_onehot(valid)
     rewards = non_score + jnp.where(at_last, scores.astype(kl.dtype)[:, None], 0)
     return rewards, non_score

@@ -108,12 +108,16 @@ def check_nonnegative(name: str, x: Any) -> None:
 
 
 def as_scalar(name: str, x: Any) -> jax.Array:
-    """Returns a float scalar (Python float or 0-d / size-1 traced array) as a 0-d array.
+    """Returns a numeric scalar (Python number, 0-d numpy / jax array, traced or not) as a 0-d
+    array.
 
     Raises:
-      ValueError: ``x`` is not a scalar or not numeric.
+      ValueError: ``x`` is not a scalar or not numeric (strings and None included).
     """
-    arr = jnp.asarray(x)
+    try:
+        arr = jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a numeric scalar, got {type(x).__name__} {x!r:.40}") from None
     if arr.ndim != 0:
         raise ValueError(f"{name} must be a scalar, got {_describe(arr)}")
     if arr.dtype == jnp.bool_ or not (

@@ -49,6 +49,7 @@ class ExperienceSettings:
     advantage_estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 0.95
+    advantage_kwargs: tuple = ()  # extra (name, value) keyword arguments of the estimator
     shared_critic: bool = False  # actor params hold {"policy", "value_head"}; no critic model
     mesh: Optional[Mesh] = None  # split the rows of every micro-batch chunk over ("data", "fsdp")
 
@@ -132,7 +133,8 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
     if s.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     estimator = get_advantage_estimator(s.advantage_estimator)
-    advantages, returns = estimator(values, rewards, mask, gamma=s.gamma, lam=s.lam)
+    advantages, returns = estimator(values, rewards, mask, gamma=s.gamma, lam=s.lam,
+                                    **dict(s.advantage_kwargs))
     if s.whiten_advantages:
         advantages = jnp.where(mask > 0, masked_whiten(advantages, mask), 0.0)
 

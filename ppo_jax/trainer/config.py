@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -94,6 +94,11 @@ class PPOConfig:
     advantage_estimator: str = "gae"
     policy_loss: str = "ppo_clip"
     value_loss: str = "clipped_mse"
+    # extra keyword arguments for the registered functions above (scalars or strings), e.g.
+    # advantage_kwargs: {method: scan} or a fork's policy_loss_kwargs: {entropy_coef: 0.01}
+    advantage_kwargs: Dict[str, Any] = field(default_factory=dict)
+    policy_loss_kwargs: Dict[str, Any] = field(default_factory=dict)
+    value_loss_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,6 +209,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def static_kwargs(kwargs: dict) -> tuple:
+    """A config kwargs dict as sorted (key, value) pairs: hashable, for static jit settings."""
+    return tuple(sorted(kwargs.items()))
+
+
 def to_dict(cfg: Config) -> dict:
     """Plain nested dict of `cfg` (for logging and checkpoint metadata)."""
     return dataclasses.asdict(cfg)
@@ -242,6 +252,10 @@ def validate(cfg: Config) -> None:
     if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
         raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
     _choice("ppo.kl_controller", p.kl_controller, {"adaptive", "fixed"})
+    for name in ("advantage_kwargs", "policy_loss_kwargs", "value_loss_kwargs"):
+        for key, value in getattr(p, name).items():
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                raise ConfigError(f"ppo.{name}.{key}={value!r}: values must be scalars or strings")
     _choice("ppo.kl_estimator", p.kl_estimator, {"kl", "abs", "mse", "low_var_kl"})
     _positive("generation.max_new_tokens", g.max_new_tokens)
     _positive("generation.temperature", g.temperature)

@@ -9,6 +9,7 @@ argument; graph definitions, optimisers and settings are static.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from ppo_jax.rollout.experience import ExperienceSettings, make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head
 from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
-from ppo_jax.trainer.config import Config, ConfigError, to_dict
+from ppo_jax.trainer.config import Config, ConfigError, static_kwargs, to_dict
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.metrics import MetricsWriter
 from ppo_jax.trainer.optim import make_optimizer
@@ -37,17 +38,37 @@ from ppo_jax.trainer.data import PromptSampler
 
 
 def check_names(cfg: Config) -> None:
-    """Registered names in the config exist (before anything is loaded).
+    """Registered names in the config exist and take the arguments the trainer will pass
+    (before anything is loaded).
 
     Raises:
-      ConfigError: naming the key and listing the known names.
+      ConfigError: naming the key, listing the known names or the call that would fail.
     """
-    for key, getter in (("ppo.advantage_estimator", get_advantage_estimator),
-                        ("ppo.policy_loss", get_policy_loss), ("ppo.value_loss", get_value_loss)):
+    p = cfg.ppo
+    upd = UpdateSettings(cliprange=p.cliprange, cliprange_high=p.cliprange_high,
+                         dual_clip=p.dual_clip, cliprange_value=p.cliprange_value,
+                         policy_loss_kwargs=static_kwargs(p.policy_loss_kwargs),
+                         value_loss_kwargs=static_kwargs(p.value_loss_kwargs))
+    calls = (  # key, getter, positional names, keyword arguments of the trainer's call
+        ("ppo.advantage_estimator", get_advantage_estimator, ("values", "rewards", "mask"),
+         {"gamma": p.gamma, "lam": p.lam, **p.advantage_kwargs}),
+        ("ppo.policy_loss", get_policy_loss, ("logprobs", "old_logprobs", "advantages", "mask"),
+         {"loss_normalizer": 1.0, **upd.policy_kwargs()}),
+        ("ppo.value_loss", get_value_loss, ("values", "old_values", "returns", "mask"),
+         {"loss_normalizer": 1.0, **upd.value_kwargs()}))
+    for key, getter, positional, kwargs in calls:
+        name = getattr(p, key.split(".")[1])
         try:
-            getter(getattr(cfg.ppo, key.split(".")[1]))
+            fn = getter(name)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
+        try:
+            inspect.signature(fn).bind(*positional, **kwargs)
+        except TypeError as e:
+            raise ConfigError(
+                f"{key}={name!r}: {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot be "
+                f"called as the trainer calls it, fn({', '.join(positional)}, "
+                f"{', '.join(f'{k}=' for k in kwargs)}): {e}") from None
     if cfg.ppo.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
     if cfg.reward.kind == "function":
@@ -156,14 +177,15 @@ class PPOTrainer:
             kl_estimator=p.kl_estimator, reward_clip=p.reward_clip, score_scale=p.score_scale,
             missing_eos_penalty=p.missing_eos_penalty, whiten_rewards=p.whiten_rewards,
             whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
-            gamma=p.gamma, lam=p.lam, shared_critic=self.shared_critic,
-            mesh=self.place.constraint_mesh)
+            gamma=p.gamma, lam=p.lam, advantage_kwargs=static_kwargs(p.advantage_kwargs),
+            shared_critic=self.shared_critic, mesh=self.place.constraint_mesh)
         upd_settings = UpdateSettings(
             ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
             micro_batch_size=p.micro_batch_size, temperature=g.temperature,
             policy_loss=p.policy_loss, value_loss=p.value_loss, cliprange=p.cliprange,
             cliprange_high=p.cliprange_high, dual_clip=p.dual_clip,
-            cliprange_value=p.cliprange_value, shared_critic=self.shared_critic,
+            cliprange_value=p.cliprange_value, policy_loss_kwargs=static_kwargs(p.policy_loss_kwargs),
+            value_loss_kwargs=static_kwargs(p.value_loss_kwargs), shared_critic=self.shared_critic,
             vf_coef=p.vf_coef, mesh=self.place.constraint_mesh)
         critic_graphdef = m.critic.graphdef if m.critic is not None else None
         reward_graphdef = m.reward.graphdef if m.reward else None

@@ -38,17 +38,24 @@ class UpdateSettings:
     cliprange_high: Optional[float] = None
     dual_clip: Optional[float] = None
     cliprange_value: float = 0.2
+    policy_loss_kwargs: tuple = ()  # extra (name, value) keyword arguments of the losses
+    value_loss_kwargs: tuple = ()
     shared_critic: bool = False  # one state {"policy", "value_head"}; loss = pg + vf_coef * vf
     vf_coef: float = 0.1
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
 
     def policy_kwargs(self) -> dict:
+        """Keyword arguments of every policy-loss call besides `loss_normalizer`."""
         kw = {"cliprange": self.cliprange}
         if self.cliprange_high is not None:
             kw["cliprange_high"] = self.cliprange_high
         if self.dual_clip is not None:
             kw["dual_clip"] = self.dual_clip
-        return kw
+        return {**kw, **dict(self.policy_loss_kwargs)}
+
+    def value_kwargs(self) -> dict:
+        """Keyword arguments of every value-loss call besides `loss_normalizer`."""
+        return {"cliprange_value": self.cliprange_value, **dict(self.value_loss_kwargs)}
 
 
 def _zeros_like(tree):
@@ -102,7 +109,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         values = critic_values(critic_graphdef, params, *rollout)
         loss, stats = value_loss_fn(values, m.values, m.returns, m.response_mask,
-                                    loss_normalizer=n_tokens, cliprange_value=s.cliprange_value)
+                                    loss_normalizer=n_tokens, **s.value_kwargs())
         return loss, dict(stats)
 
     def joint_loss(params, m: Experience, n_tokens):
@@ -113,7 +120,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
         pg, p_stats = policy_loss_fn(logprobs, m.logprobs, m.advantages, m.response_mask,
                                      loss_normalizer=n_tokens, **s.policy_kwargs())
         vf, v_stats = value_loss_fn(values, m.values, m.returns, m.response_mask,
-                                    loss_normalizer=n_tokens, cliprange_value=s.cliprange_value)
+                                    loss_normalizer=n_tokens, **s.value_kwargs())
         entropy = masked_sum(jax.lax.stop_gradient(entropy), m.response_mask) / n_tokens
         return pg + s.vf_coef * vf, {**p_stats, **v_stats, "entropy": entropy}
 

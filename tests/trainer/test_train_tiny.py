@@ -146,14 +146,15 @@ def test_a_forks_registered_loss_runs_through_train_import(tmp_path, monkeypatch
     out = tmp_path / "run"
     args = ["--config", str(ROOT / "configs/tiny.yaml"), "--set", f"train.output_dir={out}",
             "--set", "train.steps=1", "--set", "train.progress=false", "--set", "train.export_hf=false",
-            "--import", "examples.my_losses", "--set", "ppo.policy_loss=plain_pg"]
+            "--import", "examples.my_losses", "--set", "ppo.policy_loss=plain_pg",
+            "--set", "ppo.policy_loss_kwargs.pg_coef=0.0", "--set", "ppo.advantage_kwargs.method=scan"]
     try:
         assert train.main(args) == 0
     finally:
         unregister("policy loss", "plain_pg")
         sys.modules.pop("examples.my_losses", None)
     (record,) = read_metrics(out)
-    assert math.isfinite(record["pg_loss"]) and "clipfrac" not in record  # not ppo_clip's stats
+    assert record["pg_loss"] == 0.0 and "clipfrac" not in record  # pg_coef reached plain_pg
     assert record["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-6)
     assert train.main(["--import", "no_such_module_xyz"]) == 2
 
@@ -202,3 +203,34 @@ def test_prompt_ids_outside_the_model_vocabulary_are_rejected(tmp_path, monkeypa
     small = model_cfg.replace(vocab_size=12)
     with pytest.raises(ConfigError, match="vocab_size 12: tokenizer and model do not match"):
         build_prompts(cfg, tokenizer, small)
+
+
+def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at_start():
+    from ppo_jax.core import register_advantage_estimator, register_policy_loss, unregister
+    from ppo_jax.trainer.config import ConfigError, load_config
+    from ppo_jax.trainer.loop import check_names
+
+    @register_policy_loss("no_normalizer")
+    def no_normalizer(logprobs, old_logprobs, advantages, mask):
+        return (advantages * mask).sum(), {}
+
+    @register_advantage_estimator("needs_alpha")
+    def needs_alpha(values, rewards, mask, *, gamma, lam, alpha):
+        return rewards, rewards
+
+    base = str(ROOT / "configs/tiny.yaml")
+    try:
+        with pytest.raises(ConfigError, match="ppo.policy_loss='no_normalizer': no_normalizer.*"
+                                              "loss_normalizer"):
+            check_names(load_config(base, ["ppo.policy_loss=no_normalizer"]))
+        with pytest.raises(ConfigError, match="ppo.advantage_estimator='needs_alpha'.*alpha"):
+            check_names(load_config(base, ["ppo.advantage_estimator=needs_alpha"]))
+        check_names(load_config(base, ["ppo.advantage_estimator=needs_alpha",
+                                       "ppo.advantage_kwargs.alpha=0.5"]))
+        with pytest.raises(ConfigError, match="ppo.value_loss='clipped_mse'.*huber_delta"):
+            check_names(load_config(base, ["ppo.value_loss_kwargs.huber_delta=1.0"]))
+        with pytest.raises(ConfigError, match="ppo.policy_loss_kwargs.xs=.*scalars or strings"):
+            load_config(base, ["ppo.policy_loss_kwargs.xs=[1,2]"])
+    finally:
+        unregister("policy loss", "no_normalizer")
+        unregister("advantage estimator", "needs_alpha")
