@@ -20,7 +20,10 @@ def main() -> None:
     path = args.run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"no metrics file: {path}")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # non-finite metrics are written as the strings "nan" / "inf"; read them back as floats
+    rows = [{k: float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
+             for k, v in json.loads(line).items()}
+            for line in path.read_text().splitlines() if line.strip()]
     w = min(args.window, len(rows))
     first, last = rows[:w], rows[-w:]
 

@@ -14,6 +14,7 @@ learning_rate 1.41e-5, temperature 1.0 with top_k 0 / top_p 1.0).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -113,7 +114,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # global-norm gradient clipping; 0 = off
 
 
 @dataclass
@@ -236,6 +237,13 @@ def validate(cfg: Config) -> None:
       ConfigError: naming the field and its value.
     """
     p, g, o = cfg.ppo, cfg.generation, cfg.optim
+    for section in dataclasses.fields(cfg):
+        if not dataclasses.is_dataclass(getattr(cfg, section.name)):
+            continue
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}={value!r} must be a finite number")
     for name in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "horizon"):
         _positive(f"ppo.{name}", getattr(p, name))
     if p.batch_size % p.mini_batch_size:
@@ -252,10 +260,24 @@ def validate(cfg: Config) -> None:
     if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
         raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
     _choice("ppo.kl_controller", p.kl_controller, {"adaptive", "fixed"})
-    for name in ("advantage_kwargs", "policy_loss_kwargs", "value_loss_kwargs"):
+    reserved = {"advantage_kwargs": ("gamma", "lam"),
+                "policy_loss_kwargs": ("loss_normalizer", "cliprange", "cliprange_high", "dual_clip"),
+                "value_loss_kwargs": ("loss_normalizer", "cliprange_value")}
+    for name, taken in reserved.items():
         for key, value in getattr(p, name).items():
             if not isinstance(value, (bool, int, float, str, type(None))):
                 raise ConfigError(f"ppo.{name}.{key}={value!r}: values must be scalars or strings")
+            if key in taken:
+                raise ConfigError(f"ppo.{name}.{key}: the trainer passes {key} itself"
+                                  + ("" if key == "loss_normalizer" else f"; set ppo.{key}"))
+    for name in ("cliprange_high", "reward_clip"):
+        if getattr(p, name) is not None:
+            _positive(f"ppo.{name}", getattr(p, name))
+    if p.dual_clip is not None and not p.dual_clip > 1:
+        raise ConfigError(f"ppo.dual_clip={p.dual_clip!r} must be > 1 (or null)")
+    _positive("ppo.score_scale", p.score_scale)
+    if p.vf_coef < 0:
+        raise ConfigError(f"ppo.vf_coef={p.vf_coef!r} must be >= 0")
     _choice("ppo.kl_estimator", p.kl_estimator, {"kl", "abs", "mse", "low_var_kl"})
     _positive("generation.max_new_tokens", g.max_new_tokens)
     _positive("generation.temperature", g.temperature)
@@ -267,6 +289,19 @@ def validate(cfg: Config) -> None:
     _choice("optim.schedule", o.schedule, {"constant", "cosine"})
     _positive("optim.actor_lr", o.actor_lr)
     _positive("optim.critic_lr", o.critic_lr)
+    _positive("optim.eps", o.eps)
+    for name in ("b1", "b2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            raise ConfigError(f"optim.{name}={getattr(o, name)!r} must lie in [0, 1)")
+    for name in ("warmup_steps", "weight_decay", "max_grad_norm"):  # max_grad_norm 0 = no clipping
+        if getattr(o, name) < 0:
+            raise ConfigError(f"optim.{name}={getattr(o, name)!r} must be >= 0")
+    t = cfg.train
+    _positive("train.log_every", t.log_every)
+    _positive("train.max_to_keep", t.max_to_keep)
+    for name in ("seed", "sample_every", "num_samples", "save_every"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)!r} must be >= 0")
     _choice("reward.kind", cfg.reward.kind, {"function", "model"})
     if cfg.reward.kind == "model" and not cfg.model.reward_model:
         raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")

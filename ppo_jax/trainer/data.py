@@ -44,6 +44,9 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
             where = f"line {e.lineno}" if suffix == ".json" else f"line {_bad_line(text)}"
             raise ValueError(f"data.prompts: {path} is not valid {suffix[1:].upper()} ({where}: "
                              f"{e.msg})") from None
+        if not isinstance(records, list):
+            raise ValueError(f"data.prompts: {path} holds a JSON {type(records).__name__}; expected a "
+                             "list of prompt strings or records")
         prompts = [_field(r, field, path, i) for i, r in enumerate(records)]
     elif suffix == ".parquet":
         import pyarrow.parquet as pq

@@ -26,15 +26,18 @@ from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head
 from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
 from ppo_jax.trainer.config import Config, ConfigError, static_kwargs, to_dict
+from ppo_jax.trainer.data import PromptSampler, read_prompts
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.metrics import MetricsWriter
 from ppo_jax.trainer.optim import make_optimizer
 from ppo_jax.trainer.placement import Placement
 from ppo_jax.trainer.reward_functions import get_reward_function
+from ppo_jax.trainer.run_dir import (
+    SUPERSEDED, RunLock, check_writable, logged_steps, supersede_metrics,
+)
 from ppo_jax.trainer.setup import build_models, build_prompts, pad_token_id, stop_token_ids
 from ppo_jax.trainer.state import TrainState
 from ppo_jax.trainer.update import UpdateSettings, ppo_update
-from ppo_jax.trainer.data import PromptSampler
 
 
 def check_names(cfg: Config) -> None:
@@ -69,6 +72,11 @@ def check_names(cfg: Config) -> None:
                 f"{key}={name!r}: {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot be "
                 f"called as the trainer calls it, fn({', '.join(positional)}, "
                 f"{', '.join(f'{k}=' for k in kwargs)}): {e}") from None
+        try:  # and runs with the configured arguments (a bad method or clip fails here, not mid-step)
+            fn(*(jnp.ones((1, 2), jnp.float32) for _ in positional), **kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure of the user's function is reported
+            raise ConfigError(f"{key}={name!r} fails on a 1x2 test batch with the configured "
+                              f"arguments {kwargs}: {type(e).__name__}: {e}") from None
     if cfg.ppo.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
     if cfg.reward.kind == "function":
@@ -103,16 +111,27 @@ class PPOTrainer:
 
     def __init__(self, cfg: Config, *, resume: bool = False, devices=None):
         check_names(cfg)
+        read_prompts(cfg.data.prompts, cfg.data.prompt_field)  # a bad file fails before loading
         self.cfg = cfg
         self.out = Path(cfg.train.output_dir)
-        if not resume:
-            done = finished_steps(self.out / "checkpoints")
-            if done:
-                raise ConfigError(
-                    f"train.output_dir={cfg.train.output_dir!r} already holds checkpoints (steps "
-                    f"{done}); pass --resume to continue that run, or choose a new "
-                    "train.output_dir (nothing was written)")
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError(f"train.output_dir={cfg.train.output_dir!r} is a file, not a directory")
+        done, logged = finished_steps(self.out / "checkpoints"), logged_steps(self.out)
+        if not resume and (done or logged):
+            held = f"checkpoints (steps {done})" if done else f"metrics of {len(logged)} steps"
+            raise ConfigError(
+                f"train.output_dir={cfg.train.output_dir!r} already holds {held}; pass --resume to "
+                "continue that run, or choose a new train.output_dir (nothing was written)")
+        if resume and not done and logged:
+            raise ConfigError(
+                f"--resume: train.output_dir={cfg.train.output_dir!r} holds metrics of "
+                f"{len(logged)} steps but no checkpoint to continue them from; choose a new "
+                "train.output_dir (nothing was written)")
         self.process_index = jax.process_index()
+        self._lock = None
+        if self.process_index == 0:
+            check_writable(self.out)
+            self._lock = RunLock(self.out)
         try:
             self.place = Placement.from_config(cfg.mesh, devices)
         except ValueError as e:
@@ -162,10 +181,13 @@ class PPOTrainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", max_to_keep=cfg.train.max_to_keep)
         if resume:
             self._restore()
+            moved = supersede_metrics(self.out, self.step_count) if self.process_index == 0 else 0
+            if moved:
+                print(f"--resume: {moved} logged steps after step {self.step_count} (past the last "
+                      f"checkpoint) moved to {self.out / SUPERSEDED}; they run again")
         self.writer = MetricsWriter(self.out, tensorboard=cfg.train.tensorboard,
                                     enabled=self.process_index == 0)
-        if self.process_index == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
+        if self.process_index == 0 and self.step_count < cfg.train.steps:
             (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
 
     # ----------------------------------------------------------------------------------------
@@ -363,8 +385,16 @@ class PPOTrainer:
                 metrics = self.step()
                 history.append(metrics)
                 n = self.step_count
-                if n % cfg.log_every == 0 or n == cfg.steps:
+                bad = sorted(k for k, v in metrics.items()
+                             if (k.endswith("loss") or k == "kl") and not np.isfinite(v))
+                if n % cfg.log_every == 0 or n == cfg.steps or bad:
                     self.writer.write(n, metrics)
+                if bad:
+                    last = self.checkpointer.latest_step()
+                    raise FloatingPointError(
+                        f"step {n}: {', '.join(bad)} not finite; stopped before saving (the last "
+                        f"checkpoint, step {last}, is kept). Check learning rates, kl_coef and the "
+                        "reward scale")
                 if self.writer.enabled and cfg.sample_every and (n % cfg.sample_every == 0 or n == 1):
                     self.writer.write_samples(n, self.last_samples[:cfg.num_samples])
                 if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
@@ -377,6 +407,8 @@ class PPOTrainer:
             if bar is not None:
                 bar.close()
             self.writer.close()
+            if self._lock is not None:
+                self._lock.release()
         if cfg.export_hf:
             self.export_actor()  # collective; process 0 writes
         return history

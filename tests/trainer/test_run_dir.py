@@ -1,0 +1,101 @@
+"""Guards around a run's output directory and values: one writer at a time, resumes that keep
+each step's metrics once, errors before loading, and no NaN checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ppo_jax.trainer.config import ConfigError, load_config
+from ppo_jax.trainer.run_dir import RunLock, logged_steps, supersede_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs/tiny.yaml")
+PROMPTS = f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}"
+
+
+def test_a_second_writer_is_refused_until_the_first_releases(tmp_path):
+    first = RunLock(tmp_path)
+    with pytest.raises(ConfigError, match="in use by another running train.py"):
+        RunLock(tmp_path)
+    first.release()
+    RunLock(tmp_path).release()
+
+
+def test_resume_moves_metrics_past_the_checkpoint_aside(tmp_path):
+    rows = [{"step": s, "kl": 0.1 * s} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert supersede_metrics(tmp_path, 3) == 2
+    assert logged_steps(tmp_path) == [1, 2, 3]
+    moved = [json.loads(x)["step"] for x in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert moved == [4, 5]
+    assert supersede_metrics(tmp_path, 3) == 0
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.max_to_keep=0", "train.max_to_keep=0 must be > 0"),
+    ("train.log_every=0", "train.log_every=0 must be > 0"),
+    ("train.seed=-1", "train.seed=-1 must be >= 0"),
+    ("optim.actor_lr=nan", "optim.actor_lr=nan must be a finite number"),
+    ("ppo.kl_coef=inf", "ppo.kl_coef=inf must be a finite number"),
+    ("optim.b2=-1", r"optim.b2=-1.0 must lie in \[0, 1\)"),
+    ("optim.eps=0", "optim.eps=0.0 must be > 0"),
+    ("ppo.dual_clip=0.5", "ppo.dual_clip=0.5 must be > 1"),
+    ("ppo.reward_clip=-1", "ppo.reward_clip=-1.0 must be > 0"),
+    ("ppo.advantage_kwargs.gamma=0.5", "the trainer passes gamma itself; set ppo.gamma"),
+    ("ppo.policy_loss_kwargs.cliprange=0.3", "set ppo.cliprange"),
+])
+def test_bad_values_are_named_by_the_config(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(TINY, [override])
+
+
+def test_a_formula_that_fails_with_its_arguments_is_reported_before_loading(tmp_path):
+    from ppo_jax.trainer.loop import PPOTrainer
+
+    out = tmp_path / "run"
+    cfg = load_config(TINY, [f"train.output_dir={out}", PROMPTS, "ppo.advantage_kwargs.method=scna"])
+    with pytest.raises(ConfigError, match="ppo.advantage_estimator='gae' fails on a 1x2 test batch.*scna"):
+        PPOTrainer(cfg)
+    assert not out.exists()
+
+
+def test_output_dir_problems_are_reported_before_loading(tmp_path):
+    from ppo_jax.trainer.loop import PPOTrainer
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        PPOTrainer(load_config(TINY, [f"train.output_dir={a_file}", PROMPTS]))
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    (logged / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="already holds metrics of 1 steps"):
+        PPOTrainer(load_config(TINY, [f"train.output_dir={logged}", PROMPTS]))
+    with pytest.raises(ConfigError, match="no checkpoint to continue them from"):
+        PPOTrainer(load_config(TINY, [f"train.output_dir={logged}", PROMPTS]), resume=True)
+    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+        PPOTrainer(load_config(TINY, [f"train.output_dir={tmp_path / 'new'}",
+                                      f"data.prompts={tmp_path / 'missing.jsonl'}"]))
+    assert (logged / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_run_that_goes_non_finite_stops_before_saving(tmp_path, monkeypatch):
+    """An absurd learning rate makes the losses non-finite within the first steps: the run stops
+    with a clear error, logs the bad step, and saves no checkpoint of it (earlier ones stay)."""
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    from ppo_jax.trainer.checkpoint import finished_steps
+    from ppo_jax.trainer.loop import PPOTrainer
+
+    out = tmp_path / "run"
+    cfg = load_config(TINY, [f"train.output_dir={out}", PROMPTS, "train.steps=4", "train.save_every=1",
+                             "train.progress=false", "optim.actor_lr=1e30", "optim.critic_lr=1e30",
+                             "optim.max_grad_norm=0"])
+    trainer = PPOTrainer(cfg)
+    with pytest.raises(FloatingPointError, match="not finite; stopped before saving"):
+        trainer.train()
+    steps = logged_steps(out)
+    assert steps and finished_steps(out / "checkpoints") == steps[:-1]  # the bad step: logged, not saved
+    RunLock(out).release()  # the failed run let go of the directory
