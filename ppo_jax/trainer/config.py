@@ -275,7 +275,8 @@ def validate(cfg: Config) -> None:
             _positive(f"ppo.{name}", getattr(p, name))
     if p.dual_clip is not None and not p.dual_clip > 1:
         raise ConfigError(f"ppo.dual_clip={p.dual_clip!r} must be > 1 (or null)")
-    _positive("ppo.score_scale", p.score_scale)
+    if p.score_scale == 0:  # negative is allowed: it turns a reward into a cost
+        raise ConfigError("ppo.score_scale=0.0 would ignore the reward; use a non-zero scale")
     if p.vf_coef < 0:
         raise ConfigError(f"ppo.vf_coef={p.vf_coef!r} must be >= 0")
     _choice("ppo.kl_estimator", p.kl_estimator, {"kl", "abs", "mse", "low_var_kl"})
