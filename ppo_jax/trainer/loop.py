@@ -371,6 +371,8 @@ class PPOTrainer:
             if self.process_index == 0:
                 print(f"nothing to do: the run is at step {self.step_count} and train.steps="
                       f"{cfg.steps}; raise train.steps to continue it")
+            if self._lock is not None:
+                self._lock.release()
             return []
         show = cfg.progress if progress is None else progress
         history = []
