@@ -260,16 +260,10 @@ def validate(cfg: Config) -> None:
     if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
         raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
     _choice("ppo.kl_controller", p.kl_controller, {"adaptive", "fixed"})
-    reserved = {"advantage_kwargs": ("gamma", "lam"),
-                "policy_loss_kwargs": ("loss_normalizer", "cliprange", "cliprange_high", "dual_clip"),
-                "value_loss_kwargs": ("loss_normalizer", "cliprange_value")}
-    for name, taken in reserved.items():
+    for name in ("advantage_kwargs", "policy_loss_kwargs", "value_loss_kwargs"):
         for key, value in getattr(p, name).items():
             if not isinstance(value, (bool, int, float, str, type(None))):
                 raise ConfigError(f"ppo.{name}.{key}={value!r}: values must be scalars or strings")
-            if key in taken:
-                raise ConfigError(f"ppo.{name}.{key}: the trainer passes {key} itself"
-                                  + ("" if key == "loss_normalizer" else f"; set ppo.{key}"))
     for name in ("cliprange_high", "reward_clip"):
         if getattr(p, name) is not None:
             _positive(f"ppo.{name}", getattr(p, name))

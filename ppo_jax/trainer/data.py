@@ -33,17 +33,22 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
         prompts = [p for p in prompts if p.strip()]
     elif suffix in (".jsonl", ".json"):
         text = path.read_text(encoding="utf-8")
-        try:
-            if suffix == ".json":
+        if suffix == ".json":
+            try:
                 records = json.loads(text)
-            else:
-                records = [json.loads(line) if line.strip() else None
-                           for line in text.splitlines()]
-                records = [r for r in records if r is not None]
-        except json.JSONDecodeError as e:
-            where = f"line {e.lineno}" if suffix == ".json" else f"line {_bad_line(text)}"
-            raise ValueError(f"data.prompts: {path} is not valid {suffix[1:].upper()} ({where}: "
-                             f"{e.msg})") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data.prompts: {path} is not valid JSON (line {e.lineno}: "
+                                 f"{e.msg})") from None
+        else:
+            records = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"data.prompts: {path} is not valid JSONL (line {n}: "
+                                     f"{e.msg})") from None
         if not isinstance(records, list):
             raise ValueError(f"data.prompts: {path} holds a JSON {type(records).__name__}; expected a "
                              "list of prompt strings or records")
@@ -62,17 +67,6 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
     if not prompts:
         raise ValueError(f"data.prompts: no prompts in {path}")
     return prompts
-
-
-def _bad_line(text: str) -> int:
-    """1-based number of the first line of a JSONL text that does not parse."""
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                json.loads(line)
-            except json.JSONDecodeError:
-                return n
-    return 0
 
 
 def _field(record, field: str, path: Path, index: int) -> str:

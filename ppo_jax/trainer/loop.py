@@ -49,17 +49,22 @@ def check_names(cfg: Config) -> None:
     """
     p = cfg.ppo
     upd = UpdateSettings(cliprange=p.cliprange, cliprange_high=p.cliprange_high,
-                         dual_clip=p.dual_clip, cliprange_value=p.cliprange_value,
-                         policy_loss_kwargs=static_kwargs(p.policy_loss_kwargs),
-                         value_loss_kwargs=static_kwargs(p.value_loss_kwargs))
-    calls = (  # key, getter, positional names, keyword arguments of the trainer's call
+                         dual_clip=p.dual_clip, cliprange_value=p.cliprange_value)
+    calls = (  # key, getter, positional names, the trainer's own keywords, the config's extras
         ("ppo.advantage_estimator", get_advantage_estimator, ("values", "rewards", "mask"),
-         {"gamma": p.gamma, "lam": p.lam, **p.advantage_kwargs}),
+         {"gamma": p.gamma, "lam": p.lam}, ("advantage_kwargs", p.advantage_kwargs)),
         ("ppo.policy_loss", get_policy_loss, ("logprobs", "old_logprobs", "advantages", "mask"),
-         {"loss_normalizer": 1.0, **upd.policy_kwargs()}),
+         {"loss_normalizer": 1.0, **upd.policy_fixed_kwargs()},
+         ("policy_loss_kwargs", p.policy_loss_kwargs)),
         ("ppo.value_loss", get_value_loss, ("values", "old_values", "returns", "mask"),
-         {"loss_normalizer": 1.0, **upd.value_kwargs()}))
-    for key, getter, positional, kwargs in calls:
+         {"loss_normalizer": 1.0, "cliprange_value": p.cliprange_value},
+         ("value_loss_kwargs", p.value_loss_kwargs)))
+    for key, getter, positional, fixed, (extra_name, extra) in calls:
+        shadowed = sorted(set(fixed) & set(extra))
+        if shadowed:
+            raise ConfigError(f"ppo.{extra_name}.{shadowed[0]}: the trainer passes {shadowed[0]} "
+                              "itself (set it through its own ppo.* field)")
+        kwargs = {**fixed, **extra}
         name = getattr(p, key.split(".")[1])
         try:
             fn = getter(name)

@@ -44,14 +44,18 @@ class UpdateSettings:
     vf_coef: float = 0.1
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
 
-    def policy_kwargs(self) -> dict:
-        """Keyword arguments of every policy-loss call besides `loss_normalizer`."""
+    def policy_fixed_kwargs(self) -> dict:
+        """The trainer's own keyword arguments of a policy-loss call (besides loss_normalizer)."""
         kw = {"cliprange": self.cliprange}
         if self.cliprange_high is not None:
             kw["cliprange_high"] = self.cliprange_high
         if self.dual_clip is not None:
             kw["dual_clip"] = self.dual_clip
-        return {**kw, **dict(self.policy_loss_kwargs)}
+        return kw
+
+    def policy_kwargs(self) -> dict:
+        """Keyword arguments of every policy-loss call besides `loss_normalizer`."""
+        return {**self.policy_fixed_kwargs(), **dict(self.policy_loss_kwargs)}
 
     def value_kwargs(self) -> dict:
         """Keyword arguments of every value-loss call besides `loss_normalizer`."""

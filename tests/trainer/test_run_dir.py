@@ -44,12 +44,22 @@ def test_resume_moves_metrics_past_the_checkpoint_aside(tmp_path):
     ("optim.eps=0", "optim.eps=0.0 must be > 0"),
     ("ppo.dual_clip=0.5", "ppo.dual_clip=0.5 must be > 1"),
     ("ppo.reward_clip=-1", "ppo.reward_clip=-1.0 must be > 0"),
-    ("ppo.advantage_kwargs.gamma=0.5", "the trainer passes gamma itself; set ppo.gamma"),
-    ("ppo.policy_loss_kwargs.cliprange=0.3", "set ppo.cliprange"),
 ])
 def test_bad_values_are_named_by_the_config(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(TINY, [override])
+
+
+@pytest.mark.parametrize("override,match", [
+    ("ppo.advantage_kwargs.gamma=0.5", "ppo.advantage_kwargs.gamma: the trainer passes gamma itself"),
+    ("ppo.policy_loss_kwargs.cliprange=0.3", "policy_loss_kwargs.cliprange: the trainer passes"),
+    ("ppo.value_loss_kwargs.loss_normalizer=2", "value_loss_kwargs.loss_normalizer: the trainer"),
+])
+def test_config_kwargs_may_not_shadow_the_trainers_own(override, match):
+    from ppo_jax.trainer.loop import check_names
+
+    with pytest.raises(ConfigError, match=match):
+        check_names(load_config(TINY, [override]))
 
 
 def test_a_formula_that_fails_with_its_arguments_is_reported_before_loading(tmp_path):
