@@ -1,8 +1,14 @@
 #!/usr/bin/env python
-"""Run RLHF-PPO from a config: `python train.py [--config FILE] [--set key=value ...] [--resume]`.
+"""Run a stage of RLHF from a config: `python train.py [--config FILE] [--set key=value ...] [--resume]`.
+
+The config's `stage` picks what runs: `sft` (stage 1), `reward_model` (stage 2) or `ppo`
+(stage 3, the default).
 
 Examples:
   python train.py                                   # configs/default.yaml (SmolLM2-135M, VADER)
+  python train.py --config configs/sft.yaml         # stage 1: SFT -> runs/sft/actor_hf
+  python train.py --config configs/reward_model.yaml  # stage 2 -> runs/reward_model/reward_model_hf
+  python train.py --config configs/ppo_rlhf.yaml    # stage 3 with the two above (four models)
   python train.py --config configs/tiny.yaml        # a tiny random model, seconds
   python train.py --set ppo.kl_coef=0.05 --set train.steps=100
   python train.py --resume                          # continue from the latest checkpoint
@@ -19,7 +25,7 @@ import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="RLHF with PPO in JAX")
+    parser = argparse.ArgumentParser(description="RLHF (SFT, reward model, PPO) in JAX")
     parser.add_argument("--config", default="configs/default.yaml", help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted override, e.g. --set ppo.kl_coef=0.05 (repeatable)")
@@ -51,21 +57,30 @@ def main(argv=None) -> int:
     from ppo_jax.trainer.distributed import initialize
 
     initialize(cfg.distributed)
-    from ppo_jax.trainer.loop import PPOTrainer
+    from ppo_jax.trainer.stages import trainer_class
 
     start = time.perf_counter()
     try:
-        trainer = PPOTrainer(cfg, resume=args.resume)
+        trainer = trainer_class(cfg.stage)(cfg, resume=args.resume)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     history = trainer.train()
     if history and trainer.process_index == 0:
-        first, last = history[0], history[-1]
         print(f"done: {trainer.step_count} steps in {time.perf_counter() - start:.0f} s; "
-              f"reward mean {first['score_mean']:.3f} -> {last['score_mean']:.3f}, "
-              f"kl {first['kl']:.3f} -> {last['kl']:.3f}; outputs in {trainer.out}")
+              f"{summary(cfg.stage, history)}; outputs in {trainer.out}")
     return 0
+
+
+def summary(stage: str, history: list[dict]) -> str:
+    """One line of first -> last figures of a run."""
+    first, last = history[0], history[-1]
+    if stage == "ppo":
+        return (f"reward mean {first['score_mean']:.3f} -> {last['score_mean']:.3f}, "
+                f"kl {first['kl']:.3f} -> {last['kl']:.3f}")
+    line = f"loss {first['loss']:.4f} -> {last['loss']:.4f}"
+    evals = {k: v for k, v in last.items() if k in ("eval/loss", "eval/perplexity", "eval/accuracy")}
+    return line + "".join(f", {k} {v:.4f}" for k, v in evals.items())
 
 
 if __name__ == "__main__":

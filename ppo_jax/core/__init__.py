@@ -1,6 +1,7 @@
 """ppo_jax.core: the pure, jit-able math of PPO for language models.
 
-Rewards, KL, GAE, losses, masked statistics, KL controllers and a name registry. Every
+Rewards, KL, GAE, losses (PPO; SFT next-token NLL; Bradley-Terry), masked statistics, KL
+controllers and a name registry. Every
 function works on ``[B, T]`` response-token arrays with a 0/1 ``mask`` (1 on real tokens up to
 and including EOS), is NaN-safe on masked slots, and validates shapes and dtypes at trace time
 (``ValueError`` naming the argument). Imports only jax / chex / numpy.
@@ -16,6 +17,8 @@ from ppo_jax.core.kl_control import (
 )
 from ppo_jax.core.logprobs import entropy_from_logits, logprobs_from_logits
 from ppo_jax.core.losses import policy_loss, value_loss
+from ppo_jax.core.preference import bradley_terry_loss
+from ppo_jax.core.supervised import nll_loss, shift_for_next_token
 from ppo_jax.core.masked import (
     masked_count,
     masked_mean,
@@ -41,6 +44,7 @@ __all__ = [
     "KL_CONTROLLER_KINDS",
     "KL_ESTIMATORS",
     "KLControllerState",
+    "bradley_terry_loss",
     "check_estimator",
     "compute_gae",
     "compute_rewards",
@@ -59,12 +63,14 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "nll_loss",
     "policy_loss",
     "register_advantage_estimator",
     "register_policy_loss",
     "register_value_loss",
     "registered_names",
     "safe_divide",
+    "shift_for_next_token",
     "unregister",
     "update_kl_controller",
     "value_loss",

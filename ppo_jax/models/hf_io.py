@@ -155,11 +155,13 @@ def _fresh_head(path: str, shape, std: float, seed: int) -> np.ndarray:
 
 def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
                dtype: str = "float32", remat: str = "none", head_init_std: float = 0.0,
-               seed: int = 0, sharding_fn: Callable | None = None):
+               seed: int = 0, sharding_fn: Callable | None = None, fresh_score_head: bool = False):
     """Load a local HF checkpoint directory into `kind` ("causal_lm" | "value" | "reward").
 
     - causal_lm: backbone + LM head (`lm_head.weight` when untied).
     - reward: backbone + `score.weight` ([1, D], HF `*ForSequenceClassification`, num_labels=1).
+      With `fresh_score_head=True`, a checkpoint without `score.weight` (a causal LM) gets a
+      fresh score head, N(0, head_init_std^2) (reward-model training from an SFT model).
     - value: backbone + value head copied from `score.weight` (and `score.bias`) when present
       (critic from a reward model, DeepSpeed-Chat); otherwise a fresh head: zeros, or
       N(0, head_init_std^2) (critic from an SFT / causal-LM checkpoint, TRL).
@@ -181,7 +183,9 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
 
     def fill(key_path, sds):
         p = path_str(key_path)
-        fresh = kind == "value" and p.startswith("value_head/") and "score.weight" not in reader.names
+        no_score = "score.weight" not in reader.names
+        fresh = no_score and ((kind == "value" and p.startswith("value_head/"))
+                              or (kind == "reward" and fresh_score_head and p.startswith("score/")))
         if fresh:
             arr = _fresh_head(p, sds.shape, head_init_std, seed)
         elif p == "value_head/bias" and "score.bias" not in reader.names:

@@ -2,7 +2,8 @@
 
 `make_experience` is one pure function (jit it with the settings static): actor log-probs
 (old), reference log-probs, critic values and (optionally) reward-model scores, each computed in
-micro-batch chunks; then the missing-EOS penalty, `compute_rewards`, optional reward whitening,
+micro-batch chunks; reward-model scores optionally normalised by the mean / std measured when the
+reward model was trained; then the missing-EOS penalty, `compute_rewards`, optional reward whitening,
 the registered advantage estimator and advantage whitening. The order and formulas follow TRL
 0.11 `PPOTrainer.step` (`batched_forward_pass`, `compute_rewards`, `compute_advantages`).
 """
@@ -52,6 +53,8 @@ class ExperienceSettings:
     advantage_kwargs: tuple = ()  # extra (name, value) keyword arguments of the estimator
     shared_critic: bool = False  # actor params hold {"policy", "value_head"}; no critic model
     mesh: Optional[Mesh] = None  # split the rows of every micro-batch chunk over ("data", "fsdp")
+    # (mean, std): reward-model scores become (score - mean) / std (reward.normalize)
+    score_normalizer: Optional[tuple[float, float]] = None
 
 
 @struct.dataclass
@@ -123,6 +126,9 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
     if scores is None:
         scores = map_in_chunks(lambda *r: reward_model_scores(reward_graphdef, reward_params, *r),
                                chunk, *rollout)
+        if s.score_normalizer is not None:  # OpenRLHF's normalize_reward with the RM's mean/std
+            mean, std = s.score_normalizer
+            scores = (scores - mean) / std
     raw_scores = scores.astype(jnp.float32)
     scores = raw_scores * s.score_scale
     if s.missing_eos_penalty is not None:

@@ -1,4 +1,4 @@
-"""The typed configuration of a PPO run, loaded from YAML with dotted command-line overrides.
+"""The typed configuration of a run (any of the three stages), loaded from YAML with dotted command-line overrides.
 
 The schema is a tree of dataclasses; `omegaconf` merges the YAML file and the overrides onto it
 and rejects unknown keys and values of the wrong type, naming the key (`ppo.kl_coeff` ->
@@ -31,7 +31,9 @@ class ModelConfig:
 
     actor: str = SMOLLM2  # local HF directory, "smollm2", or "tiny-random" (tests)
     reference: Optional[str] = None  # default: the actor's checkpoint
-    reward_model: Optional[str] = None  # HF *ForSequenceClassification dir (reward.kind=model)
+    # ppo: an HF *ForSequenceClassification dir (reward.kind=model); stage reward_model: the
+    # model to start from (a causal LM gets a fresh score head, a reward model goes on training)
+    reward_model: Optional[str] = None
     critic: Optional[str] = None  # default: reward_model if reward.kind=model, else the actor
     shared_critic: bool = False  # TRL-style: the value head sits on the actor's backbone
     param_dtype: str = "float32"  # actor and critic params
@@ -92,6 +94,7 @@ class PPOConfig:
     reward_clip: Optional[float] = None
     score_scale: float = 1.0
     missing_eos_penalty: Optional[float] = None  # subtracted from the score when no stop token
+    critic_warmup_steps: int = 0  # the first N PPO steps update only the critic (actor frozen)
     advantage_estimator: str = "gae"
     policy_loss: str = "ppo_clip"
     value_loss: str = "clipped_mse"
@@ -123,6 +126,23 @@ class RewardConfig:
 
     kind: str = "function"  # function | model
     function: str = "vader"  # a registered reward function (ppo_jax.trainer.reward_functions)
+    # kind=model: (score - mean) / std with the mean / std of the reward model's scores that
+    # stage reward_model measured on its held-out pairs and wrote into its config.json
+    normalize: bool = False
+
+
+@dataclass
+class SupervisedConfig:
+    """Stage 1 (`sft`: prompt/response rows) or stage 2 (`reward_model`: preference pairs)."""
+
+    data: Optional[str] = None  # .jsonl / .json / .parquet (README: "Bring your own data")
+    eval_data: Optional[str] = None  # held-out file; else eval_fraction of `data`
+    eval_fraction: float = 0.1  # held out of `data` when eval_data is not given (0 = none)
+    max_length: int = 192  # tokens of prompt (templated, at most data.max_prompt_length) + response
+    batch_size: int = 8  # sequences (sft) or pairs (reward_model) per optimiser step
+    micro_batch_size: int = 8  # per forward/backward (gradient accumulation)
+    lr: float = 1.0e-5  # peak learning rate (optim.* gives schedule, warmup, AdamW settings)
+    eval_every: int = 0  # steps between held-out evaluations (0: at the end only)
 
 
 @dataclass
@@ -164,14 +184,17 @@ class TrainConfig:
 
 @dataclass
 class Config:
-    """A whole run."""
+    """A whole run: `stage` picks what it trains (sft | reward_model | ppo)."""
 
+    stage: str = "ppo"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SupervisedConfig = field(default_factory=SupervisedConfig)
+    reward_model: SupervisedConfig = field(default_factory=SupervisedConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -236,6 +259,9 @@ def validate(cfg: Config) -> None:
     Raises:
       ConfigError: naming the field and its value.
     """
+    from ppo_jax.trainer.stages import STAGES
+
+    _choice("stage", cfg.stage, set(STAGES))
     p, g, o = cfg.ppo, cfg.generation, cfg.optim
     for section in dataclasses.fields(cfg):
         if not dataclasses.is_dataclass(getattr(cfg, section.name)):
@@ -298,8 +324,16 @@ def validate(cfg: Config) -> None:
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)!r} must be >= 0")
     _choice("reward.kind", cfg.reward.kind, {"function", "model"})
-    if cfg.reward.kind == "model" and not cfg.model.reward_model:
+    if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
         raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
+    if cfg.reward.normalize and cfg.reward.kind != "model":
+        raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
+    if p.critic_warmup_steps < 0:
+        raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
+    if p.critic_warmup_steps and cfg.model.shared_critic:
+        raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
+                          "false): a shared backbone cannot train the values alone")
+    _validate_stage(cfg)
     for name in ("param_dtype", "dtype", "frozen_param_dtype"):
         _choice(f"model.{name}", getattr(cfg.model, name), {"float32", "bfloat16"})
     _choice("model.remat", cfg.model.remat, {"none", "full", "dots"})
@@ -308,3 +342,28 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, name)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
+
+
+def _validate_stage(cfg: Config) -> None:
+    """The settings of the stage that runs (sft / reward_model): data, sizes, model source."""
+    if cfg.stage == "ppo":
+        return
+    sec = getattr(cfg, cfg.stage)
+    name = cfg.stage
+    if not sec.data:
+        raise ConfigError(f"stage={name!r} needs {name}.data (a .jsonl / .json / .parquet file)")
+    for key in ("max_length", "batch_size", "micro_batch_size", "lr"):
+        _positive(f"{name}.{key}", getattr(sec, key))
+    if sec.batch_size % sec.micro_batch_size:
+        raise ConfigError(f"{name}.batch_size={sec.batch_size} is not a multiple of "
+                          f"{name}.micro_batch_size={sec.micro_batch_size}")
+    if not 0.0 <= sec.eval_fraction < 1.0:
+        raise ConfigError(f"{name}.eval_fraction={sec.eval_fraction!r} must lie in [0, 1)")
+    if sec.eval_every < 0:
+        raise ConfigError(f"{name}.eval_every={sec.eval_every!r} must be >= 0")
+    if cfg.data.max_prompt_length >= sec.max_length:
+        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} leaves no room for "
+                          f"a response in {name}.max_length={sec.max_length}")
+    if name == "reward_model" and not cfg.model.reward_model:
+        raise ConfigError("stage='reward_model' needs model.reward_model: the model to start from "
+                          "(a causal LM such as 'smollm2' or an SFT output gets a fresh score head)")

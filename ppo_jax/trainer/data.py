@@ -8,62 +8,37 @@ appended), are tokenised, and left-padded to one fixed width so every step has t
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ppo_jax.trainer.text_data import encode_prompt, read_rows, require_file
+
+
+PROMPT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+
 
 def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
-    """Read the raw prompt strings of a file.
+    """Read the raw prompt strings of a file (JSON / JSONL / parquet through `text_data.read_rows`).
 
     Raises:
       FileNotFoundError: the file does not exist.
       ValueError: unknown extension, a record without `field`, a prompt that is not a
         non-blank string (records count from 0, blank JSONL lines skipped), or an empty set.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.prompts: prompt file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix == ".txt":
+    path = require_file(path, "data.prompts", "prompt")
+    if path.suffix.lower() == ".txt":
         prompts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
         prompts = [p for p in prompts if p.strip()]
-    elif suffix in (".jsonl", ".json"):
-        text = path.read_text(encoding="utf-8")
-        if suffix == ".json":
-            try:
-                records = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"data.prompts: {path} is not valid JSON (line {e.lineno}: "
-                                 f"{e.msg})") from None
-        else:
-            records = []
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"data.prompts: {path} is not valid JSONL (line {n}: "
-                                     f"{e.msg})") from None
-        if not isinstance(records, list):
-            raise ValueError(f"data.prompts: {path} holds a JSON {type(records).__name__}; expected a "
-                             "list of prompt strings or records")
-        prompts = [_field(r, field, path, i) for i, r in enumerate(records)]
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        if field not in table.column_names:
-            raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
-                             f"(columns: {table.column_names})")
-        prompts = [_text(x, field, path, i) for i, x in enumerate(table.column(field).to_pylist())]
     else:
-        raise ValueError(f"data.prompts: unsupported prompt file type {suffix!r} "
-                         "(use .jsonl, .json, .txt or .parquet)")
+        records = read_rows(path, "data.prompts", what="prompt", suffixes=PROMPT_SUFFIXES,
+                            items="prompt strings or records")
+        if path.suffix.lower() == ".parquet" and records and field not in records[0]:
+            raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
+                             f"(columns: {list(records[0])})")
+        prompts = [_field(r, field, path, i) for i, r in enumerate(records)]
     if not prompts:
         raise ValueError(f"data.prompts: no prompts in {path}")
     return prompts
@@ -88,13 +63,10 @@ def _text(value, field: str, path: Path, index: int) -> str:
 
 
 def apply_template(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None) -> list[int]:
-    """Token ids of one prompt: through the chat template when asked for and available."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(prompt)["input_ids"])
+    """Token ids of one prompt: through the chat template when asked for and available
+    (`text_data.encode_prompt` of a single user turn, so SFT / reward-model prompts match)."""
+    return encode_prompt(tokenizer, [{"role": "user", "content": prompt}],
+                         use_chat_template=use_chat_template, system_prompt=system_prompt)
 
 
 def left_pad(token_lists: list[list[int]], width: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -36,3 +36,12 @@ def make_optimizer(peak_lr: float, *, schedule: str = "constant", warmup_steps: 
     lr = make_schedule(peak_lr, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps)
     parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)
+
+
+def optimizer_from_config(optim_cfg, peak_lr: float, total_steps: int) -> optax.GradientTransformation:
+    """`make_optimizer` with the schedule and AdamW settings of an `OptimConfig` (every stage
+    builds its optimisers through this)."""
+    o = optim_cfg
+    return make_optimizer(peak_lr, schedule=o.schedule, warmup_steps=o.warmup_steps,
+                          total_steps=total_steps, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+                          eps=o.eps, max_grad_norm=o.max_grad_norm)

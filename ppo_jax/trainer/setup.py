@@ -15,7 +15,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ppo_jax.models import load_config as load_model_config
 from ppo_jax.models import load_model, load_tokenizer, split_model
+from ppo_jax.models.hf_io import SafetensorsReader
 from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
 from ppo_jax.models.tiny_random import ensure_tiny_random
 from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
@@ -51,10 +53,10 @@ class Split:
     cfg: Any
 
 
-def _load(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0,
-          sharding_fn=None) -> Split:
+def load_split(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0,
+          sharding_fn=None, **kwargs) -> Split:
     model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed,
-                            sharding_fn=sharding_fn)
+                            sharding_fn=sharding_fn, **kwargs)
     graphdef, params = split_model(model)
     return Split(graphdef, nnx.to_pure_dict(params), cfg)
 
@@ -69,6 +71,7 @@ class Models:
     reward: Optional[Split]
     tokenizer: Any
     actor_path: Path
+    score_normalizer: Optional[tuple[float, float]] = None  # the reward model's (mean, std)
 
 
 def build_models(cfg: Config, sharding_fn=None) -> Models:
@@ -100,17 +103,82 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     tokenizer = load_tokenizer(actor_path)
     if tokenizer.eos_token_id is None and not cfg.generation.stop_token_ids:
         raise ConfigError("the tokenizer has no EOS token: set generation.stop_token_ids")
+    normalizer = None
+    if cfg.reward.kind == "model":
+        check_reward_model(rm_path, "model.reward_model", tokenizer, actor_path)
+        normalizer = score_normalizer(rm_path) if cfg.reward.normalize else None
+    if m.critic and not m.shared_critic:
+        check_same_vocabulary(critic_path, "model.critic", tokenizer, actor_path)
     trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
     frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
                   sharding_fn=sharding_fn)
-    actor = _load(actor_path, "causal_lm", **trained)
-    reference = _load(ref_path, "causal_lm", **frozen)
-    critic = None if m.shared_critic else _load(critic_path, "value", **trained, seed=cfg.train.seed)
-    reward = _load(rm_path, "reward", **frozen) if cfg.reward.kind == "model" else None
+    actor = load_split(actor_path, "causal_lm", **trained)
+    reference = load_split(ref_path, "causal_lm", **frozen)
+    critic = None if m.shared_critic else load_split(critic_path, "value", **trained, seed=cfg.train.seed)
+    reward = load_split(rm_path, "reward", **frozen) if cfg.reward.kind == "model" else None
     if reference.cfg.vocab_size != actor.cfg.vocab_size:
         raise ConfigError(f"model.reference vocab_size {reference.cfg.vocab_size} != actor "
                           f"vocab_size {actor.cfg.vocab_size}")
-    return Models(actor, reference, critic, reward, tokenizer, actor_path)
+    return Models(actor, reference, critic, reward, tokenizer, actor_path, normalizer)
+
+
+def check_same_vocabulary(path: Path, key: str, tokenizer, actor_path: Path) -> None:
+    """The model at `path` reads the actor's token ids: same `vocab_size` in config.json and,
+    when `path` holds tokenizer files, the same token -> id table.
+
+    Raises:
+      ConfigError: naming `key`, both sizes, or a token whose id differs.
+    """
+    size, actor_size = load_model_config(path).vocab_size, load_model_config(actor_path).vocab_size
+    if size != actor_size:
+        raise ConfigError(f"{key}={str(path)!r} has vocab_size {size} but the actor "
+                          f"({actor_path}) has {actor_size}: their token ids do not match")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    theirs, ours = load_tokenizer(path).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        diff = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])[:3]
+        raise ConfigError(f"{key}={str(path)!r}: its tokenizer differs from the actor's "
+                          f"({len(theirs)} vs {len(ours)} tokens; e.g. {diff}); the reward model "
+                          "must read the actor's tokens")
+
+
+def check_reward_model(path: Path, key: str, tokenizer, actor_path: Path) -> None:
+    """`path` is a reward model (a `score.weight` head) over the actor's vocabulary.
+
+    Raises:
+      ConfigError: no score head (e.g. a causal LM given as the reward model), or another
+        vocabulary (`check_same_vocabulary`).
+    """
+    if "score.weight" not in SafetensorsReader(path).names:
+        raise ConfigError(f"{key}={str(path)!r} has no score head (score.weight): it is not a "
+                          "reward model; train one with stage=reward_model (its output is "
+                          "<output_dir>/reward_model_hf)")
+    check_same_vocabulary(path, key, tokenizer, actor_path)
+
+
+SCORE_STATS = ("score_mean", "score_std")  # config.json keys written by stage reward_model
+
+
+def score_normalizer(path: Path) -> tuple[float, float]:
+    """(mean, std) of a reward model's scores, from its config.json (`reward.normalize`).
+
+    Raises:
+      ConfigError: the keys are missing (a reward model not trained by stage reward_model) or
+        std is not positive.
+    """
+    import json
+
+    d = json.loads((path / "config.json").read_text())
+    if not all(k in d for k in SCORE_STATS):
+        raise ConfigError(f"reward.normalize=true: {path / 'config.json'} has no "
+                          f"{' / '.join(SCORE_STATS)} (written by stage=reward_model); set "
+                          "reward.normalize=false or add them")
+    mean, std = float(d["score_mean"]), float(d["score_std"])
+    if not std > 0:
+        raise ConfigError(f"reward.normalize=true: score_std={std} in {path / 'config.json'} "
+                          "must be > 0")
+    return mean, std
 
 
 def stop_token_ids(cfg: Config, tokenizer, model_cfg) -> tuple[int, ...]:

@@ -19,9 +19,10 @@ import optax
 from jax.sharding import Mesh
 
 from ppo_jax.core import get_policy_loss, get_value_loss, masked_sum
-from ppo_jax.parallel import shard_like_params, shard_rows, shard_rows_tree
+from ppo_jax.parallel import shard_rows_tree
 from ppo_jax.rollout.experience import Experience
 from ppo_jax.rollout.scoring import critic_values, policy_logprobs, policy_logprobs_and_values
+from ppo_jax.trainer.accumulate import accumulate_gradients
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class UpdateSettings:
     shared_critic: bool = False  # one state {"policy", "value_head"}; loss = pg + vf_coef * vf
     vf_coef: float = 0.1
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
+    train_actor: bool = True  # False: critic-only update (ppo.critic_warmup_steps)
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call (besides loss_normalizer)."""
@@ -62,14 +64,6 @@ class UpdateSettings:
         return {"cliprange_value": self.cliprange_value, **dict(self.value_loss_kwargs)}
 
 
-def _zeros_like(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
-
-
-def _add(a, b):
-    return jax.tree.map(jnp.add, a, b)
-
-
 def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphdef, critic_graphdef,
                actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation,
                settings: UpdateSettings):
@@ -85,17 +79,21 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
 
     Returns:
       `(actor_state, critic_state, stats)`; every stat has shape `[ppo_epochs, n_minibatches]`
+      (with `settings.train_actor=False` the actor state is returned unchanged and only the
+      critic's stats are reported)
       (one value per optimiser step; `stats[k][0, 0]` is the first minibatch of the first epoch).
 
     Raises:
-      ValueError: batch sizes that do not divide.
+      ValueError: batch sizes that do not divide, or a critic-only update of a shared critic.
     """
     s = settings
+    if s.shared_critic and not s.train_actor:
+        raise ValueError("a critic-only update (train_actor=False) needs a separate critic")
     batch = exp.response_ids.shape[0]
     if batch % s.mini_batch_size or s.mini_batch_size % s.micro_batch_size:
         raise ValueError(f"batch {batch}, ppo.mini_batch_size={s.mini_batch_size} and "
                          f"ppo.micro_batch_size={s.micro_batch_size} must divide each other")
-    n_mb, n_micro = batch // s.mini_batch_size, s.mini_batch_size // s.micro_batch_size
+    n_mb = batch // s.mini_batch_size
     policy_loss_fn = get_policy_loss(s.policy_loss)
     value_loss_fn = get_value_loss(s.value_loss)
 
@@ -130,31 +128,19 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
 
     def accumulate(loss_fn, params, mb: Experience, n_tokens):
         """Sum of micro-batch gradients and stats (each a token sum / minibatch token count)."""
-        def grad_fn(p, m):
-            grads, stats = jax.grad(loss_fn, has_aux=True)(p, m, n_tokens)
-            return shard_like_params(grads, s.mesh), stats  # gradients live like their params
-
-        if n_micro == 1:
-            return grad_fn(params, mb)
-        micro = jax.tree.map(lambda x: shard_rows(
-            x.reshape(n_micro, s.micro_batch_size, *x.shape[1:]), s.mesh, axis=1), mb)
-        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
-        zeros = _zeros_like(shapes)
-        zeros = (shard_like_params(zeros[0], s.mesh), zeros[1])
-
-        def body(acc, m):
-            return _add(acc, grad_fn(params, m)), None
-
-        return jax.lax.scan(body, zeros, micro)[0]
+        return accumulate_gradients(lambda p, m: loss_fn(p, m, n_tokens), params, mb,
+                                    micro_batch_size=s.micro_batch_size, mesh=s.mesh)
 
     def minibatch_step(carry, idx):
         a_state, c_state = carry
         mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], exp), s.mesh)
         n_tokens = jnp.maximum(jnp.sum(mb.response_mask).astype(jnp.float32), 1.0)
-        a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
-                                      a_state.params, mb, n_tokens)
-        a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
-        a_state = a_state.apply_gradients(a_grads, actor_tx)
+        a_stats = {}
+        if s.train_actor:
+            a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
+                                          a_state.params, mb, n_tokens)
+            a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
+            a_state = a_state.apply_gradients(a_grads, actor_tx)
         if s.shared_critic:
             return (a_state, c_state), a_stats
         c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, n_tokens)

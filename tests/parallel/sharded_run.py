@@ -57,7 +57,7 @@ def run(args, mesh) -> None:
     from ppo_jax.models.functional import flat_params
     from ppo_jax.parallel.host import to_host
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.loop import PPOTrainer
+    from ppo_jax.trainer.stages.ppo import PPOTrainer
 
     name = "x".join(map(str, mesh))
     out = Path(args.out)

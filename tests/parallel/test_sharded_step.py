@@ -137,3 +137,31 @@ def test_two_processes_over_localhost_equal_one_process(tmp_path, cache):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     assert (run / "actor_hf" / "model.safetensors").is_file()
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # process 0 only
+
+
+def test_sft_and_reward_model_steps_on_a_mesh_of_8_equal_one_device(tmp_path):
+    """Stages 1 and 2: two steps (micro-batched, with a held-out evaluation) on a 2x2x2 mesh
+    of CPU devices give the single-device params and metrics."""
+    import json as _json
+
+    words = ["good", "great", "nice", "happy", "bad", "awful", "sad", "boring"]
+    topics = ["the bus", "a train", "the coffee", "my week", "the party", "the garden", "a film",
+              "the market", "the weather", "dinner", "the music", "the school"]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(_json.dumps({"prompt": f"tell me about {t}", "response": f"{t} was {words[i % 8]}"})
+                           + "\n" for i, t in enumerate(topics)))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(_json.dumps({"prompt": t, "chosen": f"it was {words[i % 4]}",
+                                          "rejected": f"it was {words[4 + i % 4]}"}) + "\n"
+                             for i, t in enumerate(topics)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PPO_JAX_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(HERE / "sharded_stages.py"), "--out", str(tmp_path),
+                             "--sft", str(sft), "--pairs", str(pairs), "--mesh", "1,1,1", "--mesh", "2,2,2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finish(proc)
+    for stage in ("sft", "reward_model"):
+        one, mesh = np.load(tmp_path / f"{stage}_1x1x1.npz"), np.load(tmp_path / f"{stage}_2x2x2.npz")
+        assert set(one.files) == set(mesh.files) and any(k.startswith("metric/eval/") for k in one.files)
+        for key in one.files:
+            np.testing.assert_allclose(mesh[key], one[key], atol=TOL, err_msg=f"{stage} {key}")

@@ -78,7 +78,7 @@ def test_shared_critic_runs_checkpoints_resumes_and_exports(tmp_path, monkeypatc
     trains (vf_loss finite, head params move), checkpoint/resume and the HF export still work."""
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.loop import PPOTrainer
+    from ppo_jax.trainer.stages.ppo import PPOTrainer
 
     sets = [f"train.output_dir={tmp_path / 'run'}", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
             "train.steps=2", "train.progress=false", "model.shared_critic=true", "ppo.vf_coef=0.5"]
@@ -118,7 +118,7 @@ def test_bfloat16_frozen_models_offloaded_to_host_between_phases(tmp_path, monke
     import jax
     import jax.numpy as jnp
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.loop import PPOTrainer
+    from ppo_jax.trainer.stages.ppo import PPOTrainer
 
     sets = [f"train.output_dir={tmp_path / 'run'}", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
             "train.steps=1", "train.progress=false", "model.frozen_param_dtype=bfloat16",
@@ -208,7 +208,7 @@ def test_prompt_ids_outside_the_model_vocabulary_are_rejected(tmp_path, monkeypa
 def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at_start():
     from ppo_jax.core import register_advantage_estimator, register_policy_loss, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.loop import check_names
+    from ppo_jax.trainer.stages.ppo import check_names
 
     @register_policy_loss("no_normalizer")
     def no_normalizer(logprobs, old_logprobs, advantages, mask):

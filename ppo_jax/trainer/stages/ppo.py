@@ -1,4 +1,4 @@
-"""The PPO training loop: rollout -> experience -> update, with metrics and checkpoints.
+"""Stage 3, PPO: rollout -> experience -> update, on the shared loop of `trainer.base`.
 
 Each step: take the next batch of prompts; the actor samples responses (one jitted call); the
 reward function scores the decoded text (or the reward model scores the tokens); one jitted
@@ -9,34 +9,28 @@ argument; graph definitions, optimisers and settings are static.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import json
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from ppo_jax.core import KL_ESTIMATORS, get_advantage_estimator, get_policy_loss, get_value_loss, init_kl_controller
-from ppo_jax.parallel.host import local_rows, to_host
+from ppo_jax.parallel.host import local_rows
 from ppo_jax.rollout.experience import ExperienceSettings, make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head
-from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
-from ppo_jax.trainer.config import Config, ConfigError, static_kwargs, to_dict
+from ppo_jax.trainer.base import StageTrainer
+from ppo_jax.trainer.config import Config, ConfigError, static_kwargs
 from ppo_jax.trainer.data import PromptSampler, read_prompts
 from ppo_jax.trainer.host_memory import release_host_memory
-from ppo_jax.trainer.metrics import MetricsWriter
-from ppo_jax.trainer.optim import make_optimizer
-from ppo_jax.trainer.placement import Placement
+from ppo_jax.trainer.optim import optimizer_from_config
 from ppo_jax.trainer.reward_functions import get_reward_function
-from ppo_jax.trainer.run_dir import (
-    SUPERSEDED, RunLock, check_writable, logged_steps, supersede_metrics,
-)
 from ppo_jax.trainer.setup import build_models, build_prompts, pad_token_id, stop_token_ids
-from ppo_jax.trainer.state import TrainState
 from ppo_jax.trainer.update import UpdateSettings, ppo_update
 
 
@@ -101,8 +95,8 @@ def _mean_stats(stats: dict) -> dict:
     return out
 
 
-class PPOTrainer:
-    """Owns the models, states and jitted steps of one run.
+class PPOTrainer(StageTrainer):
+    """Owns the models, states and jitted steps of one PPO run.
 
     `PPOTrainer(cfg, resume=False, devices=None)` loads everything (raising ConfigError /
     FileNotFoundError / ValueError before any compile); `train()` runs the remaining steps;
@@ -114,51 +108,29 @@ class PPOTrainer:
     replicated. Each process feeds and reads only its own rows of every batch.
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False, devices=None):
-        check_names(cfg)
-        read_prompts(cfg.data.prompts, cfg.data.prompt_field)  # a bad file fails before loading
-        self.cfg = cfg
-        self.out = Path(cfg.train.output_dir)
-        if self.out.exists() and not self.out.is_dir():
-            raise ConfigError(f"train.output_dir={cfg.train.output_dir!r} is a file, not a directory")
-        done, logged = finished_steps(self.out / "checkpoints"), logged_steps(self.out)
-        if not resume and (done or logged):
-            held = f"checkpoints (steps {done})" if done else f"metrics of {len(logged)} steps"
-            raise ConfigError(
-                f"train.output_dir={cfg.train.output_dir!r} already holds {held}; pass --resume to "
-                "continue that run, or choose a new train.output_dir (nothing was written)")
-        if resume and not done and logged:
-            raise ConfigError(
-                f"--resume: train.output_dir={cfg.train.output_dir!r} holds metrics of "
-                f"{len(logged)} steps but no checkpoint to continue them from; choose a new "
-                "train.output_dir (nothing was written)")
-        self.process_index = jax.process_index()
-        self._lock = None
-        if self.process_index == 0:
-            check_writable(self.out)
-            self._lock = RunLock(self.out)
-        try:
-            self.place = Placement.from_config(cfg.mesh, devices)
-        except ValueError as e:
-            raise ConfigError(f"mesh: {e}") from None
-        if cfg.ppo.batch_size % self.place.batch_shards:
+    name = "ppo"
+    finite_keys = ("kl",)
+
+    def _check_inputs(self) -> None:
+        check_names(self.cfg)
+        read_prompts(self.cfg.data.prompts, self.cfg.data.prompt_field)  # fails before loading
+
+    def _build(self) -> None:
+        cfg, place = self.cfg, self.place
+        if cfg.ppo.batch_size % place.batch_shards:
             raise ConfigError(f"ppo.batch_size={cfg.ppo.batch_size} is not a multiple of mesh "
-                              f"data x fsdp = {self.place.batch_shards}")
-        models = build_models(cfg, sharding_fn=self.place.sharding_fn)
+                              f"data x fsdp = {place.batch_shards}")
+        models = build_models(cfg, sharding_fn=place.sharding_fn)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = build_prompts(cfg, self.tokenizer, models.actor.cfg)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
         self.pad_id = pad_token_id(self.tokenizer)
         self.reward_fn = get_reward_function(cfg.reward.function) if cfg.reward.kind == "function" else None
 
-        p, o = cfg.ppo, cfg.optim
+        p = cfg.ppo
         opt_steps = cfg.train.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
-        common = dict(schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=opt_steps,
-                      weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
-                      max_grad_norm=o.max_grad_norm)
-        self.actor_tx = make_optimizer(o.actor_lr, **common)
-        self.critic_tx = make_optimizer(o.critic_lr, **common)
-        place = self.place
+        self.actor_tx = optimizer_from_config(cfg.optim, cfg.optim.actor_lr, opt_steps)
+        self.critic_tx = optimizer_from_config(cfg.optim, cfg.optim.critic_lr, opt_steps)
         self.shared_critic = cfg.model.shared_critic
         actor_params = models.actor.params
         if self.shared_critic:  # TRL: value head on the actor's backbone, one joint loss
@@ -180,20 +152,7 @@ class PPOTrainer:
             self.ref_params = place.offload(self.ref_params)
             self.reward_params = place.offload(self.reward_params)
         self.sampler = PromptSampler(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
-        self.step_count = 0
         self._build_functions()
-
-        self.checkpointer = Checkpointer(self.out / "checkpoints", max_to_keep=cfg.train.max_to_keep)
-        if resume:
-            self._restore()
-            moved = supersede_metrics(self.out, self.step_count) if self.process_index == 0 else 0
-            if moved:
-                print(f"--resume: {moved} logged steps after step {self.step_count} (past the last "
-                      f"checkpoint) moved to {self.out / SUPERSEDED}; they run again")
-        self.writer = MetricsWriter(self.out, tensorboard=cfg.train.tensorboard,
-                                    enabled=self.process_index == 0)
-        if self.process_index == 0 and self.step_count < cfg.train.steps:
-            (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
 
     # ----------------------------------------------------------------------------------------
     def _build_functions(self) -> None:
@@ -205,7 +164,8 @@ class PPOTrainer:
             missing_eos_penalty=p.missing_eos_penalty, whiten_rewards=p.whiten_rewards,
             whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
             gamma=p.gamma, lam=p.lam, advantage_kwargs=static_kwargs(p.advantage_kwargs),
-            shared_critic=self.shared_critic, mesh=self.place.constraint_mesh)
+            shared_critic=self.shared_critic, mesh=self.place.constraint_mesh,
+            score_normalizer=m.score_normalizer if cfg.reward.normalize else None)
         upd_settings = UpdateSettings(
             ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
             micro_batch_size=p.micro_batch_size, temperature=g.temperature,
@@ -228,10 +188,10 @@ class PPOTrainer:
             tokens = {"prompt": jnp.sum(qm), "response": jnp.sum(rm)}
             return exp, kl_state, stats, tokens
 
-        def update(actor_state, critic_state, exp, rng):
+        def update(actor_state, critic_state, exp, rng, settings=upd_settings):
             return ppo_update(actor_state, critic_state, exp, rng, actor_graphdef=m.actor.graphdef,
                               critic_graphdef=critic_graphdef, actor_tx=self.actor_tx,
-                              critic_tx=self.critic_tx, settings=upd_settings)
+                              critic_tx=self.critic_tx, settings=settings)
 
         def sample(params, q, qm, key):
             if self.shared_critic:
@@ -254,8 +214,12 @@ class PPOTrainer:
             experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_params_sh, frozen_sh[1],
                                       rep, rows, rows, rows, rows, rows),
             out_shardings=(rows, rep, rep, rep))
-        self._update = jax.jit(update, in_shardings=(actor_sh, critic_sh, rows, rep),
-                               out_shardings=(actor_sh, critic_sh, rep), donate_argnums=(0, 1))
+        jit_update = partial(jax.jit, in_shardings=(actor_sh, critic_sh, rows, rep),
+                             out_shardings=(actor_sh, critic_sh, rep), donate_argnums=(0, 1))
+        self._update = jit_update(update)
+        # ppo.critic_warmup_steps: the same update with the actor left out (compiled when used)
+        critic_only = dataclasses.replace(upd_settings, train_actor=False)
+        self._update_critic_only = jit_update(partial(update, settings=critic_only))
 
     # ----------------------------------------------------------------------------------------
     def _decode(self, ids: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -298,7 +262,9 @@ class PPOTrainer:
         exp_stats = jax.device_get(exp_stats)  # replicated scalars: readable on every process
         release_host_memory()
         t_score = time.perf_counter()
-        actor, critic, upd_stats = self._update(actor, critic, exp, upd_key)
+        warmup = self.step_count < cfg.ppo.critic_warmup_steps
+        update = self._update_critic_only if warmup else self._update
+        actor, critic, upd_stats = update(actor, critic, exp, upd_key)
         upd_stats = jax.device_get(upd_stats)
         t_update = time.perf_counter()
 
@@ -313,7 +279,7 @@ class PPOTrainer:
             "time/update": t_update - t_score, "time/step": t_update - t0,
             "tokens_per_s/generation": gen_tokens / max(t_gen - t0, 1e-9),
             "tokens_per_s/step": total_tokens / max(t_update - t0, 1e-9),
-            "data_position": self.sampler.position,
+            "data_position": self.sampler.position, "critic_warmup": float(warmup),
         })
         self._last_rollout = (prompts, responses, resp, resp_mask, exp.scores)
         return metrics
@@ -331,91 +297,21 @@ class PPOTrainer:
                 for p_, r_, s_ in zip(prompts, responses, local_rows(scores))]
 
     # ----------------------------------------------------------------------------------------
-    def save(self) -> None:
-        """Write an orbax checkpoint of the current step (collective over processes)."""
-        meta = {"step": self.step_count, "data_position": self.sampler.position}
-        self.checkpointer.save(self.step_count, self.state, meta)
-        release_host_memory()  # orbax's write buffers, freed on its threads
-
-    def _restore(self) -> None:
-        step = self.checkpointer.latest_step()
-        if step is None:
-            print(f"--resume: no checkpoint under {self.checkpointer.directory}; starting at step 0")
-            return
-        try:
-            self.state, meta = self.checkpointer.restore(step, self.state)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"checkpoint {self.checkpointer.directory / str(step)} does not fit this run's "
-                "train state: was it written with other model.* settings (shared_critic, actor, "
-                f"critic, param_dtype)? ({type(e).__name__}: {str(e)[:300]})") from None
-        self.step_count = int(meta["step"])
-        self.sampler.position = int(meta["data_position"])
-        print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
-
     def export_actor(self, out_dir: Path | None = None) -> Path:
-        """Save the current actor as an HF directory (loadable by transformers).
+        """Save the current actor as an HF directory (loadable by transformers); collective."""
+        select = (lambda p: p["policy"]) if self.shared_critic else None
+        return self.write_hf(self.models.actor.graphdef, self.state["actor"].params,
+                             self.models.actor.cfg, Path(out_dir or self.out / "actor_hf"), select)
 
-        Collective: every process gathers the sharded params to host memory (one tensor at a
-        time is replicated for the gather); process 0 writes."""
-        from ppo_jax.models import save_pretrained
+    def export(self) -> Path:
+        return self.export_actor()
 
-        out_dir = Path(out_dir or self.out / "actor_hf")
-        params = to_host(self.state["actor"].params)
-        if self.shared_critic:
-            params = params["policy"]
-        if self.process_index != 0:
-            return out_dir
-        model = nnx.merge(self.models.actor.graphdef, params)
-        return save_pretrained(model, self.models.actor.cfg, out_dir, self.tokenizer)
-
-    def train(self, progress: bool | None = None) -> list[dict]:
-        """Run steps until `train.steps`; log, sample, checkpoint; export the actor at the end."""
+    def after_log(self, step: int) -> None:
+        """Decoded samples every `train.sample_every` steps (and at step 1)."""
         cfg = self.cfg.train
-        if self.step_count >= cfg.steps:
-            if self.process_index == 0:
-                print(f"nothing to do: the run is at step {self.step_count} and train.steps="
-                      f"{cfg.steps}; raise train.steps to continue it")
-            if self._lock is not None:
-                self._lock.release()
-            return []
-        show = cfg.progress if progress is None else progress
-        history = []
-        bar = None
-        if show and self.process_index == 0:
-            from tqdm import tqdm
+        if self.writer.enabled and cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
+            self.writer.write_samples(step, self.last_samples[:cfg.num_samples])
 
-            bar = tqdm(total=cfg.steps, initial=self.step_count, desc="ppo", unit="step",
-                       dynamic_ncols=True)
-        try:
-            while self.step_count < cfg.steps:
-                metrics = self.step()
-                history.append(metrics)
-                n = self.step_count
-                bad = sorted(k for k, v in metrics.items()
-                             if (k.endswith("loss") or k == "kl") and not np.isfinite(v))
-                if n % cfg.log_every == 0 or n == cfg.steps or bad:
-                    self.writer.write(n, metrics)
-                if bad:
-                    last = self.checkpointer.latest_step()
-                    raise FloatingPointError(
-                        f"step {n}: {', '.join(bad)} not finite; stopped before saving (the last "
-                        f"checkpoint, step {last}, is kept). Check learning rates, kl_coef and the "
-                        "reward scale")
-                if self.writer.enabled and cfg.sample_every and (n % cfg.sample_every == 0 or n == 1):
-                    self.writer.write_samples(n, self.last_samples[:cfg.num_samples])
-                if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
-                    self.save()
-                if bar is not None:
-                    bar.set_postfix(reward=f"{metrics['score_mean']:.3f}", kl=f"{metrics['kl']:.3f}",
-                                    s_per_step=f"{metrics['time/step']:.1f}")
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-            self.writer.close()
-            if self._lock is not None:
-                self._lock.release()
-        if cfg.export_hf:
-            self.export_actor()  # collective; process 0 writes
-        return history
+    def progress_postfix(self, metrics: dict) -> dict:
+        return {"reward": f"{metrics['score_mean']:.3f}", "kl": f"{metrics['kl']:.3f}",
+                "s_per_step": f"{metrics['time/step']:.1f}"}

@@ -1,0 +1,223 @@
+"""What every stage's trainer shares: the run directory guards, the device mesh, orbax
+checkpoints with `--resume`, metrics, the progress bar, and the loop build -> step -> log/save
+-> export.
+
+A stage subclasses `StageTrainer` and fills in four steps, called in this order by `__init__`:
+
+    _check_inputs()   read and validate config names and data files (nothing written yet)
+    _build()          load models, create `self.state` (a pytree of arrays, what a checkpoint
+                      holds) and `self.sampler` (the data order), jit the update
+    step() -> dict    one optimiser step (or one PPO step); its metrics as floats
+    export()          write the trained model as an HF directory
+
+and may override `periodic_metrics(step)` (held-out evaluation), `after_log(step)` (samples),
+`finite_keys` (metrics that stop the run when not finite) and `progress_postfix`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
+from ppo_jax.trainer.config import Config, ConfigError, to_dict
+from ppo_jax.trainer.host_memory import release_host_memory
+from ppo_jax.trainer.metrics import MetricsWriter
+from ppo_jax.trainer.placement import Placement
+from ppo_jax.trainer.run_dir import SUPERSEDED, RunLock, check_writable, logged_steps, supersede_metrics
+
+
+def check_run_dir(out: Path, key: str, resume: bool) -> None:
+    """Refuse to overwrite a run: `out` must be new or empty unless `resume`; a resume needs a
+    checkpoint when metrics exist. Reads only.
+
+    Raises:
+      ConfigError: naming `key` (the config key of the directory) and what it holds.
+    """
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}={str(out)!r} is a file, not a directory")
+    done, logged = finished_steps(out / "checkpoints"), logged_steps(out)
+    if not resume and (done or logged):
+        held = f"checkpoints (steps {done})" if done else f"metrics of {len(logged)} steps"
+        raise ConfigError(
+            f"{key}={str(out)!r} already holds {held}; pass --resume to continue that run, or "
+            f"choose a new {key} (nothing was written)")
+    if resume and not done and logged:
+        raise ConfigError(
+            f"--resume: {key}={str(out)!r} holds metrics of {len(logged)} steps but no "
+            f"checkpoint to continue them from; choose a new {key} (nothing was written)")
+
+
+class StageTrainer:
+    """Owns the state, jitted update and outputs of one run of one stage (see module doc).
+
+    `Trainer(cfg, resume=False, devices=None)` checks and loads everything (raising
+    ConfigError / FileNotFoundError / ValueError before any compile and before anything but the
+    run directory and its lock is written); `train()` runs the remaining steps.
+    """
+
+    name = "stage"  # progress-bar label
+    finite_keys: tuple[str, ...] = ()  # besides every "*loss" metric
+
+    def __init__(self, cfg: Config, *, resume: bool = False, devices=None):
+        self.cfg = cfg
+        self.out = Path(cfg.train.output_dir)
+        self._check_inputs()
+        check_run_dir(self.out, "train.output_dir", resume)
+        self.process_index = jax.process_index()
+        self._lock = None
+        if self.process_index == 0:
+            check_writable(self.out)
+            self._lock = RunLock(self.out)
+        try:
+            self.place = Placement.from_config(cfg.mesh, devices)
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        self.step_count = 0
+        self._build()
+        self._open_outputs(resume)
+
+    # --- the four steps of a stage --------------------------------------------------------
+    def _check_inputs(self) -> None:
+        """Validate names and data before anything is written (override)."""
+
+    def _build(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def step(self) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def export(self) -> Path:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # --- optional hooks -------------------------------------------------------------------
+    def periodic_metrics(self, step: int) -> dict:
+        """Extra metrics merged into step `step`'s record (e.g. held-out evaluation)."""
+        return {}
+
+    def after_log(self, step: int) -> None:
+        """Called after step `step` is logged (e.g. decoded samples)."""
+
+    def progress_postfix(self, metrics: dict) -> dict:
+        loss = next((k for k in metrics if k.endswith("loss")), None)
+        return {loss: f"{metrics[loss]:.4f}"} if loss else {}
+
+    # --- shared machinery -----------------------------------------------------------------
+    def _open_outputs(self, resume: bool) -> None:
+        self.checkpointer = Checkpointer(self.out / "checkpoints", max_to_keep=self.cfg.train.max_to_keep)
+        if resume:
+            self._restore()
+            moved = supersede_metrics(self.out, self.step_count) if self.process_index == 0 else 0
+            if moved:
+                print(f"--resume: {moved} logged steps after step {self.step_count} (past the last "
+                      f"checkpoint) moved to {self.out / SUPERSEDED}; they run again")
+        self.writer = MetricsWriter(self.out, tensorboard=self.cfg.train.tensorboard,
+                                    enabled=self.process_index == 0)
+        if self.process_index == 0 and self.step_count < self.cfg.train.steps:
+            (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+
+    def save(self) -> None:
+        """Write an orbax checkpoint of the current step (collective over processes)."""
+        meta = {"step": self.step_count, "data_position": self.sampler.position}
+        self.checkpointer.save(self.step_count, self.state, meta)
+        release_host_memory()  # orbax's write buffers, freed on its threads
+
+    def _restore(self) -> None:
+        step = self.checkpointer.latest_step()
+        if step is None:
+            print(f"--resume: no checkpoint under {self.checkpointer.directory}; starting at step 0")
+            return
+        try:
+            self.state, meta = self.checkpointer.restore(step, self.state)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"checkpoint {self.checkpointer.directory / str(step)} does not fit this run's "
+                "train state: was it written with other stage or model.* settings (shared_critic, "
+                f"actor, critic, param_dtype)? ({type(e).__name__}: {str(e)[:300]})") from None
+        self.step_count = int(meta["step"])
+        self.sampler.position = int(meta["data_position"])
+        print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
+
+    def write_hf(self, graphdef, params, model_cfg, out_dir: Path, select=None) -> Path:
+        """Save a model as an HF directory (with the run's tokenizer), the shared export path.
+
+        Collective: every process gathers the sharded `params` to host memory (one tensor at a
+        time is replicated for the gather); process 0 writes. `select(params)` picks the model's
+        params out of a larger tree (the shared-critic actor)."""
+        from flax import nnx
+
+        from ppo_jax.models import save_pretrained
+        from ppo_jax.parallel.host import to_host
+
+        params = to_host(params)
+        if select is not None:
+            params = select(params)
+        if self.process_index == 0:
+            save_pretrained(nnx.merge(graphdef, params), model_cfg, out_dir, self.tokenizer)
+        return out_dir
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def _not_finite(self, metrics: dict) -> list[str]:
+        return sorted(k for k, v in metrics.items()
+                      if (k.endswith("loss") or k in self.finite_keys) and not np.isfinite(v))
+
+    def _stop_if_not_finite(self, n: int, metrics: dict) -> None:
+        bad = self._not_finite(metrics)
+        if bad:
+            last = self.checkpointer.latest_step()
+            raise FloatingPointError(
+                f"step {n}: {', '.join(bad)} not finite; stopped before saving (the last "
+                f"checkpoint, step {last}, is kept). Check learning rates, kl_coef and the "
+                "reward scale")
+
+    def _run_one(self) -> dict:
+        cfg = self.cfg.train
+        metrics = self.step()
+        n = self.step_count
+        metrics.update(self.periodic_metrics(n))
+        if n % cfg.log_every == 0 or n == cfg.steps or self._not_finite(metrics):
+            self.writer.write(n, metrics)
+        self._stop_if_not_finite(n, metrics)
+        self.after_log(n)
+        if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
+            self.save()
+        return metrics
+
+    def train(self, progress: bool | None = None) -> list[dict]:
+        """Run steps until `train.steps`; log, checkpoint; export the model at the end (when
+        `train.export_hf`). Returns the metrics of the steps run."""
+        cfg = self.cfg.train
+        if self.step_count >= cfg.steps:
+            if self.process_index == 0:
+                print(f"nothing to do: the run is at step {self.step_count} and train.steps="
+                      f"{cfg.steps}; raise train.steps to continue it")
+            self._release()
+            return []
+        show = cfg.progress if progress is None else progress
+        history, bar = [], None
+        if show and self.process_index == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step_count, desc=self.name, unit="step",
+                       dynamic_ncols=True)
+        try:
+            while self.step_count < cfg.steps:
+                metrics = self._run_one()
+                history.append(metrics)
+                if bar is not None:
+                    bar.set_postfix(**self.progress_postfix(metrics))
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.writer.close()
+            self._release()
+        if cfg.export_hf:
+            self.export()  # collective; process 0 writes
+        return history

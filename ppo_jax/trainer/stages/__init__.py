@@ -1,0 +1,25 @@
+"""The three stages of RLHF, each a `StageTrainer` (`ppo_jax.trainer.base`) with one jitted
+update: `sft` (stage 1, `SFTTrainer`), `reward_model` (stage 2, `RewardModelTrainer`), `ppo`
+(stage 3, `PPOTrainer`). `config.stage` picks one; `trainer_class(stage)` returns its class.
+"""
+
+from __future__ import annotations
+
+STAGES = ("sft", "reward_model", "ppo")
+
+
+def trainer_class(stage: str):
+    """The trainer class of `stage`. Raises ValueError for another name."""
+    if stage == "sft":
+        from ppo_jax.trainer.stages.sft import SFTTrainer
+
+        return SFTTrainer
+    if stage == "reward_model":
+        from ppo_jax.trainer.stages.reward_model import RewardModelTrainer
+
+        return RewardModelTrainer
+    if stage == "ppo":
+        from ppo_jax.trainer.stages.ppo import PPOTrainer
+
+        return PPOTrainer
+    raise ValueError(f"stage={stage!r} is not one of {list(STAGES)}")

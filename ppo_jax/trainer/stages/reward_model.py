@@ -1,0 +1,134 @@
+"""Stage 2, a reward model on preference pairs (InstructGPT; DeepSpeed-Chat step 2; TRL
+`RewardTrainer`): Bradley-Terry loss `-log sigmoid(r_chosen - r_rejected - margin)` with each
+score read at the last real token of prompt + response by the same `RewardModel` head PPO uses.
+Chosen and rejected of a pair go through one forward pass together, in the same micro-batch.
+
+The model starts from `model.reward_model`: a causal LM (SmolLM2, an SFT output) gets a fresh
+score head, N(0, 1 / (D + 1)) ("N implementation details of RLHF with PPO", Huang et al. 2022);
+a reward model goes on training. The result is written to `<output_dir>/reward_model_hf` as an
+HF `*ForSequenceClassification` directory with the tokenizer's pad id set and the mean / std of
+its scores on the held-out pairs (`score_mean`, `score_std` in config.json; OpenRLHF keeps the
+same pair for its `normalize_reward`), which stage 3's `reward.normalize` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ppo_jax.core import bradley_terry_loss
+from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source, rows_of
+from ppo_jax.trainer.text_data import preference_pairs, read_records, split_holdout, tokenize_pairs
+
+
+def pair_scores(graphdef, params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """`(chosen [B], rejected [B])` float32 scores, from one pass over the 2B sequences."""
+    ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])
+    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+    scores, _ = nnx.merge(graphdef, params)(ids, mask)
+    n = batch["chosen_ids"].shape[0]
+    return scores[:n], scores[n:]
+
+
+def _pair_sums(graphdef, params, batch: dict) -> tuple[jax.Array, dict]:
+    """Per-pair losses and the weighted sums of the pair statistics."""
+    rc, rr = pair_scores(graphdef, params, batch)
+    loss, stats = bradley_terry_loss(rc, rr, batch["margin"])
+    w = batch["weight"]
+    sums = {"loss": jnp.sum(loss * w), "accuracy": jnp.sum(stats["accuracy"] * w),
+            "margin": jnp.sum(stats["margin"] * w), "chosen_score": jnp.sum(rc * w),
+            "rejected_score": jnp.sum(rr * w)}
+    return jnp.sum(loss * w), sums, (rc, rr)
+
+
+def _as_arrays(pairs) -> dict:
+    c, r = pairs.chosen, pairs.rejected
+    return {"chosen_ids": c.ids.astype(np.int32), "chosen_mask": c.attention_mask.astype(np.int32),
+            "rejected_ids": r.ids.astype(np.int32), "rejected_mask": r.attention_mask.astype(np.int32),
+            "margin": np.asarray(pairs.margin, np.float32), "weight": np.ones(len(pairs), np.float32)}
+
+
+class RewardModelTrainer(SupervisedTrainer):
+    """Stage 2 on `reward_model.data` (see module doc)."""
+
+    name = section = "reward_model"
+    model_kind = "reward"
+
+    def model_source(self) -> Path:
+        return resolve_source(self.cfg.model.reward_model, "model.reward_model")
+
+    def load_kwargs(self) -> dict:
+        from ppo_jax.models import load_config
+
+        hidden = load_config(self.model_path).hidden_size
+        return {"fresh_score_head": True, "head_init_std": 1.0 / math.sqrt(hidden + 1)}
+
+    def _tokenize(self, path: str, key: str, tokenizer) -> dict:
+        d, sec = self.cfg.data, self.settings
+        pairs, _ = preference_pairs(read_records(path, key), path, key)
+        if not pairs:
+            raise ValueError(f"{key}: no usable preference pairs in {path}")
+        batch, _ = tokenize_pairs(pairs, tokenizer, max_prompt_length=d.max_prompt_length,
+                                  max_length=sec.max_length, use_chat_template=d.use_chat_template,
+                                  system_prompt=d.system_prompt, eos_id=tokenizer.eos_token_id,
+                                  pad_id=self.pad_id)
+        return _as_arrays(batch)
+
+    def load_data(self, tokenizer) -> tuple[dict, dict]:
+        sec = self.settings
+        data = self._tokenize(sec.data, "reward_model.data", tokenizer)
+        if sec.eval_data:
+            return data, self._tokenize(sec.eval_data, "reward_model.eval_data", tokenizer)
+        train_idx, eval_idx = split_holdout(len(data["weight"]), sec.eval_fraction, self.cfg.train.seed)
+        return rows_of(data, train_idx), rows_of(data, eval_idx)
+
+    def normalizer(self, batch: dict) -> jax.Array:
+        """Pairs in the whole minibatch."""
+        return jnp.maximum(jnp.sum(batch["weight"]), 1.0)
+
+    def loss(self, graphdef, params, micro: dict, normalizer):
+        loss, sums, _ = _pair_sums(graphdef, params, micro)
+        return loss / normalizer, {k: jax.lax.stop_gradient(v) / normalizer for k, v in sums.items()}
+
+    def eval_sums(self, graphdef, params, batch: dict) -> dict:
+        _, sums, (rc, rr) = _pair_sums(graphdef, params, batch)
+        w = batch["weight"]
+        both = jnp.concatenate([rc, rr])
+        w2 = jnp.concatenate([w, w])
+        return {**sums, "pairs": jnp.sum(w), "score_sum": jnp.sum(both * w2),
+                "score_sq": jnp.sum(jnp.square(both) * w2)}
+
+    def finish_eval(self, sums: dict) -> dict:
+        n = max(sums["pairs"], 1.0)
+        out = {k: float(sums[k] / n) for k in ("loss", "accuracy", "margin", "chosen_score",
+                                                 "rejected_score")}
+        mean = sums["score_sum"] / (2 * n)
+        out["score_mean"] = float(mean)
+        out["score_std"] = float(math.sqrt(max(sums["score_sq"] / (2 * n) - mean ** 2, 0.0)))
+        return out
+
+    def progress_postfix(self, metrics: dict) -> dict:
+        return {"loss": f"{metrics['loss']:.4f}", "acc": f"{metrics['accuracy']:.2f}"}
+
+    def export(self) -> Path:
+        """`<output_dir>/reward_model_hf`: HF `*ForSequenceClassification` (num_labels 1, pad
+        id set) + `score_mean` / `score_std` of the held-out pairs (the training pairs when
+        there is no held-out split) in config.json."""
+        stats = self.evaluate(self.eval_data if len(self.eval_data["weight"]) else self.train_data)
+        cfg = self.model.cfg
+        if cfg.pad_token_id is None:  # HF reads the score at the last non-pad token
+            cfg = dataclasses.replace(cfg, pad_token_id=self.pad_id)
+        out_dir = self.write_hf(self.model.graphdef, self.state["model"].params, cfg,
+                                self.out / "reward_model_hf")
+        if self.process_index == 0:
+            config = json.loads((out_dir / "config.json").read_text())
+            config.update(score_mean=stats["score_mean"], score_std=stats["score_std"])
+            (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        return out_dir

@@ -1,0 +1,91 @@
+"""Stage 1, supervised fine-tuning (DeepSpeed-Chat step 1; TRL `SFTTrainer` with a
+completion-only loss): next-token NLL of the response tokens of prompt/response rows, prompt and
+padding masked out, an exact token mean per minibatch under gradient accumulation. The trained
+actor is written to `<output_dir>/actor_hf`, which stage 3 takes as `model.actor`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ppo_jax.core import logprobs_from_logits, masked_sum, nll_loss, shift_for_next_token
+from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source, rows_of
+from ppo_jax.trainer.text_data import (
+    read_records, sft_examples, split_holdout, tokenize_sft,
+)
+
+
+def sft_logprobs(graphdef, params, batch: dict):
+    """`(logprobs [B, L-1], mask [B, L-1])` of each next token under the CausalLM; the mask is
+    the response (loss) mask of the targets, zero on weight-0 (padding) rows."""
+    logits, _ = nnx.merge(graphdef, params)(batch["ids"], batch["attention_mask"])
+    keep = (batch["loss_mask"] > 0) & (batch["weight"] > 0)[:, None]
+    targets, mask = shift_for_next_token(batch["ids"], keep)
+    return logprobs_from_logits(logits[:, :-1], targets), mask
+
+
+def _as_arrays(seqs) -> dict:
+    return {"ids": seqs.ids.astype(np.int32), "attention_mask": seqs.attention_mask.astype(np.int32),
+            "loss_mask": seqs.loss_mask.astype(np.int32), "weight": np.ones(len(seqs), np.float32)}
+
+
+class SFTTrainer(SupervisedTrainer):
+    """Stage 1 on `sft.data`; `model.actor` is the model to fine-tune (see module doc)."""
+
+    name = section = "sft"
+    model_kind = "causal_lm"
+
+    def model_source(self) -> Path:
+        return resolve_source(self.cfg.model.actor, "model.actor")
+
+    def _tokenize(self, path: str, key: str, tokenizer) -> dict:
+        d, sec = self.cfg.data, self.settings
+        examples = sft_examples(read_records(path, key), path, key)
+        seqs, _ = tokenize_sft(examples, tokenizer, max_prompt_length=d.max_prompt_length,
+                               max_length=sec.max_length, use_chat_template=d.use_chat_template,
+                               system_prompt=d.system_prompt, eos_id=tokenizer.eos_token_id,
+                               pad_id=self.pad_id)
+        return _as_arrays(seqs)
+
+    def load_data(self, tokenizer) -> tuple[dict, dict]:
+        sec = self.settings
+        data = self._tokenize(sec.data, "sft.data", tokenizer)
+        if sec.eval_data:
+            return data, self._tokenize(sec.eval_data, "sft.eval_data", tokenizer)
+        train_idx, eval_idx = split_holdout(len(data["weight"]), sec.eval_fraction, self.cfg.train.seed)
+        return rows_of(data, train_idx), rows_of(data, eval_idx)
+
+    def normalizer(self, batch: dict) -> jax.Array:
+        """Response tokens (targets) of the whole minibatch."""
+        _, mask = shift_for_next_token(batch["ids"], batch["loss_mask"])
+        return jnp.maximum(jnp.sum(mask * (batch["weight"] > 0)[:, None]).astype(jnp.float32), 1.0)
+
+    def loss(self, graphdef, params, micro: dict, normalizer):
+        logprobs, mask = sft_logprobs(graphdef, params, micro)
+        loss, stats = nll_loss(logprobs, mask, loss_normalizer=normalizer)
+        return loss, {"loss": stats["nll"], "tokens": stats["tokens"] * normalizer}
+
+    def eval_sums(self, graphdef, params, batch: dict) -> dict:
+        logprobs, mask = sft_logprobs(graphdef, params, batch)
+        return {"nll": -masked_sum(logprobs, mask), "tokens": jnp.sum(mask).astype(jnp.float32)}
+
+    def finish_eval(self, sums: dict) -> dict:
+        loss = sums["nll"] / max(sums["tokens"], 1.0)
+        return {"loss": float(loss), "perplexity": float(math.exp(min(loss, 80.0)))}
+
+    def step(self) -> dict:
+        metrics = super().step()
+        metrics["perplexity"] = math.exp(min(metrics["loss"], 80.0))
+        metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["time/step"], 1e-9)
+        return metrics
+
+    def export(self) -> Path:
+        """The fine-tuned actor as an HF causal-LM directory `<output_dir>/actor_hf`."""
+        return self.write_hf(self.model.graphdef, self.state["model"].params, self.model.cfg,
+                             self.out / "actor_hf")

@@ -1,0 +1,174 @@
+"""What stages 1 and 2 share: a data set of fixed-width rows, a held-out split, one trained
+model, minibatch steps with exact gradient accumulation, and held-out evaluation.
+
+A subclass (`SFTTrainer`, `RewardModelTrainer`) gives: `section` (its config section),
+`model_kind` and `model_source()`, `load_data(tokenizer) -> (train, eval)` (each a dict of
+numpy arrays with rows first), `loss(params, micro, normalizer) -> (loss, stats)` (a sum over
+the micro-batch divided by the minibatch's `normalizer`), `normalizer(batch)`,
+`eval_sums(params, batch) -> dict of sums` and `finish_eval(sums) -> metrics`.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import jax
+import numpy as np
+import optax
+
+from ppo_jax.trainer.accumulate import accumulate_gradients
+from ppo_jax.trainer.base import StageTrainer
+from ppo_jax.trainer.config import ConfigError
+from ppo_jax.trainer.data import PromptSampler
+from ppo_jax.trainer.optim import optimizer_from_config
+from ppo_jax.trainer.setup import Split, load_split, pad_token_id, resolve_model_path
+
+
+def rows_of(batch: dict, idx) -> dict:
+    """The rows `idx` of every array of a row-first dict."""
+    return {k: v[idx] for k, v in batch.items()}
+
+
+def pad_rows(batch: dict, rows: int) -> dict:
+    """`batch` padded to `rows` rows by repeating its first row with `weight` 0."""
+    n = len(batch["weight"])
+    if n == rows:
+        return batch
+    out = {k: np.concatenate([v, np.repeat(v[:1], rows - n, axis=0)]) for k, v in batch.items()}
+    out["weight"][n:] = 0
+    return out
+
+
+class SupervisedTrainer(StageTrainer):
+    """Shared machinery of the SFT and reward-model stages (see the module docstring)."""
+
+    section = ""  # "sft" | "reward_model"
+    model_kind = ""  # "causal_lm" | "reward"
+
+    @property
+    def settings(self):
+        return getattr(self.cfg, self.section)
+
+    def _check_inputs(self) -> None:
+        """Model source, tokenizer and the whole data set, before the run directory is touched."""
+        from ppo_jax.models import load_tokenizer
+
+        self.model_path = self.model_source()
+        self.tokenizer = load_tokenizer(self.model_path)
+        if self.tokenizer.eos_token_id is None:
+            raise ConfigError(f"the tokenizer of {self.model_path} has no EOS token")
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.train_data, self.eval_data = self.load_data(self.tokenizer)
+
+    def _build(self) -> None:
+        cfg, place, sec = self.cfg, self.place, self.settings
+        if sec.batch_size % place.batch_shards:
+            raise ConfigError(f"{self.section}.batch_size={sec.batch_size} is not a multiple of "
+                              f"mesh data x fsdp = {place.batch_shards}")
+        model = self.load_model()
+        self._check_ids(model.cfg.vocab_size)
+        self.model = Split(model.graphdef, None, model.cfg)
+        self.tx = optimizer_from_config(cfg.optim, sec.lr, cfg.train.steps)
+        self.state = {"model": place.create_state(model.params, self.tx)}
+        self.sampler = PromptSampler(len(self.train_data["weight"]), cfg.train.seed, cfg.data.shuffle)
+        self._jit()
+
+    def load_model(self) -> Split:
+        m = self.cfg.model
+        return load_split(self.model_path, self.model_kind, param_dtype=m.param_dtype, dtype=m.dtype,
+                     remat=m.remat, seed=self.cfg.train.seed, sharding_fn=self.place.sharding_fn,
+                     **self.load_kwargs())
+
+    def load_kwargs(self) -> dict:
+        return {}
+
+    def _check_ids(self, vocab_size: int) -> None:
+        for split, data in (("train", self.train_data), ("eval", self.eval_data)):
+            for key, ids in data.items():
+                if key.endswith("ids") and ids.size and int(ids.max()) >= vocab_size:
+                    raise ConfigError(f"{self.section}.data ({split} split): token id "
+                                      f"{int(ids.max())} >= the model vocab_size {vocab_size}: "
+                                      "tokenizer and model do not match")
+
+    def _jit(self) -> None:
+        place, sec = self.place, self.settings
+        graphdef, mesh, tx = self.model.graphdef, place.constraint_mesh, self.tx
+
+        def update(state, batch):
+            n = self.normalizer(batch)
+            grads, stats = accumulate_gradients(
+                lambda p, m: self.loss(graphdef, p, m, n), state.params, batch,
+                micro_batch_size=sec.micro_batch_size, mesh=mesh)
+            stats["grad_norm"] = optax.global_norm(grads)
+            return state.apply_gradients(grads, tx), stats
+
+        state_sh, rows, rep = place.shardings(self.state["model"]), place.rows, place.replicated
+        self._update = jax.jit(update, in_shardings=(state_sh, rows), out_shardings=(state_sh, rep),
+                               donate_argnums=0)
+        self._eval = jax.jit(partial(self.eval_sums, graphdef), in_shardings=(state_sh.params, rows),
+                             out_shardings=rep)
+
+    def _put(self, batch: dict) -> dict:
+        """A global batch (every process holds all rows on the host) -> device arrays."""
+        lo, hi = self.place.row_range(len(batch["weight"]))
+        return {k: self.place.put_rows(v[lo:hi], v.shape) for k, v in batch.items()}
+
+    def step(self) -> dict:
+        """One optimiser step on the next `batch_size` rows; returns its metrics (floats)."""
+        t0 = time.perf_counter()
+        batch = self._put(rows_of(self.train_data, self.sampler.next_indices(self.settings.batch_size)))
+        state, stats = self._update(self.state["model"], batch)
+        stats = {k: float(v) for k, v in jax.device_get(stats).items()}
+        self.state = {"model": state}
+        self.step_count += 1
+        dt = time.perf_counter() - t0
+        stats.update({"time/step": dt, "data_position": self.sampler.position,
+                      "epoch": self.sampler.position / len(self.train_data["weight"])})
+        return stats
+
+    def evaluate(self, data: dict | None = None) -> dict:
+        """Metrics of the current model on `data` (default: the held-out split), computed in
+        chunks of `batch_size` rows (the last padded with weight-0 rows) and summed exactly."""
+        data = self.eval_data if data is None else data
+        n, size = len(data["weight"]), self.settings.batch_size
+        sums: dict = {}
+        for lo in range(0, n, size):
+            chunk = self._put(pad_rows(rows_of(data, slice(lo, lo + size)), size))
+            out = jax.device_get(self._eval(self.state["model"].params, chunk))
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + np.float64(v)
+        return self.finish_eval(sums) if sums else {}
+
+    def periodic_metrics(self, step: int) -> dict:
+        every, last = self.settings.eval_every, step == self.cfg.train.steps
+        if not len(self.eval_data["weight"]) or not (last or (every and step % every == 0)):
+            return {}
+        return {f"eval/{k}": v for k, v in self.evaluate().items()}
+
+    # --- per stage ------------------------------------------------------------------------
+    def model_source(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def load_data(self, tokenizer) -> tuple[dict, dict]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def normalizer(self, batch: dict) -> jax.Array:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def loss(self, graphdef, params, micro: dict, normalizer):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def eval_sums(self, graphdef, params, batch: dict) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def finish_eval(self, sums: dict) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def resolve_source(source: str | None, key: str):
+    """`resolve_model_path` with the config key in the error."""
+    if not source:
+        raise ConfigError(f"{key} is not set")
+    return resolve_model_path(source, key)
+
