@@ -12,13 +12,18 @@ Usage:
       --prompts configs/prompts/reviews.jsonl --k 4 --out runs/prefs [--reward vader] \
       [--max-new-tokens 40] [--temperature 1.0] [--batch-size 32] [--seed 0] \
       [--max-prompt-length 64] [--first N] [--import MODULE] [--overwrite]
+      [--all-pairs-gap GAP] [--eval-fraction F]
 
 Writes, in --out:
-  pairs.jsonl    one row per usable prompt: {"prompt", "chosen", "rejected", "chosen_score",
-                 "rejected_score"}; a prompt is skipped (and counted) when its best and worst
-                 scores are equal, its best and worst texts are identical, or all k are empty.
-  sft.jsonl      one row per prompt with a non-empty response: {"prompt", "response", "score"},
-                 the best of its k samples.
+  pairs.jsonl    one row per usable prompt (more with --all-pairs-gap): {"prompt", "chosen",
+                 "rejected", "chosen_score", "rejected_score", "chosen_truncated",
+                 "rejected_truncated"}; a prompt is skipped (and counted) when its best and
+                 worst scores are equal, its best and worst texts are identical, or all k are
+                 empty. `*_truncated`: the response hit --max-new-tokens before a stop token.
+  sft.jsonl      one row per prompt with a non-empty response: {"prompt", "response", "score",
+                 "truncated"}, the best of its k samples.
+  pairs_eval.jsonl, sft_eval.jsonl   with --eval-fraction F: the rows of a seeded random F of
+                 the prompts, held out by prompt (no response of theirs is in the training files).
   samples.jsonl  every sample: {"prompt", "responses": [k], "scores": [k]} (for audits).
   summary.json   counts, mean score of all samples, mean best / worst per prompt, generated
                  tokens, tokens/s, wall time, and the arguments (also printed).
@@ -48,7 +53,8 @@ from typing import Any
 
 import numpy as np
 
-OUTPUTS = ("pairs.jsonl", "sft.jsonl", "samples.jsonl", "summary.json")
+OUTPUTS = ("pairs.jsonl", "sft.jsonl", "pairs_eval.jsonl", "sft_eval.jsonl", "samples.jsonl",
+           "summary.json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,6 +73,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import a module first, e.g. one registering a reward function")
     p.add_argument("--overwrite", action="store_true", help="replace outputs already in --out")
+    p.add_argument("--all-pairs-gap", type=float, default=None, metavar="GAP",
+                   help="besides best vs worst, every other pair of a prompt's responses whose "
+                        "scores differ by at least GAP (more pairs from the same samples)")
+    p.add_argument("--eval-fraction", type=float, default=0.0,
+                   help="share of the prompts (a seeded random choice) whose rows go to "
+                        "pairs_eval.jsonl / sft_eval.jsonl instead: held out by prompt")
     return p.parse_args(argv)
 
 
@@ -81,6 +93,10 @@ def check_args(args: argparse.Namespace) -> None:
                       ("max_prompt_length", 1)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= {low}")
+    if not 0.0 <= args.eval_fraction < 1.0:
+        raise ValueError(f"--eval-fraction={args.eval_fraction} must lie in [0, 1)")
+    if args.all_pairs_gap is not None and not args.all_pairs_gap > 0:
+        raise ValueError(f"--all-pairs-gap={args.all_pairs_gap} must be > 0")
     if args.first is not None and args.first < 1:
         raise ValueError(f"--first={args.first} must be >= 1")
     if not 0 < args.temperature < float("inf"):
@@ -132,11 +148,12 @@ def batch_rows(n_prompts: int, k: int, batch_size: int) -> tuple[np.ndarray, int
     return np.resize(real, n_batches * width), width
 
 
-def sample_responses(actor: Actor, texts: list[str], args) -> tuple[list[str], dict]:
-    """k decoded responses per prompt, `[len(texts) * k]` (prompt i at rows i*k .. i*k+k-1).
+def sample_responses(actor: Actor, texts: list[str], args) -> tuple[list[str], list[bool], dict]:
+    """k decoded responses per prompt, `[len(texts) * k]` (prompt i at rows i*k .. i*k+k-1),
+    and whether each was truncated (hit --max-new-tokens before a stop token).
 
     Every batch has the same shape, so `generate` compiles once; batch b samples with
-    `fold_in(PRNGKey(seed), b)`. Returns (responses, timing: generated tokens and seconds, in
+    `fold_in(PRNGKey(seed), b)`. Returns (responses, truncated, timing: generated tokens and seconds, in
     all and of the first batch, which holds the compilation).
     """
     import jax
@@ -148,7 +165,8 @@ def sample_responses(actor: Actor, texts: list[str], args) -> tuple[list[str], d
                                pad_token_id=actor.pad)
     rows, width = batch_rows(len(texts), args.k, args.batch_size)
     n_real, key = len(texts) * args.k, jax.random.PRNGKey(args.seed)
-    responses, tokens, start = [], 0, time.perf_counter()
+    responses, truncated, tokens, start = [], [], 0, time.perf_counter()
+    stops = np.asarray(actor.stops)
     for b in range(rows.size // width):
         idx = rows[b * width:(b + 1) * width]
         ids, mask = generate(actor.graphdef, actor.params, prompts.ids[idx], prompts.mask[idx],
@@ -160,9 +178,10 @@ def sample_responses(actor: Actor, texts: list[str], args) -> tuple[list[str], d
         tokens += int(mask[:keep].sum())
         responses += [actor.tokenizer.decode(r[m], skip_special_tokens=True).strip()
                       for r, m in zip(ids[:keep], mask[:keep])]
+        truncated += [not np.isin(r[m], stops).any() for r, m in zip(ids[:keep], mask[:keep])]
         if b == 0:
             first_s, first_tokens = time.perf_counter() - start, tokens
-    return responses, {"generated_tokens": tokens, "generation_s": time.perf_counter() - start,
+    return responses, truncated, {"generated_tokens": tokens, "generation_s": time.perf_counter() - start,
                        "first_batch_s": first_s, "first_batch_tokens": first_tokens}
 
 
@@ -181,7 +200,23 @@ def score_all(reward, texts: list[str], flat: list[str], k: int) -> np.ndarray:
     return np.array([float(str(x)) for x in raw], np.float64).reshape(len(texts), k)
 
 
-def select(texts: list[str], responses: list[list[str]], scores: np.ndarray) -> dict:
+def pair_row(prompt: str, resp: list[str], s, cut: list[bool], i: int, j: int) -> dict:
+    """The pairs.jsonl row of response i preferred over response j."""
+    return {"prompt": prompt, "chosen": resp[i], "rejected": resp[j], "chosen_score": float(s[i]),
+            "rejected_score": float(s[j]), "chosen_truncated": bool(cut[i]),
+            "rejected_truncated": bool(cut[j])}
+
+
+def extra_pairs(prompt: str, resp: list[str], s: np.ndarray, cut: list[bool], gap: float,
+                best: tuple) -> list[dict]:
+    """Every pair (i, j) of one prompt's responses with s_i - s_j >= gap, response i non-empty,
+    texts different, other than the best-vs-worst pair `best`."""
+    return [pair_row(prompt, resp, s, cut, i, j) for i in range(len(resp)) for j in range(len(resp))
+            if (i, j) != best and resp[i] and resp[i] != resp[j] and s[i] - s[j] >= gap]
+
+
+def select(texts: list[str], responses: list[list[str]], scores: np.ndarray,
+           gap: float | None = None, truncated: list[list[bool]] | None = None) -> dict:
     """Best and worst of each prompt's k responses.
 
     Args:
@@ -189,6 +224,9 @@ def select(texts: list[str], responses: list[list[str]], scores: np.ndarray) -> 
     Chosen / SFT = the first highest-scored non-empty response; rejected = the first
     lowest-scored response (empty allowed). A prompt gives no pair when best and worst scores
     are equal or their texts identical, and neither a pair nor an SFT row when all k are empty.
+    With `gap`, `extra_pairs` adds the prompt's other pairs at least `gap` apart. `truncated`
+    (N lists of k flags; default all False) marks responses cut at --max-new-tokens: rows say so
+    (`truncated`, `chosen_truncated`, `rejected_truncated`) and the stages append no stop token.
 
     Returns:
       {"pairs": [row], "sft": [row], "skipped": {"equal_score", "identical_text", "all_empty"},
@@ -196,7 +234,8 @@ def select(texts: list[str], responses: list[list[str]], scores: np.ndarray) -> 
     """
     pairs, sft, worst, skipped = [], [], [], {"equal_score": 0, "identical_text": 0,
                                                "all_empty": 0}
-    for prompt, resp, s in zip(texts, responses, np.asarray(scores, np.float64)):
+    truncated = truncated or [[False] * len(r) for r in responses]
+    for prompt, resp, s, cut in zip(texts, responses, np.asarray(scores, np.float64), truncated):
         lo = int(np.argmin(s))
         worst.append(float(s[lo]))
         nonempty = np.array([bool(r) for r in resp])
@@ -204,14 +243,16 @@ def select(texts: list[str], responses: list[list[str]], scores: np.ndarray) -> 
             skipped["all_empty"] += 1
             continue
         hi = int(np.argmax(np.where(nonempty, s, -np.inf)))
-        sft.append({"prompt": prompt, "response": resp[hi], "score": float(s[hi])})
+        sft.append({"prompt": prompt, "response": resp[hi], "score": float(s[hi]),
+                    "truncated": bool(cut[hi])})
         if s[hi] == s[lo]:
             skipped["equal_score"] += 1
         elif resp[hi] == resp[lo]:
             skipped["identical_text"] += 1
         else:
-            pairs.append({"prompt": prompt, "chosen": resp[hi], "rejected": resp[lo],
-                          "chosen_score": float(s[hi]), "rejected_score": float(s[lo])})
+            pairs.append(pair_row(prompt, resp, s, cut, hi, lo))
+            if gap is not None:
+                pairs.extend(extra_pairs(prompt, resp, s, cut, gap, (hi, lo)))
     return {"pairs": pairs, "sft": sft, "skipped": skipped,
             "best": [r["score"] for r in sft], "worst": worst}
 
@@ -242,10 +283,21 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
                     encoding="utf-8")
 
 
-def write_outputs(out: Path, texts, responses, scores, chosen: dict, summary: dict) -> None:
+def held_out_prompts(texts: list[str], fraction: float, seed: int) -> set[str]:
+    """A seeded random `fraction` of the prompts (rounded up when > 0): their rows are held out."""
+    n = int(np.ceil(fraction * len(texts))) if fraction > 0 else 0
+    order = np.random.default_rng(seed).permutation(len(texts))
+    return {texts[i] for i in order[:n]}
+
+
+def write_outputs(out: Path, texts, responses, scores, chosen: dict, summary: dict,
+                  held: set[str] = frozenset()) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "pairs.jsonl", chosen["pairs"])
-    write_jsonl(out / "sft.jsonl", chosen["sft"])
+    for name in ("pairs", "sft"):
+        rows = chosen[name]
+        write_jsonl(out / f"{name}.jsonl", [r for r in rows if r["prompt"] not in held])
+        if held:
+            write_jsonl(out / f"{name}_eval.jsonl", [r for r in rows if r["prompt"] in held])
     write_jsonl(out / "samples.jsonl",
                 [{"prompt": t, "responses": r, "scores": [float(x) for x in s]}
                  for t, r, s in zip(texts, responses, scores)])
@@ -278,16 +330,20 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    flat, timing = sample_responses(actor, texts, args)
+    flat, flat_cut, timing = sample_responses(actor, texts, args)
     try:
         scores = score_all(reward, texts, flat, args.k)
     except ValueError as e:
         print(f"error: --reward {args.reward}: {e}", file=sys.stderr)
         return 2
     responses = [flat[i * args.k:(i + 1) * args.k] for i in range(len(texts))]
-    chosen = select(texts, responses, scores)
+    truncated = [flat_cut[i * args.k:(i + 1) * args.k] for i in range(len(texts))]
+    chosen = select(texts, responses, scores, args.all_pairs_gap, truncated)
+    held = held_out_prompts(texts, args.eval_fraction, args.seed)
     summary = summarize(args, scores, flat, chosen, timing, time.perf_counter() - start)
-    write_outputs(Path(args.out), texts, responses, scores, chosen, summary)
+    summary["held_out_prompts"] = len(held)
+    summary["truncated_responses"] = int(sum(flat_cut))
+    write_outputs(Path(args.out), texts, responses, scores, chosen, summary, held)
     print(json.dumps(summary, indent=2))
     return 0
 

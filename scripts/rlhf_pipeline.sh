@@ -2,7 +2,8 @@
 # The three stages of RLHF on SmolLM2-135M-Instruct with nothing downloaded, measured stage by
 # stage (wall time and peak resident memory from /usr/bin/time, written to runs/pipeline/*.time):
 #   1. preference data: 4 responses per prompt of configs/prompts/reviews.jsonl sampled by
-#      SmolLM2 and ranked by VADER (AI feedback): best-of-4 for SFT, best vs worst as pairs;
+#      SmolLM2 and ranked by VADER (AI feedback): best-of-4 for SFT, best vs worst and every other
+#      pair 0.5 or more apart as preference pairs; 10% of the prompts held out for evaluation;
 #   2. SFT (configs/sft.yaml) -> runs/pipeline/sft/actor_hf;
 #   3. reward model (configs/reward_model.yaml) -> runs/pipeline/reward_model/reward_model_hf;
 #   4. PPO with the four models (configs/ppo_rlhf.yaml) -> runs/pipeline/ppo/actor_hf;
@@ -22,7 +23,8 @@ measure() {  # measure NAME COMMAND...: run it, keep its log and its time / peak
   cat "$OUT/$name.time"
 }
 measure data "$py" scripts/make_preference_pairs.py --actor smollm2 \
-  --prompts configs/prompts/reviews.jsonl --k 4 --out "$OUT/preference_data"
+  --prompts configs/prompts/reviews.jsonl --k 4 --all-pairs-gap 0.5 --eval-fraction 0.1 \
+  --out "$OUT/preference_data"
 measure sft "$py" train.py --config configs/sft.yaml
 measure reward_model "$py" train.py --config configs/reward_model.yaml
 measure ppo "$py" train.py --config configs/ppo_rlhf.yaml

@@ -126,9 +126,11 @@ def test_select_never_chooses_an_empty_response_and_counts_skips():
                  ["same", "same", "other"]]
     scores = np.array([[0.9, 0.1, 0.5], [0.2, 0.2, 0.2], [0.3, 0.3, 0.3], [0.0, 0.0, 0.0],
                        [0.7, 0.7, 0.7]])
-    got = mpp.select(texts, responses, scores)
+    cut = [[False, True, False]] + [[False] * 3] * 4  # "ok" hit the length limit
+    got = mpp.select(texts, responses, scores, truncated=cut)
     assert got["pairs"] == [{"prompt": "p0", "chosen": "good", "rejected": "ok",
-                             "chosen_score": 0.5, "rejected_score": 0.1}]
+                             "chosen_score": 0.5, "rejected_score": 0.1,
+                             "chosen_truncated": False, "rejected_truncated": True}]
     assert got["skipped"] == {"equal_score": 3, "identical_text": 0, "all_empty": 1}
     assert [r["response"] for r in got["sft"]] == ["good", "a", "x", "same"]
     got = mpp.select(["q"], [["same", "same"]], np.array([[0.4, 0.2]]))  # a noisy reward
@@ -146,3 +148,26 @@ def test_bad_settings_fail_before_loading_a_model(tmp_path):
     args = mpp.parse_args(_argv(tmp_path / "out") + ["--k", "1"])
     with pytest.raises(ValueError, match="--k=1"):
         mpp.check_args(args)
+
+
+def test_all_pairs_gap_adds_every_pair_far_enough_apart():
+    scores = np.array([[0.9, 0.1, 0.5, 0.8]])
+    got = mpp.select(["p"], [["a", "b", "c", "d"]], scores, gap=0.35)
+    pairs = [(r["chosen"], r["rejected"]) for r in got["pairs"]]
+    # best vs worst first, then every other pair at least 0.35 apart (a-c 0.4, c-b 0.4, d-b 0.7;
+    # not d-c 0.3 nor a-d 0.1)
+    assert pairs[0] == ("a", "b") and sorted(pairs[1:]) == [("a", "c"), ("c", "b"), ("d", "b")]
+    assert all(r["chosen_score"] - r["rejected_score"] >= 0.35 for r in got["pairs"])
+
+
+def test_eval_fraction_holds_out_whole_prompts(tmp_path):
+    texts = [f"p{i}" for i in range(10)]
+    held = mpp.held_out_prompts(texts, 0.2, seed=0)
+    assert len(held) == 2 and held == mpp.held_out_prompts(texts, 0.2, seed=0)
+    chosen = {"pairs": [{"prompt": t, "chosen": "a", "rejected": "b"} for t in texts for _ in range(2)],
+              "sft": [{"prompt": t, "response": "a"} for t in texts]}
+    mpp.write_outputs(tmp_path, texts, [], [], chosen, {}, held)
+    train_prompts = {r["prompt"] for r in _read_jsonl(tmp_path / "pairs.jsonl")}
+    eval_prompts = {r["prompt"] for r in _read_jsonl(tmp_path / "pairs_eval.jsonl")}
+    assert eval_prompts == held and not train_prompts & held and len(train_prompts) == 8
+    assert {r["prompt"] for r in _read_jsonl(tmp_path / "sft_eval.jsonl")} == held

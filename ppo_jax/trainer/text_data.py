@@ -144,6 +144,17 @@ class SFTExample:
 
     prompt: Messages
     response: str
+    truncated: bool = False  # cut at a length limit: no stop token follows it
+
+
+def _flag(record: dict, field: str, at: str) -> bool:
+    """An optional boolean field (absent / null: False)."""
+    value = record.get(field)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(at, field, f"is {type(value).__name__} {value!r:.60}, not true / false")
+    return value
 
 
 def sft_examples(records: list[dict], path, key: str) -> list[SFTExample]:
@@ -151,7 +162,9 @@ def sft_examples(records: list[dict], path, key: str) -> list[SFTExample]:
 
     A row is `{"prompt": str | Messages, "response": str}` or `{"messages": Messages}` whose last
     message (role "assistant") is the response and whose earlier turns (at least one) the prompt.
-    A string prompt becomes one user turn.
+    A string prompt becomes one user turn. An optional `"truncated": true` says the response was
+    cut at a length limit (a sampled response that hit max_new_tokens): no stop token is appended,
+    so the model does not learn to stop there (PPO's rollouts that hit the limit have none either).
 
     Raises:
       ValueError: (naming `key`, the file, the record index from 0 and the field) a missing
@@ -172,7 +185,7 @@ def sft_examples(records: list[dict], path, key: str) -> list[SFTExample]:
         else:
             prompt = _prompt(_require(r, "prompt", at), "prompt", at)
             response = _string(_require(r, "response", at), "response", at)
-        out.append(SFTExample(prompt, response))
+        out.append(SFTExample(prompt, response, _flag(r, "truncated", at)))
     return out
 
 
@@ -185,6 +198,8 @@ class PreferencePair:
     chosen: str
     rejected: str
     margin: float
+    chosen_truncated: bool = False  # cut at a length limit: no stop token follows it
+    rejected_truncated: bool = False
 
 
 def _response(value, field: str, at: str) -> str:
@@ -208,10 +223,11 @@ def _margin(record: dict, at: str) -> float:
 
 def _pair(r: dict, at: str) -> PreferencePair:
     chosen, rejected = _require(r, "chosen", at), _require(r, "rejected", at)
+    cut = (_flag(r, "chosen_truncated", at), _flag(r, "rejected_truncated", at))
     if r.get("prompt") is not None:
         prompt = _prompt(r["prompt"], "prompt", at)
         return PreferencePair(prompt, _response(chosen, "chosen", at),
-                              _response(rejected, "rejected", at), _margin(r, at))
+                              _response(rejected, "rejected", at), _margin(r, at), *cut)
     for field, value in (("chosen", chosen), ("rejected", rejected)):
         if isinstance(value, str):
             raise _bad(at, field, "is a string but the row has no 'prompt' (the implicit-prompt "
@@ -222,14 +238,15 @@ def _pair(r: dict, at: str) -> PreferencePair:
         raise _bad(at, "rejected", "turns before the response differ from 'chosen''s (the implicit prompt)")
     if not prompt:
         raise _bad(at, "chosen", "has no turn before the assistant response (no prompt)")
-    return PreferencePair(prompt, chosen, rejected, _margin(r, at))
+    return PreferencePair(prompt, chosen, rejected, _margin(r, at), *cut)
 
 
 def preference_pairs(records: list[dict], path, key: str) -> tuple[list[PreferencePair], int]:
     """Check and convert preference rows (TRL `RewardTrainer` explicit / implicit-prompt formats).
 
     A row is `{"prompt": str | Messages, "chosen": str | [assistant msg], "rejected": ...,
-    "margin": optional number}`, or without "prompt" `chosen` / `rejected` are whole
+    "margin": optional number, "chosen_truncated" / "rejected_truncated": optional booleans
+    (the response was cut at a length limit: no stop token appended)}`, or without "prompt" `chosen` / `rejected` are whole
     conversations ending with the assistant message whose earlier turns (equal in both) are the
     prompt. Pairs with chosen == rejected teach nothing: they are dropped, counted and warned about.
 
@@ -243,7 +260,7 @@ def preference_pairs(records: list[dict], path, key: str) -> tuple[list[Preferen
     if not records:
         raise ValueError(f"{key}: no records in {path}")
     pairs = [_pair(r, f"{key}: record {i} of {path}") for i, r in enumerate(records)]
-    kept = [p for p in pairs if p.chosen != p.rejected]
+    kept = [p for p in pairs if (p.chosen, p.chosen_truncated) != (p.rejected, p.rejected_truncated)]
     skipped = len(pairs) - len(kept)
     if skipped:
         warnings.warn(f"{key}: skipped {skipped} pair(s) of {path} whose chosen == rejected", stacklevel=2)
@@ -270,10 +287,13 @@ def encode_prompt(tokenizer, prompt: Messages, *, use_chat_template: bool,
     return list(tokenizer("\n".join(m["content"] for m in prompt))["input_ids"])
 
 
-def encode_response(tokenizer, response: str, eos_id: int) -> list[int]:
+def encode_response(tokenizer, response: str, eos_id: int, truncated: bool = False) -> list[int]:
     """`tokenizer(response, add_special_tokens=False)` ids + `[eos_id]`: the sampler's responses
-    end with the stop token, so SFT teaches stopping and the reward model scores what PPO feeds it."""
-    return list(tokenizer(response, add_special_tokens=False)["input_ids"]) + [int(eos_id)]
+    end with the stop token, so SFT teaches stopping and the reward model scores what PPO feeds it.
+    A `truncated` response (cut at a length limit, as a rollout that hits max_new_tokens) gets no
+    stop token."""
+    ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
+    return ids if truncated else ids + [int(eos_id)]
 
 
 @dataclass
@@ -376,7 +396,8 @@ def tokenize_sft(examples: list[SFTExample], tokenizer, *, max_prompt_length: in
     """Encode (`encode_prompt`, `encode_response`) and `pack` SFT examples: [N, L] rows whose
     loss mask is the response + EOS (TRL's completion-only loss). Raises ValueError: see `pack`."""
     rows = [(encode_prompt(tokenizer, e.prompt, use_chat_template=use_chat_template,
-                           system_prompt=system_prompt), encode_response(tokenizer, e.response, eos_id))
+                           system_prompt=system_prompt),
+             encode_response(tokenizer, e.response, eos_id, e.truncated))
             for e in examples]
     return pack(rows, max_prompt_length=max_prompt_length, max_length=max_length, pad_id=pad_id)
 
@@ -413,9 +434,9 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length:
     limits = dict(max_prompt_length=max_prompt_length, max_length=max_length, what="pair")
     prompts = [encode_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template,
                              system_prompt=system_prompt) for p in pairs]
-    chosen, c = truncate_rows([(q, encode_response(tokenizer, p.chosen, eos_id))
+    chosen, c = truncate_rows([(q, encode_response(tokenizer, p.chosen, eos_id, p.chosen_truncated))
                                for q, p in zip(prompts, pairs)], **limits)
-    rejected, r = truncate_rows([(q, encode_response(tokenizer, p.rejected, eos_id))
+    rejected, r = truncate_rows([(q, encode_response(tokenizer, p.rejected, eos_id, p.rejected_truncated))
                                  for q, p in zip(prompts, pairs)], **limits)
     counts = {"prompts_truncated": c["prompts_truncated"], "chosen_truncated": c["responses_truncated"],
               "rejected_truncated": r["responses_truncated"],

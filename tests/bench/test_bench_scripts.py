@@ -1,13 +1,15 @@
 """The benchmark scripts' own logic: config overrides, FLOPs model, peak table, report tables.
 
-No model is run here except in the slow test (one tiny ppo_jax worker step, the code path of
-`bench/ppo_step.py` and `bench/gpu.sh --dry-run`).
+Models run here only in `test_gpu_sh_dry_run` (`bench/gpu.sh --dry-run`: two tiny workers on
+the CPU, about a minute) and in the slow tests (one tiny ppo_jax worker step, the code path of
+`bench/ppo_step.py`; the shipped tokenizer against the converted SmolLM2's).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from argparse import Namespace
@@ -78,6 +80,98 @@ def test_flops_per_phase():
 def test_peak_table(kind, peak):
     assert gpu.peak_tflops(kind, None)[0] == peak
     assert gpu.peak_tflops(kind, 123.0) == (123.0, "override")
+
+
+@pytest.mark.parametrize("kind,tbs", [("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35),
+                                      ("NVIDIA H100 PCIe", 2.0), ("NVIDIA A100-SXM4-40GB", 1.555),
+                                      ("NVIDIA A100-SXM4-80GB", 2.039), ("TPU v5 lite", 0.819),
+                                      ("cpu", None)])
+def test_hbm_table(kind, tbs):
+    assert gpu.peak_hbm_tbs(kind, None)[0] == tbs
+    assert gpu.peak_hbm_tbs(kind, 2.5) == (2.5, "override")
+
+
+def test_shapes_match_their_models():
+    """smollm2 is SmolLM2-135M's shape (~135M params with its vocabulary), llama1b ~1.07B."""
+    def n_params(dims):
+        mc = {"vocab_size": 49152, "hidden_size": dims["hidden"], "num_layers": dims["layers"],
+              "intermediate_size": dims["intermediate"], "num_heads": dims["heads"],
+              "num_kv_heads": dims["kv_heads"], "head_dim": dims["head_dim"]}
+        return gpu.matmul_params(mc)[0]  # tied: every param is a matmul weight or a norm
+
+    assert n_params(gpu.SHAPES["smollm2"]) == 134_515_008  # SmolLM2-135M's count
+    assert 1.0e9 < n_params(gpu.SHAPES["llama1b"]) < 1.1e9
+
+
+def test_sampler_bytes_and_bandwidth():
+    mc = {"vocab_size": 10, "hidden_size": 4, "intermediate_size": 8, "num_layers": 3,
+          "num_heads": 2, "num_kv_heads": 1, "head_dim": 2}
+    r = {"model_config": mc, "dtype": "bfloat16", "new_tokens": 5, "prompt_width": 7, "batch": 6,
+         "stats": {"time/generation": {"median": 2.0}, "tokens_per_s/generation": {"median": 15.0}}}
+    b = gpu.sampler_bytes(r)
+    n_lm = gpu.matmul_params(mc)[0]
+    kv = 2 * 3 * 6 * (7 + 5 - 1) * 1 * 2 * 2  # k and v, layers, rows, slots, kv heads, dim, bf16
+    assert b["weight_bytes"] == 2 * n_lm and b["kv_cache_bytes"] == kv
+    assert b["bytes"] == 5 * 2 * n_lm + 4 * kv  # prefill + 4 decode passes read the weights
+    f = gpu.sampler_figures(r, hbm_tbs=1e-9)  # 1 kB/s
+    assert f["tokens_per_s"] == 15.0 and f["gb_per_s"] == pytest.approx(b["bytes"] / 2 / 1e9)
+    assert f["hbm_fraction"] == pytest.approx(b["bytes"] / 2 / 1e3)
+    assert gpu.sampler_figures(r, None)["hbm_fraction"] is None
+
+
+def test_configurations_run_every_model_before_the_second_mode():
+    assert gpu.configurations(["a", "b"], ["shared", "separate"], [4]) == [
+        ("a", "shared", 4), ("b", "shared", 4), ("a", "separate", 4), ("b", "separate", 4)]
+
+
+def test_shipped_tokenizer_unpacks(tmp_path):
+    from ppo_jax.models import load_tokenizer
+
+    tok = load_tokenizer(gpu.unpack_tokenizer(tmp_path / "tok"))
+    assert len(tok) == 49152 and tok.eos_token == "<|im_end|>" and tok.pad_token_id == 2
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_shipped_tokenizer_is_the_converted_smollm2s():
+    import hashlib
+
+    from ppo_jax.models.smollm2 import ensure_smollm2
+
+    data = (ensure_smollm2() / "tokenizer.json").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == gpu.TOKENIZER_SHA256
+
+
+def test_gpu_sh_dry_run(tmp_path):
+    """bench/gpu.sh --dry-run end to end on the CPU (tiny model, both critic layouts), then the
+    GPU section bench/report.py makes of its JSON."""
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "PPO_BENCH_PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
+           "PPO_JAX_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(["bash", str(ROOT / "bench/gpu.sh"), "--dry-run", "--json", str(out)],
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    data = json.loads(out.read_text())
+    assert data["dry_run"] and data["complete"] and not data["skipped"] and not data["failed"]
+    assert [r["mode"] for r in data["results"]] == ["shared", "separate"]
+    for r in data["results"]:
+        assert r["model"] == "tiny-3M" and r["dtype"] == "bfloat16" and r["gen_tokens"] == 8
+        assert r["sampler_bytes"]["bytes"] > 0 and r["flops"]["update"] > 0
+    assert "| tiny-3M | separate | 1 |" in proc.stdout and "sampler GB/s" in proc.stdout
+    text = report.gpu_section(data)
+    assert "DRY RUN" in text and "| tiny-3M | shared | 1 |" in text
+
+
+def test_replace_gpu_section():
+    doc = "# R\n\n## A\n\na\n"
+    once = report.replace_gpu_section(doc, "## PPO step on X\n\nx")
+    assert once == "# R\n\n## A\n\na\n\n## PPO step on X\n\nx\n"
+    assert report.replace_gpu_section(once, "## PPO step on Y\n\ny") == once.replace("X\n\nx", "Y\n\ny")
+    middle = report.replace_gpu_section(once + "\n## B\n\nb\n", "## PPO step on Z\n\nz")
+    assert middle == "# R\n\n## A\n\na\n\n## PPO step on Z\n\nz\n\n## B\n\nb\n"
 
 
 def _result(config, t_gen, t_score, t_upd, tokens=400):

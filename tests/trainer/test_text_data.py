@@ -316,3 +316,19 @@ def test_take_selects_the_same_rows_of_every_field():
     np.testing.assert_array_equal(pairs.margin, [1.0])
     arrays = take({"ids": seqs.ids, "weight": np.array([1.0, 2.0, 3.0])}, np.array([2]))
     np.testing.assert_array_equal(arrays["weight"], [3.0])
+
+
+def test_a_truncated_response_gets_no_stop_token(tokenizer, tmp_path):
+    """A sampled response cut at max_new_tokens has no stop token in PPO's rollouts either."""
+    rows = [{"prompt": "the bus", "response": "was late", "truncated": True},
+            {"prompt": "the bus", "chosen": "was late", "rejected": "good", "rejected_truncated": True}]
+    (sft,) = sft_examples(rows[:1], tmp_path / "a.jsonl", "sft.data")
+    batch, _ = tokenize_sft([sft], tokenizer, **LIMITS)
+    assert batch.ids[0].tolist() == PROMPT_THE_BUS + [WAS, LATE]
+    assert batch.loss_mask[0].tolist() == [0] * 9 + [1, 1]
+    (pair,), _ = preference_pairs(rows[1:], tmp_path / "b.jsonl", "reward_model.data")
+    pairs, _ = tokenize_pairs([pair], tokenizer, **LIMITS)
+    assert pairs.chosen.ids[0, 9:].tolist() == [WAS, LATE, EOS]
+    assert pairs.rejected.ids[0, 9:].tolist() == [GOOD, 0, 0]
+    with pytest.raises(ValueError, match=r"record 0 .*'truncated' is str"):
+        sft_examples([{"prompt": "x", "response": "y", "truncated": "yes"}], tmp_path / "c.jsonl", "sft.data")
