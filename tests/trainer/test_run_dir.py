@@ -53,7 +53,8 @@ def test_bad_values_are_named_by_the_config(override, match):
 @pytest.mark.parametrize("override,match", [
     ("ppo.advantage_kwargs.gamma=0.5", "ppo.advantage_kwargs.gamma: the trainer passes gamma itself"),
     ("ppo.policy_loss_kwargs.cliprange=0.3", "policy_loss_kwargs.cliprange: the trainer passes"),
-    ("ppo.value_loss_kwargs.loss_normalizer=2", "value_loss_kwargs.loss_normalizer: the trainer"),
+    ("ppo.value_loss_kwargs.cliprange_value=2", "value_loss_kwargs.cliprange_value: the trainer"),
+    ("ppo.reward_shaping_kwargs.kl_coef=0", "reward_shaping_kwargs.kl_coef: the trainer passes"),
 ])
 def test_config_kwargs_may_not_shadow_the_trainers_own(override, match):
     from ppo_jax.trainer.stages.ppo import check_names

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from ppo_jax.core import init_kl_controller, masked_sum, register_policy_loss
+from ppo_jax.core import init_kl_controller, register_policy_loss
 from ppo_jax.core.registry import unregister
 from ppo_jax.models import load_model, split_model
 from ppo_jax.rollout.experience import ExperienceSettings, make_experience
@@ -78,9 +78,8 @@ def test_first_minibatch_of_first_epoch_has_ratio_one_and_zero_approxkl(models):
 def test_token_means_across_micro_batches_are_sums_over_total_tokens(models):
     # micro-batch 1: one token with loss 1; micro-batch 2: three tokens with loss 0 -> 0.25
     @register_policy_loss("per_token_advantage")
-    def per_token_advantage(logprobs, old_logprobs, advantages, mask, *, loss_normalizer=None, **kw):
-        loss = masked_sum(advantages + 0.0 * logprobs, mask) / loss_normalizer
-        return loss, {"pg_loss": loss}
+    def per_token_advantage(batch, **kw):
+        return batch.advantages + 0.0 * batch.logprobs, {}
 
     try:
         exp, _, _ = experience(models)
