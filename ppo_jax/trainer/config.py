@@ -312,11 +312,7 @@ def validate(cfg: Config) -> None:
     if p.vf_coef < 0:
         raise ConfigError(f"ppo.vf_coef={p.vf_coef!r} must be >= 0")
     _choice("ppo.kl_estimator", p.kl_estimator, set(KL_ESTIMATORS))
-    _choice("ppo.kl_loss_estimator", p.kl_loss_estimator, set(KL_ESTIMATORS))
-    _choice("ppo.loss_aggregation", p.loss_aggregation, set(LOSS_AGGREGATIONS))
-    for name in ("entropy_coef", "kl_loss_coef"):
-        if getattr(p, name) < 0:
-            raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
+    _validate_loss_terms(p)
     _positive("generation.max_new_tokens", g.max_new_tokens)
     _positive("generation.temperature", g.temperature)
     if g.top_k < 0 or not (0.0 < g.top_p <= 1.0):
@@ -359,6 +355,15 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, name)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
+
+
+def _validate_loss_terms(p: PPOConfig) -> None:
+    """ppo.loss_aggregation and the built-in loss terms (entropy bonus, KL in the loss)."""
+    _choice("ppo.loss_aggregation", p.loss_aggregation, set(LOSS_AGGREGATIONS))
+    _choice("ppo.kl_loss_estimator", p.kl_loss_estimator, set(KL_ESTIMATORS))
+    for name in ("entropy_coef", "kl_loss_coef"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
 
 
 def _validate_stage(cfg: Config) -> None:

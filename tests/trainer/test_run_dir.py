@@ -44,6 +44,12 @@ def test_resume_moves_metrics_past_the_checkpoint_aside(tmp_path):
     ("optim.eps=0", "optim.eps=0.0 must be > 0"),
     ("ppo.dual_clip=0.5", "ppo.dual_clip=0.5 must be > 1"),
     ("ppo.reward_clip=-1", "ppo.reward_clip=-1.0 must be > 0"),
+    ("ppo.loss_aggregation=seq-mean", r"ppo.loss_aggregation='seq-mean' is not one of \['seq-mean-token-mean', "
+                                      r"'seq-mean-token-sum', 'token-mean'\]"),
+    ("ppo.kl_loss_estimator=k4", "ppo.kl_loss_estimator='k4' is not one of"),
+    ("ppo.entropy_coef=-0.1", "ppo.entropy_coef=-0.1 must be >= 0"),
+    ("ppo.kl_loss_coef=-1", "ppo.kl_loss_coef=-1.0 must be >= 0"),
+    ("ppo.reward_shaping_kwargs.xs=[1]", "ppo.reward_shaping_kwargs.xs=.*scalars or strings"),
 ])
 def test_bad_values_are_named_by_the_config(override, match):
     with pytest.raises(ConfigError, match=match):

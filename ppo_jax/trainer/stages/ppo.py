@@ -20,18 +20,18 @@ import numpy as np
 
 from ppo_jax.core import init_kl_controller
 from ppo_jax.parallel.host import local_rows
-from ppo_jax.rollout.experience import ExperienceSettings, make_experience
+from ppo_jax.rollout.experience import make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head
 from ppo_jax.trainer.base import StageTrainer
-from ppo_jax.trainer.config import ConfigError, static_kwargs
+from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data import PromptSampler, read_prompts
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.optim import optimizer_from_config
 from ppo_jax.trainer.reward_functions import get_reward_function
 from ppo_jax.trainer.setup import build_models, build_prompts, pad_token_id, stop_token_ids
-from ppo_jax.trainer.stages.ppo_checks import check_names
-from ppo_jax.trainer.update import UpdateSettings, ppo_update
+from ppo_jax.trainer.stages.ppo_checks import check_names, experience_settings, update_settings
+from ppo_jax.trainer.update import ppo_update
 
 
 def _mean_stats(stats: dict) -> dict:
@@ -106,27 +106,12 @@ class PPOTrainer(StageTrainer):
     # ----------------------------------------------------------------------------------------
     def _build_functions(self) -> None:
         cfg, m = self.cfg, self.models
-        p, g = cfg.ppo, cfg.generation
-        exp_settings = ExperienceSettings(
-            temperature=g.temperature, micro_batch_size=p.micro_batch_size,
-            kl_estimator=p.kl_estimator, reward_clip=p.reward_clip, score_scale=p.score_scale,
-            missing_eos_penalty=p.missing_eos_penalty, whiten_rewards=p.whiten_rewards,
-            whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
-            gamma=p.gamma, lam=p.lam, advantage_kwargs=static_kwargs(p.advantage_kwargs),
-            shared_critic=self.shared_critic, mesh=self.place.constraint_mesh,
-            score_normalizer=m.score_normalizer if cfg.reward.normalize else None,
-            reward_shaping=p.reward_shaping,
-            reward_shaping_kwargs=static_kwargs(p.reward_shaping_kwargs))
-        upd_settings = UpdateSettings(
-            ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
-            micro_batch_size=p.micro_batch_size, temperature=g.temperature,
-            policy_loss=p.policy_loss, value_loss=p.value_loss, cliprange=p.cliprange,
-            cliprange_high=p.cliprange_high, dual_clip=p.dual_clip,
-            cliprange_value=p.cliprange_value, policy_loss_kwargs=static_kwargs(p.policy_loss_kwargs),
-            value_loss_kwargs=static_kwargs(p.value_loss_kwargs), shared_critic=self.shared_critic,
-            vf_coef=p.vf_coef, mesh=self.place.constraint_mesh,
-            loss_aggregation=p.loss_aggregation, entropy_coef=p.entropy_coef,
-            kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator)
+        g = cfg.generation
+        mesh = self.place.constraint_mesh
+        exp_settings = experience_settings(
+            cfg, shared_critic=self.shared_critic, mesh=mesh,
+            score_normalizer=m.score_normalizer if cfg.reward.normalize else None)
+        upd_settings = update_settings(cfg, shared_critic=self.shared_critic, mesh=mesh)
         critic_graphdef = m.critic.graphdef if m.critic is not None else None
         reward_graphdef = m.reward.graphdef if m.reward else None
         stops = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
