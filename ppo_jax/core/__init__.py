@@ -1,12 +1,22 @@
 """ppo_jax.core: the pure, jit-able math of PPO for language models.
 
-Rewards, KL, GAE, losses (PPO; SFT next-token NLL; Bradley-Terry), masked statistics, KL
-controllers and a name registry. Every
+Rewards, KL, GAE, reward shaping, per-token losses (PPO; SFT next-token NLL; Bradley-Terry) and
+their one reduction (loss aggregation), masked statistics, KL controllers and name registries.
+Every
 function works on ``[B, T]`` response-token arrays with a 0/1 ``mask`` (1 on real tokens up to
 and including EOS), is NaN-safe on masked slots, and validates shapes and dtypes at trace time
 (``ValueError`` naming the argument). Imports only jax / chex / numpy.
 """
 
+from ppo_jax.core.aggregation import (
+    LOSS_AGGREGATIONS,
+    Normalizers,
+    aggregate,
+    check_aggregation,
+    loss_normalizers,
+    reduce_loss,
+    token_mean_stats,
+)
 from ppo_jax.core.gae import GAE_METHODS, compute_gae
 from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty
 from ppo_jax.core.kl_control import (
@@ -16,7 +26,14 @@ from ppo_jax.core.kl_control import (
     update_kl_controller,
 )
 from ppo_jax.core.logprobs import entropy_from_logits, logprobs_from_logits
-from ppo_jax.core.losses import policy_loss, value_loss
+from ppo_jax.core.loss_inputs import LossInputs, masked_inputs
+from ppo_jax.core.losses import (
+    clipped_value_loss,
+    policy_loss,
+    policy_regularizers,
+    ppo_clip_loss,
+    value_loss,
+)
 from ppo_jax.core.preference import bradley_terry_loss
 from ppo_jax.core.supervised import nll_loss, shift_for_next_token
 from ppo_jax.core.masked import (
@@ -28,24 +45,35 @@ from ppo_jax.core.masked import (
     safe_divide,
 )
 from ppo_jax.core.registry import (
+    Registry,
     get_advantage_estimator,
     get_policy_loss,
+    get_reward_shaping,
     get_value_loss,
     register_advantage_estimator,
     register_policy_loss,
+    register_reward_shaping,
     register_value_loss,
     registered_names,
     unregister,
 )
 from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl, last_valid_onehot
+from ppo_jax.core.shaping import kl_penalty_shaping
 
 __all__ = [
     "GAE_METHODS",
+    "KLControllerState",
     "KL_CONTROLLER_KINDS",
     "KL_ESTIMATORS",
-    "KLControllerState",
+    "LOSS_AGGREGATIONS",
+    "LossInputs",
+    "Normalizers",
+    "Registry",
+    "aggregate",
     "bradley_terry_loss",
+    "check_aggregation",
     "check_estimator",
+    "clipped_value_loss",
     "compute_gae",
     "compute_rewards",
     "compute_rewards_from_kl",
@@ -53,24 +81,33 @@ __all__ = [
     "full_kl",
     "get_advantage_estimator",
     "get_policy_loss",
+    "get_reward_shaping",
     "get_value_loss",
     "init_kl_controller",
     "kl_penalty",
+    "kl_penalty_shaping",
     "last_valid_onehot",
     "logprobs_from_logits",
+    "loss_normalizers",
     "masked_count",
+    "masked_inputs",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "nll_loss",
     "policy_loss",
+    "policy_regularizers",
+    "ppo_clip_loss",
+    "reduce_loss",
     "register_advantage_estimator",
     "register_policy_loss",
+    "register_reward_shaping",
     "register_value_loss",
     "registered_names",
     "safe_divide",
     "shift_for_next_token",
+    "token_mean_stats",
     "unregister",
     "update_kl_controller",
     "value_loss",

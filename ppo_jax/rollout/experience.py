@@ -3,7 +3,8 @@
 `make_experience` is one pure function (jit it with the settings static): actor log-probs
 (old), reference log-probs, critic values and (optionally) reward-model scores, each computed in
 micro-batch chunks; reward-model scores optionally normalised by the mean / std measured when the
-reward model was trained; then the missing-EOS penalty, `compute_rewards`, optional reward whitening,
+reward model was trained; then the registered reward shaping (`ppo.reward_shaping`, default
+"kl_penalty": score scale, missing-EOS penalty, `compute_rewards`, optional reward whitening),
 the registered advantage estimator and advantage whitening. The order and formulas follow TRL
 0.11 `PPOTrainer.step` (`batched_forward_pass`, `compute_rewards`, `compute_advantages`).
 """
@@ -20,8 +21,8 @@ from flax import struct
 from jax.sharding import Mesh
 
 from ppo_jax.core import (
-    compute_rewards,
     get_advantage_estimator,
+    get_reward_shaping,
     masked_mean,
     masked_whiten,
     update_kl_controller,
@@ -55,6 +56,20 @@ class ExperienceSettings:
     mesh: Optional[Mesh] = None  # split the rows of every micro-batch chunk over ("data", "fsdp")
     # (mean, std): reward-model scores become (score - mean) / std (reward.normalize)
     score_normalizer: Optional[tuple[float, float]] = None
+    reward_shaping: str = "kl_penalty"  # a registered reward shaping (core.registry)
+    reward_shaping_kwargs: tuple = ()  # extra (name, value) keyword arguments of the shaping
+
+    def shaping_fixed_kwargs(self, kl_coef) -> dict:
+        """The trainer's own keyword arguments of a reward-shaping call."""
+        return {"kl_coef": kl_coef, "kl_estimator": self.kl_estimator,
+                "reward_clip": self.reward_clip, "score_scale": self.score_scale,
+                "missing_eos_penalty": self.missing_eos_penalty,
+                "whiten_rewards": self.whiten_rewards}
+
+    def shaping_kwargs(self, kl_coef) -> dict:
+        """Keyword arguments of every reward-shaping call `fn(scores, ended, logprobs,
+        ref_logprobs, mask, **kwargs)`."""
+        return {**self.shaping_fixed_kwargs(kl_coef), **dict(self.reward_shaping_kwargs)}
 
 
 @struct.dataclass
@@ -102,7 +117,8 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
       (mean over sequences of the summed per-token k1), as TRL does after each step.
 
     Raises:
-      ValueError: the batch is not a multiple of micro_batch_size; an unknown estimator.
+      ValueError: the batch is not a multiple of micro_batch_size; an unknown estimator or
+        reward shaping.
     """
     s = settings
     chunk = s.micro_batch_size
@@ -130,14 +146,9 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
             mean, std = s.score_normalizer
             scores = (scores - mean) / std
     raw_scores = scores.astype(jnp.float32)
-    scores = raw_scores * s.score_scale
-    if s.missing_eos_penalty is not None:
-        scores = jnp.where(ended, scores, scores - s.missing_eos_penalty)
-
-    rewards, non_score = compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_state.value,
-                                         estimator=s.kl_estimator, reward_clip=s.reward_clip)
-    if s.whiten_rewards:
-        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    shaping = get_reward_shaping(s.reward_shaping)
+    rewards, non_score, scores = shaping(raw_scores, ended, logprobs, ref_logprobs, mask,
+                                         **s.shaping_kwargs(kl_state.value))
     estimator = get_advantage_estimator(s.advantage_estimator)
     advantages, returns = estimator(values, rewards, mask, gamma=s.gamma, lam=s.lam,
                                     **dict(s.advantage_kwargs))

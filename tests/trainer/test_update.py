@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from ppo_jax.core import init_kl_controller, masked_sum, register_policy_loss
+from ppo_jax.core import init_kl_controller, register_policy_loss
 from ppo_jax.core.registry import unregister
 from ppo_jax.models import load_model, split_model
 from ppo_jax.rollout.experience import ExperienceSettings, make_experience
@@ -78,9 +78,8 @@ def test_first_minibatch_of_first_epoch_has_ratio_one_and_zero_approxkl(models):
 def test_token_means_across_micro_batches_are_sums_over_total_tokens(models):
     # micro-batch 1: one token with loss 1; micro-batch 2: three tokens with loss 0 -> 0.25
     @register_policy_loss("per_token_advantage")
-    def per_token_advantage(logprobs, old_logprobs, advantages, mask, *, loss_normalizer=None, **kw):
-        loss = masked_sum(advantages + 0.0 * logprobs, mask) / loss_normalizer
-        return loss, {"pg_loss": loss}
+    def per_token_advantage(batch, **kw):
+        return batch.advantages + 0.0 * batch.logprobs, {}
 
     try:
         exp, _, _ = experience(models)
@@ -179,3 +178,82 @@ def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_acto
                             actor_graphdef=ag, critic_graphdef=None, actor_tx=tx, critic_tx=None,
                             settings=joint)
     assert float(jnp.abs(a_sh.params["value_head"]["kernel"]).sum()) > 0.0
+
+
+def _with_ref_noise(exp, seed=1):
+    """The experience with a reference that differs from the actor (non-zero KL loss)."""
+    noise = np.random.default_rng(seed).normal(0, 0.3, exp.ref_logprobs.shape).astype(np.float32)
+    return exp.replace(ref_logprobs=exp.ref_logprobs + jnp.asarray(noise))
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_gradient_accumulation_is_exact_in_every_aggregation_mode_with_both_loss_terms(models, mode):
+    exp = _with_ref_noise(experience(models)[0])
+    kw = dict(ppo_epochs=1, mini_batch_size=4, loss_aggregation=mode, entropy_coef=0.01, kl_loss_coef=0.1)
+    sgd = optax.sgd(1.0)
+    a1, c1, s1 = run_update(models, exp, UpdateSettings(micro_batch_size=4, **kw), sgd)
+    a4, c4, s4 = run_update(models, exp, UpdateSettings(micro_batch_size=1, **kw), sgd)
+    for key in ("pg_loss", "entropy_loss", "kl_loss", "vf_loss", "clipfrac", "actor_grad_norm",
+                "critic_grad_norm"):
+        np.testing.assert_allclose(s1[key], s4[key], rtol=2e-5, atol=1e-7, err_msg=key)
+    assert float(s1["kl_loss"][0, 0]) > 0.0 and float(s1["entropy_loss"][0, 0]) < 0.0
+    for s1_params, s4_params in ((a1.params, a4.params), (c1.params, c4.params)):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+                     s1_params, s4_params)
+
+
+def test_entropy_and_kl_loss_terms_have_their_exact_values(models):
+    """First (and only) minibatch = the whole batch, where new log-probs equal the rollout's:
+    entropy_loss = -c_ent * token-mean entropy, kl_loss = c_kl * token-mean k3(old, ref)."""
+    exp = _with_ref_noise(experience(models)[0])
+    settings = UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=2,
+                              entropy_coef=0.05, kl_loss_coef=0.2)
+    _, _, stats = run_update(models, exp, settings)
+    np.testing.assert_allclose(stats["entropy_loss"][0, 0], -0.05 * stats["entropy"][0, 0], rtol=1e-6)
+    d = np.asarray(exp.logprobs, np.float64) - np.asarray(exp.ref_logprobs, np.float64)
+    valid = np.asarray(exp.response_mask) > 0
+    k3 = (np.exp(-d) + d - 1)[valid].mean()
+    np.testing.assert_allclose(stats["kl_loss"][0, 0], 0.2 * k3, rtol=1e-5)
+    _, _, off = run_update(models, exp, UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=2))
+    assert float(off["entropy_loss"][0, 0]) == 0.0 and float(off["kl_loss"][0, 0]) == 0.0
+
+
+def test_a_loss_sees_each_rows_group_id_through_shuffling_and_micro_batches(models):
+    @register_policy_loss("group_id_loss")
+    def group_id_loss(batch, **kw):
+        return batch.group_ids[:, None].astype(jnp.float32) + 0.0 * batch.logprobs, {}
+
+    try:
+        exp, _, _ = experience(models)
+        settings = UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=1,
+                                  policy_loss="group_id_loss")
+        _, _, stats = run_update(models, exp, settings)
+        # rows 0..3 have 5, 3, 1, 4 tokens: token mean of the row index = 17 / 13
+        assert float(stats["pg_loss"][0, 0]) == pytest.approx(17 / 13, rel=1e-6)
+    finally:
+        unregister("policy loss", "group_id_loss")
+
+
+def test_a_registered_reward_shaping_replaces_the_kl_penalty(models):
+    from ppo_jax.core import register_reward_shaping
+
+    @register_reward_shaping("score_only_test")
+    def score_only(scores, ended, logprobs, ref_logprobs, mask, *, bonus=0.0, **unused):
+        last = jnp.arange(mask.shape[1]) == jnp.sum(mask, axis=1, keepdims=True) - 1
+        rewards = jnp.where(last, scores[:, None] + bonus, 0.0)
+        return rewards, jnp.zeros_like(rewards), scores + bonus
+
+    try:
+        ag, ap, cg, cp = models
+        q, qm, r, rm = rollout()
+        kl = init_kl_controller("fixed", 5.0)  # ignored by this shaping
+        settings = ExperienceSettings(micro_batch_size=4, reward_shaping="score_only_test",
+                                      reward_shaping_kwargs=(("bonus", 1.0),))
+        ref = jax.tree.map(lambda x: x * 1.01, ap)
+        exp, _, stats = make_experience(ag, ap, ag, ref, cg, cp, None, None, kl, q, qm, r, rm,
+                                        jnp.ones(B), jnp.ones(B, bool), settings=settings)
+        np.testing.assert_allclose(np.asarray(exp.rewards).sum(1), 2.0)
+        np.testing.assert_allclose(np.asarray(exp.scores), 2.0)
+        assert float(stats["non_score_reward"]) == 0.0 and float(stats["kl"]) != 0.0
+    finally:
+        unregister("reward shaping", "score_only_test")

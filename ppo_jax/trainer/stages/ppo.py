@@ -10,7 +10,6 @@ argument; graph definitions, optimisers and settings are static.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from functools import partial
 from pathlib import Path
@@ -19,70 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppo_jax.core import KL_ESTIMATORS, get_advantage_estimator, get_policy_loss, get_value_loss, init_kl_controller
+from ppo_jax.core import init_kl_controller
 from ppo_jax.parallel.host import local_rows
-from ppo_jax.rollout.experience import ExperienceSettings, make_experience
+from ppo_jax.rollout.experience import make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head
 from ppo_jax.trainer.base import StageTrainer
-from ppo_jax.trainer.config import Config, ConfigError, static_kwargs
+from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data import PromptSampler, read_prompts
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.optim import optimizer_from_config
 from ppo_jax.trainer.reward_functions import get_reward_function
 from ppo_jax.trainer.setup import build_models, build_prompts, pad_token_id, stop_token_ids
-from ppo_jax.trainer.update import UpdateSettings, ppo_update
-
-
-def check_names(cfg: Config) -> None:
-    """Registered names in the config exist and take the arguments the trainer will pass
-    (before anything is loaded).
-
-    Raises:
-      ConfigError: naming the key, listing the known names or the call that would fail.
-    """
-    p = cfg.ppo
-    upd = UpdateSettings(cliprange=p.cliprange, cliprange_high=p.cliprange_high,
-                         dual_clip=p.dual_clip, cliprange_value=p.cliprange_value)
-    calls = (  # key, getter, positional names, the trainer's own keywords, the config's extras
-        ("ppo.advantage_estimator", get_advantage_estimator, ("values", "rewards", "mask"),
-         {"gamma": p.gamma, "lam": p.lam}, ("advantage_kwargs", p.advantage_kwargs)),
-        ("ppo.policy_loss", get_policy_loss, ("logprobs", "old_logprobs", "advantages", "mask"),
-         {"loss_normalizer": 1.0, **upd.policy_fixed_kwargs()},
-         ("policy_loss_kwargs", p.policy_loss_kwargs)),
-        ("ppo.value_loss", get_value_loss, ("values", "old_values", "returns", "mask"),
-         {"loss_normalizer": 1.0, "cliprange_value": p.cliprange_value},
-         ("value_loss_kwargs", p.value_loss_kwargs)))
-    for key, getter, positional, fixed, (extra_name, extra) in calls:
-        shadowed = sorted(set(fixed) & set(extra))
-        if shadowed:
-            raise ConfigError(f"ppo.{extra_name}.{shadowed[0]}: the trainer passes {shadowed[0]} "
-                              "itself (set it through its own ppo.* field)")
-        kwargs = {**fixed, **extra}
-        name = getattr(p, key.split(".")[1])
-        try:
-            fn = getter(name)
-        except ValueError as e:
-            raise ConfigError(f"{key}: {e}") from None
-        try:
-            inspect.signature(fn).bind(*positional, **kwargs)
-        except TypeError as e:
-            raise ConfigError(
-                f"{key}={name!r}: {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot be "
-                f"called as the trainer calls it, fn({', '.join(positional)}, "
-                f"{', '.join(f'{k}=' for k in kwargs)}): {e}") from None
-        try:  # and runs with the configured arguments (a bad method or clip fails here, not mid-step)
-            fn(*(jnp.ones((1, 2), jnp.float32) for _ in positional), **kwargs)
-        except Exception as e:  # noqa: BLE001 - any failure of the user's function is reported
-            raise ConfigError(f"{key}={name!r} fails on a 1x2 test batch with the configured "
-                              f"arguments {kwargs}: {type(e).__name__}: {e}") from None
-    if cfg.ppo.kl_estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
-    if cfg.reward.kind == "function":
-        try:
-            get_reward_function(cfg.reward.function)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+from ppo_jax.trainer.stages.ppo_checks import check_names, experience_settings, update_settings
+from ppo_jax.trainer.update import ppo_update
 
 
 def _mean_stats(stats: dict) -> dict:
@@ -157,23 +106,12 @@ class PPOTrainer(StageTrainer):
     # ----------------------------------------------------------------------------------------
     def _build_functions(self) -> None:
         cfg, m = self.cfg, self.models
-        p, g = cfg.ppo, cfg.generation
-        exp_settings = ExperienceSettings(
-            temperature=g.temperature, micro_batch_size=p.micro_batch_size,
-            kl_estimator=p.kl_estimator, reward_clip=p.reward_clip, score_scale=p.score_scale,
-            missing_eos_penalty=p.missing_eos_penalty, whiten_rewards=p.whiten_rewards,
-            whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
-            gamma=p.gamma, lam=p.lam, advantage_kwargs=static_kwargs(p.advantage_kwargs),
-            shared_critic=self.shared_critic, mesh=self.place.constraint_mesh,
+        g = cfg.generation
+        mesh = self.place.constraint_mesh
+        exp_settings = experience_settings(
+            cfg, shared_critic=self.shared_critic, mesh=mesh,
             score_normalizer=m.score_normalizer if cfg.reward.normalize else None)
-        upd_settings = UpdateSettings(
-            ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
-            micro_batch_size=p.micro_batch_size, temperature=g.temperature,
-            policy_loss=p.policy_loss, value_loss=p.value_loss, cliprange=p.cliprange,
-            cliprange_high=p.cliprange_high, dual_clip=p.dual_clip,
-            cliprange_value=p.cliprange_value, policy_loss_kwargs=static_kwargs(p.policy_loss_kwargs),
-            value_loss_kwargs=static_kwargs(p.value_loss_kwargs), shared_critic=self.shared_critic,
-            vf_coef=p.vf_coef, mesh=self.place.constraint_mesh)
+        upd_settings = update_settings(cfg, shared_critic=self.shared_critic, mesh=mesh)
         critic_graphdef = m.critic.graphdef if m.critic is not None else None
         reward_graphdef = m.reward.graphdef if m.reward else None
         stops = jnp.asarray(self.stop_ids or (-1,), jnp.int32)

@@ -1,0 +1,46 @@
+"""Learning-rate schedules: the first update of every schedule moves the params."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ppo_jax.trainer.optim import make_optimizer, make_schedule
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_warmup_starts_at_peak_over_w_and_reaches_the_peak_at_update_w(schedule):
+    # optim.warmup_steps=4, peak 0.4: updates 1..4 (counts 0..3) use 0.1, 0.2, 0.3, 0.4.
+    lr = make_schedule(0.4, schedule=schedule, warmup_steps=4, total_steps=10)
+    np.testing.assert_allclose([float(lr(c)) for c in range(4)], [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
+    if schedule == "constant":
+        np.testing.assert_allclose([float(lr(c)) for c in (4, 9, 100)], 0.4, rtol=1e-6)
+    else:  # decays after the peak, still positive at the last update (count 9), 0 after
+        tail = [float(lr(c)) for c in range(3, 11)]
+        assert all(a > b for a, b in zip(tail, tail[1:])) and tail[-2] > 0.0 and tail[-1] == 0.0
+        want = 0.5 * 0.4 * (1 + np.cos(np.pi * (6 - 4) / (10 + 1 - 4)))  # update 6 = count 5
+        np.testing.assert_allclose(float(lr(5)), want, rtol=1e-6)
+
+
+def test_schedules_without_warmup_are_unchanged():
+    const = make_schedule(0.4, schedule="constant", warmup_steps=0, total_steps=10)
+    cosine = make_schedule(0.4, schedule="cosine", warmup_steps=0, total_steps=10)
+    ref = optax.cosine_decay_schedule(0.4, 10)
+    for c in range(12):
+        assert float(const(c)) == pytest.approx(0.4)
+        assert float(cosine(c)) == pytest.approx(float(ref(c)), abs=1e-7)
+    with pytest.raises(ValueError, match="optim.schedule='linear'"):
+        make_schedule(0.4, schedule="linear", warmup_steps=0, total_steps=10)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_the_first_optimiser_update_moves_the_params(schedule, warmup):
+    # Adam's first step is lr * g / (|g| + eps) = lr: w = 1 - lr (lr = 0.1 with warmup 4).
+    tx = make_optimizer(0.4, schedule=schedule, warmup_steps=warmup, total_steps=10)
+    params = {"w": jnp.ones(())}
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": jnp.ones(())}, state, params)
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(new["w"], 1.0 - (0.1 if warmup else 0.4), rtol=1e-5)
