@@ -9,8 +9,10 @@
 #   4. PPO with the four models (configs/ppo_rlhf.yaml) -> runs/pipeline/ppo/actor_hf;
 #   5. VADER on held-out prompts (configs/prompts/quotes_eval.jsonl, never trained on), three
 #      sampling seeds: SmolLM2 vs the SFT actor, SmolLM2 vs the PPO actor.
-# Usage: scripts/rlhf_pipeline.sh   (needs .venv: `scripts/setup_venv.sh gguf` or `make test` first;
-# refuses to overwrite an earlier runs/pipeline: remove it first)
+# Usage: scripts/rlhf_pipeline.sh   (needs .venv: `scripts/setup_venv.sh gguf` or `make test` first).
+# A stage whose runs/pipeline/NAME.time exists is skipped, so an interrupted pipeline continues
+# with the stage it was in (remove that stage's output directory first, or the stage refuses to
+# overwrite it); remove runs/pipeline to start over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=runs/pipeline
@@ -18,6 +20,7 @@ py=.venv/bin/python
 mkdir -p "$OUT"
 measure() {  # measure NAME COMMAND...: run it, keep its log and its time / peak RSS
   local name=$1; shift
+  if [ -s "$OUT/$name.time" ]; then echo "== $name: done before ($(cat "$OUT/$name.time"))"; return; fi
   echo "== $name: $*"
   /usr/bin/time -f "$name: %e s wall, peak RSS %M kB" -o "$OUT/$name.time" "$@" 2>&1 | tee "$OUT/$name.log"
   cat "$OUT/$name.time"

@@ -18,6 +18,8 @@ from ppo_jax.core.aggregation import (
     token_mean_stats,
 )
 from ppo_jax.core.gae import GAE_METHODS, compute_gae
+from ppo_jax.core import estimators, outcome  # registers the advantage estimators
+from ppo_jax.core.estimators import CRITIC_FREE, needs_greedy_baseline, uses_critic
 from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty
 from ppo_jax.core.kl_control import (
     KL_CONTROLLER_KINDS,
@@ -61,6 +63,9 @@ from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl, last_
 from ppo_jax.core.shaping import kl_penalty_shaping
 
 __all__ = [
+    "CRITIC_FREE",
+    "estimators",
+    "outcome",
     "GAE_METHODS",
     "KLControllerState",
     "KL_CONTROLLER_KINDS",
@@ -95,6 +100,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "needs_greedy_baseline",
     "nll_loss",
     "policy_loss",
     "policy_regularizers",
@@ -110,5 +116,6 @@ __all__ = [
     "token_mean_stats",
     "unregister",
     "update_kl_controller",
+    "uses_critic",
     "value_loss",
 ]

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax.core import validation as V
-from ppo_jax.core.registry import register_advantage_estimator
 
 GAE_METHODS: tuple[str, ...] = ("chunked", "scan", "associative")
 DEFAULT_GAE_METHOD = "chunked"
@@ -90,7 +89,6 @@ def _discounted_reverse_cumsum_associative(deltas: jax.Array, c: jax.Array) -> j
     return adv
 
 
-@register_advantage_estimator("gae")
 def compute_gae(
     values: jax.Array,
     rewards: jax.Array,

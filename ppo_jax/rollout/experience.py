@@ -87,6 +87,7 @@ class Experience:
     rewards: jax.Array  # [B, N] float32
     advantages: jax.Array  # [B, N] float32 (whitened when configured)
     returns: jax.Array  # [B, N] float32
+    group_ids: jax.Array  # [B] int32, rows answering the same prompt share an id
 
 
 def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
@@ -98,7 +99,8 @@ def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]
 def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, critic_graphdef,
                     critic_params, reward_graphdef, reward_params, kl_state, query_ids,
                     query_mask, response_ids, response_mask, scores, ended, *,
-                    settings: ExperienceSettings) -> tuple[Experience, Any, dict[str, jax.Array]]:
+                    settings: ExperienceSettings, group_ids=None, baseline_scores=None
+                    ) -> tuple[Experience, Any, dict[str, jax.Array]]:
     """Score a rollout and compute rewards, advantages and returns.
 
     Args:
@@ -111,6 +113,11 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
       scores: `[B]` float32 from a reward function, or None to use the reward model.
       ended: `[B]` bool, whether the response emitted a stop token.
       settings: `ExperienceSettings` (static).
+      group_ids: `[B]` int32 prompt group of each row (`generation.samples_per_prompt`);
+        None: every row its own group.
+      baseline_scores: `[B]` float32 raw scores of the greedy response to each row's prompt
+        (ReMax), scaled like `scores`; None: zeros. A critic-free estimator gets zero values
+        (`critic_graphdef` None, no shared critic).
 
     Returns:
       `(experience, new_kl_state, stats)`. The KL controller is updated with this batch's KL
@@ -134,8 +141,9 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
         logprobs, entropy = map_in_chunks(
             lambda *r: policy_logprobs(actor_graphdef, actor_params, *r, temperature=s.temperature,
                                        with_entropy=True), chunk, *rollout)
-        values = map_in_chunks(lambda *r: critic_values(critic_graphdef, critic_params, *r),
-                               chunk, *rollout)
+        values = (jnp.zeros(mask.shape, jnp.float32) if critic_graphdef is None else
+                  map_in_chunks(lambda *r: critic_values(critic_graphdef, critic_params, *r),
+                                chunk, *rollout))
     ref_logprobs = map_in_chunks(
         lambda *r: policy_logprobs(ref_graphdef, ref_params, *r, temperature=s.temperature),
         chunk, *rollout)
@@ -149,8 +157,13 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
     shaping = get_reward_shaping(s.reward_shaping)
     rewards, non_score, scores = shaping(raw_scores, ended, logprobs, ref_logprobs, mask,
                                          **s.shaping_kwargs(kl_state.value))
+    batch = query_ids.shape[0]
+    group_ids = jnp.arange(batch, dtype=jnp.int32) if group_ids is None else group_ids
+    baseline = (jnp.zeros((batch,), jnp.float32) if baseline_scores is None
+                else baseline_scores.astype(jnp.float32) * s.score_scale)
     estimator = get_advantage_estimator(s.advantage_estimator)
     advantages, returns = estimator(values, rewards, mask, gamma=s.gamma, lam=s.lam,
+                                    scores=scores, group_ids=group_ids, baseline_scores=baseline,
                                     **dict(s.advantage_kwargs))
     if s.whiten_advantages:
         advantages = jnp.where(mask > 0, masked_whiten(advantages, mask), 0.0)
@@ -175,5 +188,5 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
         **_row_stats("values", values, mask),
     }
     exp = Experience(query_ids, query_mask, response_ids, mask, logprobs, ref_logprobs, values,
-                     scores, rewards, advantages, returns)
+                     scores, rewards, advantages, returns, group_ids)
     return exp, new_kl_state, stats

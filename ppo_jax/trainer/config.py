@@ -70,6 +70,8 @@ class GenerationConfig:
     greedy: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # empty: the tokenizer's EOS
     ignore_eos: bool = False  # never stop: every response is max_new_tokens long (benchmarks)
+    # responses per prompt (GRPO / RLOO groups): ppo.batch_size rows = batch_size / n prompts x n
+    samples_per_prompt: int = 1
 
 
 @dataclass
@@ -343,6 +345,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
     if p.critic_warmup_steps < 0:
         raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
+    _positive("generation.samples_per_prompt", g.samples_per_prompt)
+    if p.batch_size % g.samples_per_prompt:
+        raise ConfigError(f"ppo.batch_size={p.batch_size} is not a multiple of "
+                          f"generation.samples_per_prompt={g.samples_per_prompt}")
     if p.critic_warmup_steps and cfg.model.shared_critic:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")

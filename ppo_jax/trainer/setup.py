@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ppo_jax.core import get_advantage_estimator, uses_critic
 from ppo_jax.models import load_config as load_model_config
 from ppo_jax.models import load_model, load_tokenizer, split_model
 from ppo_jax.models.hf_io import SafetensorsReader
@@ -82,7 +83,8 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     Critic: from `model.critic` when set; else from the reward model (DeepSpeed-Chat: value head
     initialised from its score head) when `reward.kind == "model"`; else from the actor with a
     fresh zero value head. With `model.shared_critic` no critic is loaded: the trainer puts a
-    value head on the actor's own backbone (TRL's `AutoModelForCausalLMWithValueHead`).
+    value head on the actor's own backbone (TRL's `AutoModelForCausalLMWithValueHead`), and
+    none with a critic-free advantage estimator (`needs_critic`).
 
     Raises:
       FileNotFoundError: a model directory is missing.
@@ -114,12 +116,19 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
                   sharding_fn=sharding_fn)
     actor = load_split(actor_path, "causal_lm", **trained)
     reference = load_split(ref_path, "causal_lm", **frozen)
-    critic = None if m.shared_critic else load_split(critic_path, "value", **trained, seed=cfg.train.seed)
+    critic = None if not needs_critic(cfg) else load_split(critic_path, "value", **trained,
+                                                             seed=cfg.train.seed)
     reward = load_split(rm_path, "reward", **frozen) if cfg.reward.kind == "model" else None
     if reference.cfg.vocab_size != actor.cfg.vocab_size:
         raise ConfigError(f"model.reference vocab_size {reference.cfg.vocab_size} != actor "
                           f"vocab_size {actor.cfg.vocab_size}")
     return Models(actor, reference, critic, reward, tokenizer, actor_path, normalizer)
+
+
+def needs_critic(cfg: Config) -> bool:
+    """A separate critic model is loaded and trained: not with `model.shared_critic` (the value
+    head sits on the actor) nor with a critic-free advantage estimator (GRPO, RLOO, ...)."""
+    return not cfg.model.shared_critic and uses_critic(get_advantage_estimator(cfg.ppo.advantage_estimator))
 
 
 def check_same_vocabulary(path: Path, key: str, tokenizer, actor_path: Path) -> None:

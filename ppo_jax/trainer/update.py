@@ -202,7 +202,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
                                           a_state.params, mb, norms)
             a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
             a_state = a_state.apply_gradients(a_grads, actor_tx)
-        if s.shared_critic:
+        if s.shared_critic or c_state is None:  # value head on the actor, or no critic at all
             return (a_state, c_state), a_stats
         c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, norms)
         c_stats["critic_grad_norm"] = optax.global_norm(c_grads)

@@ -17,7 +17,7 @@ def clean_registry():
 
 
 def test_builtins_are_registered_under_their_config_names():
-    assert core.get_advantage_estimator("gae") is core.compute_gae
+    assert core.get_advantage_estimator("gae") is core.estimators.gae
     assert core.get_policy_loss("ppo_clip") is core.ppo_clip_loss
     assert core.get_value_loss("clipped_mse") is core.clipped_value_loss
     assert core.get_reward_shaping("kl_penalty") is core.kl_penalty_shaping

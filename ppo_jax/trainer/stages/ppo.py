@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppo_jax.core import init_kl_controller
+from ppo_jax.core import get_advantage_estimator, init_kl_controller, needs_greedy_baseline
 from ppo_jax.parallel.host import local_rows
 from ppo_jax.rollout.experience import make_experience
 from ppo_jax.rollout.sampler import generate
-from ppo_jax.rollout.scoring import init_value_head
+from ppo_jax.rollout.scoring import init_value_head, map_in_chunks, reward_model_scores
 from ppo_jax.trainer.base import StageTrainer
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data import PromptSampler, read_prompts
@@ -87,7 +87,7 @@ class PPOTrainer(StageTrainer):
             actor_params = {"policy": actor_params, "value_head": head}
         self.state = {  # the train states take over (donate) the loaded param buffers
             "actor": place.create_state(actor_params, self.actor_tx),
-            "critic": (None if self.shared_critic
+            "critic": (None if models.critic is None  # shared critic, or a critic-free estimator
                        else place.create_state(models.critic.params, self.critic_tx)),
             "kl": place.replicate(init_kl_controller(p.kl_controller, p.kl_coef, p.target_kl, p.horizon)),
             "rng": place.replicate(jax.random.PRNGKey(cfg.train.seed)),
@@ -117,12 +117,13 @@ class PPOTrainer(StageTrainer):
         stops = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 
         def experience(actor_params, ref_params, critic_params, reward_params, kl_state, q, qm, r,
-                       rm, scores):
+                       rm, scores, group_ids, baseline_scores):
             ended = jnp.isin(r, stops).any(axis=1) & (rm.sum(axis=1) > 0)
             exp, kl_state, stats = make_experience(
                 m.actor.graphdef, actor_params, m.reference.graphdef, ref_params,
                 critic_graphdef, critic_params, reward_graphdef, reward_params, kl_state, q, qm,
-                r, rm, scores, ended, settings=exp_settings)
+                r, rm, scores, ended, settings=exp_settings, group_ids=group_ids,
+                baseline_scores=baseline_scores)
             tokens = {"prompt": jnp.sum(qm), "response": jnp.sum(rm)}
             return exp, kl_state, stats, tokens
 
@@ -131,14 +132,20 @@ class PPOTrainer(StageTrainer):
                               critic_graphdef=critic_graphdef, actor_tx=self.actor_tx,
                               critic_tx=self.critic_tx, settings=settings)
 
-        def sample(params, q, qm, key):
+        def sample(params, q, qm, key, greedy=g.greedy):
             if self.shared_critic:
                 params = params["policy"]
             return generate(m.actor.graphdef, params, q, qm, key,
                             max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                            top_k=g.top_k, top_p=g.top_p, greedy=g.greedy,
+                            top_k=g.top_k, top_p=g.top_p, greedy=greedy,
                             stop_token_ids=() if g.ignore_eos else self.stop_ids,
                             pad_token_id=self.pad_id, mesh=self.place.constraint_mesh)
+
+        def rm_scores(reward_params, q, qm, r, rm):  # ReMax's greedy baseline, as in training
+            out = map_in_chunks(lambda *x: reward_model_scores(reward_graphdef, reward_params, *x),
+                                cfg.ppo.micro_batch_size, q, qm, r, rm, mesh=mesh)
+            norm = exp_settings.score_normalizer
+            return out if norm is None else (out - norm[0]) / norm[1]
 
         # explicit layouts: params by the rules, batches by rows, the rest replicated
         place, rows, rep = self.place, self.place.rows, self.place.replicated
@@ -148,9 +155,14 @@ class PPOTrainer(StageTrainer):
         self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
         self._generate = jax.jit(sample, in_shardings=(actor_sh.params, rows, rows, rep),
                                  out_shardings=(rows, rows))
+        self._generate_greedy = jax.jit(partial(sample, greedy=True),
+                                        in_shardings=(actor_sh.params, rows, rows, rep),
+                                        out_shardings=(rows, rows))
+        self._rm_scores = jax.jit(rm_scores, in_shardings=(frozen_sh[1], rows, rows, rows, rows),
+                                  out_shardings=rows)
         self._experience = jax.jit(
             experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_params_sh, frozen_sh[1],
-                                      rep, rows, rows, rows, rows, rows),
+                                      rep, rows, rows, rows, rows, rows, rows, rows),
             out_shardings=(rows, rep, rep, rep))
         jit_update = partial(jax.jit, in_shardings=(actor_sh, critic_sh, rows, rep),
                              out_shardings=(actor_sh, critic_sh, rep), donate_argnums=(0, 1))
@@ -176,15 +188,18 @@ class PPOTrainer(StageTrainer):
         batch, width = cfg.ppo.batch_size, self.prompts.ids.shape[1]
         t0 = time.perf_counter()
         lo, hi = place.row_range(batch)
-        idx = self.sampler.next_indices(batch)[lo:hi]  # this process's rows of the global batch
+        n = cfg.generation.samples_per_prompt  # rows of one prompt are adjacent: one group
+        idx = np.repeat(self.sampler.next_indices(batch // n), n)[lo:hi]  # this process's rows
         q = place.put_rows(self.prompts.ids[idx], (batch, width))
         qm = place.put_rows(self.prompts.mask[idx], (batch, width))
+        groups = place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
         rng, gen_key, upd_key = self._split(self.state["rng"])
         actor, critic = self.state["actor"], self.state["critic"]
 
         resp, resp_mask = jax.block_until_ready(self._generate(actor.params, q, qm, gen_key))
-        t_gen = time.perf_counter()
         prompts = [self.prompts.texts[i] for i in idx]
+        baseline = self._greedy_baseline(actor.params, q, qm, gen_key, prompts)
+        t_gen = time.perf_counter()
         responses, scores = None, None
         if self.reward_fn is not None:
             responses = self._decode(local_rows(resp), local_rows(resp_mask))
@@ -195,7 +210,7 @@ class PPOTrainer(StageTrainer):
         critic_params = None if critic is None else critic.params
         exp, kl_state, exp_stats, tokens = self._experience(
             actor.params, ref, critic_params, reward, self.state["kl"], q, qm, resp, resp_mask,
-            scores)
+            scores, groups, baseline)
         del ref, reward  # offloaded frozen params: the device copy lives for this pass only
         exp_stats = jax.device_get(exp_stats)  # replicated scalars: readable on every process
         release_host_memory()
@@ -221,6 +236,18 @@ class PPOTrainer(StageTrainer):
         })
         self._last_rollout = (prompts, responses, resp, resp_mask, exp.scores)
         return metrics
+
+    def _greedy_baseline(self, actor_params, q, qm, key, prompts: list[str]):
+        """ReMax: the score of the greedy response to each row's prompt (`[B]` rows), or None
+        when the advantage estimator does not need it."""
+        if not needs_greedy_baseline(get_advantage_estimator(self.cfg.ppo.advantage_estimator)):
+            return None
+        g_resp, g_mask = self._generate_greedy(actor_params, q, qm, key)
+        if self.reward_fn is None:
+            return self._rm_scores(self.place.onload(self.reward_params), q, qm, g_resp, g_mask)
+        texts = self._decode(local_rows(g_resp), local_rows(g_mask))
+        local = np.asarray(self.reward_fn(prompts, texts), np.float32)
+        return self.place.put_rows(local, (self.cfg.ppo.batch_size,))
 
     @property
     def last_samples(self) -> list[dict]:

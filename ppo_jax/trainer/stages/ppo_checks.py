@@ -24,6 +24,7 @@ from ppo_jax.core import (
     get_policy_loss,
     get_reward_shaping,
     get_value_loss,
+    uses_critic,
 )
 from ppo_jax.rollout.experience import ExperienceSettings
 from ppo_jax.trainer.config import Config, ConfigError, static_kwargs
@@ -128,7 +129,9 @@ def _calls(cfg: Config) -> list:
           "mask": mask}, exp.shaping_fixed_kwargs(jnp.float32(p.kl_coef)),
          ("reward_shaping_kwargs", p.reward_shaping_kwargs), ((B, T), (B, T), (B,))),
         ("ppo.advantage_estimator", p.advantage_estimator, get_advantage_estimator,
-         {"values": tok, "rewards": tok, "mask": mask}, {"gamma": p.gamma, "lam": p.lam},
+         {"values": tok, "rewards": tok, "mask": mask},
+         {"gamma": p.gamma, "lam": p.lam, "scores": row, "group_ids": jnp.zeros((B,), jnp.int32),
+          "baseline_scores": row},
          ("advantage_kwargs", p.advantage_kwargs), ((B, T), (B, T))),
         ("ppo.policy_loss", p.policy_loss, get_policy_loss, {"batch": _test_batch()},
          upd.policy_fixed_kwargs(), ("policy_loss_kwargs", p.policy_loss_kwargs),
@@ -159,3 +162,21 @@ def check_names(cfg: Config) -> None:
             get_reward_function(cfg.reward.function)
         except ValueError as e:
             raise ConfigError(f"reward.function: {e}") from None
+    _check_critic_free(cfg)
+
+
+def _check_critic_free(cfg: Config) -> None:
+    """Settings that need a critic are refused with a critic-free estimator (GRPO, RLOO, ...).
+
+    Raises:
+      ConfigError: naming the setting and the estimator.
+    """
+    name = cfg.ppo.advantage_estimator
+    if uses_critic(get_advantage_estimator(name)):
+        return
+    for key, on in (("model.shared_critic", cfg.model.shared_critic),
+                    ("ppo.critic_warmup_steps", cfg.ppo.critic_warmup_steps > 0),
+                    ("model.critic", bool(cfg.model.critic))):
+        if on:
+            raise ConfigError(f"{key} needs a critic, but ppo.advantage_estimator={name!r} "
+                              "trains none; drop the setting or use 'gae'")
