@@ -24,9 +24,12 @@ entries of the matching ``ppo.*_kwargs`` config dict, scalars or strings, and th
 at start-up that the signature accepts the call and that the outputs have the right shapes):
 
 - advantage estimator:
-  ``fn(values, rewards, mask, *, gamma, lam, **advantage_kwargs)
-  -> (advantages [B, T], returns [B, T])``.
-  Built-in: ``"gae"`` (``compute_gae``; ``advantage_kwargs`` may set ``method`` and ``unroll``).
+  ``fn(values, rewards, mask, *, gamma, lam, scores, group_ids, baseline_scores,
+  **advantage_kwargs) -> (advantages [B, T], returns [B, T])`` (``scores`` / ``group_ids`` /
+  ``baseline_scores`` are ``[B]``: see ``ppo_jax.core.estimators``; ``fn.uses_critic = False``
+  makes the trainer load no critic). Built-in: ``"gae"`` (``compute_gae``; ``advantage_kwargs``
+  may set ``method`` and ``unroll``), ``"grpo"``, ``"rloo"``, ``"reinforce_plus_plus"``,
+  ``"reinforce_plus_plus_baseline"``, ``"remax"``.
 - policy loss: ``fn(batch: LossInputs, *, cliprange, **policy_loss_kwargs)
   -> (per_token_loss [B, T], stats dict[str, [B, T]])``; ``cliprange_high`` and ``dual_clip``
   are passed too when the config sets them. Built-in: ``"ppo_clip"`` (``ppo_clip_loss``).
@@ -114,8 +117,9 @@ REWARD_SHAPINGS = Registry("reward shaping")
 
 
 def register_advantage_estimator(name: str, *, override: bool = False) -> Callable[[F], F]:
-    """Decorator registering ``fn(values, rewards, mask, *, gamma, lam, **kw) -> (advantages,
-    returns)`` (module doc). Raises: ValueError as ``Registry.register``."""
+    """Decorator registering ``fn(values, rewards, mask, *, gamma, lam, scores, group_ids,
+    baseline_scores, **kw) -> (advantages, returns)`` (module doc). Raises: ValueError as
+    ``Registry.register``."""
     return ADVANTAGE_ESTIMATORS.register(name, override=override)
 
 

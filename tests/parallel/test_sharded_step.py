@@ -164,4 +164,4 @@ def test_sft_and_reward_model_steps_on_a_mesh_of_8_equal_one_device(tmp_path):
         one, mesh = np.load(tmp_path / f"{stage}_1x1x1.npz"), np.load(tmp_path / f"{stage}_2x2x2.npz")
         assert set(one.files) == set(mesh.files) and any(k.startswith("metric/eval/") for k in one.files)
         for key in one.files:
-            np.testing.assert_allclose(mesh[key], one[key], atol=TOL, err_msg=f"{stage} {key}")
+            np.testing.assert_allclose(mesh[key], one[key], atol=TOL, rtol=1e-5, err_msg=f"{stage} {key}")

@@ -274,3 +274,20 @@ def test_registered_functions_with_wrong_outputs_or_names_are_rejected_at_start(
         for kind, name in (("policy loss", "scalar_loss_test"), ("policy loss", "scalar_stats_test"),
                            ("reward shaping", "two_outputs_test")):
             unregister(kind, name)
+
+
+def test_plot_run_draws_the_tiny_runs_metrics(run_dir, tmp_path):
+    """scripts/plot_run.py on the tiny run's metrics (twice, overlaid): a PNG with six panels."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_run", ROOT / "scripts/plot_run.py")
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    out, _ = run_dir
+    png = tmp_path / "run.png"
+    assert plot_run.main([str(out), str(out), "--names", "a", "b", "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert plot_run.main([str(tmp_path / "missing"), "--out", str(png)]) == 2
+    minutes = plot_run.wall_minutes([{"step": 1, "time/step": 30.0}, {"step": 2, "time/step": 30.0,
+                                                                      "time/eval": 60.0}])
+    assert minutes == {1: 0.5, 2: 2.0}

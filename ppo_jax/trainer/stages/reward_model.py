@@ -4,11 +4,11 @@ score read at the last real token of prompt + response by the same `RewardModel`
 Chosen and rejected of a pair go through one forward pass together, in the same micro-batch.
 
 The model starts from `model.reward_model`: a causal LM (SmolLM2, an SFT output) gets a fresh
-score head initialised to zero, so every pair starts at the loss log 2 and the first update
-trains the head alone (the backbone's gradient is zero while the head is): a linear probe of the
-pretrained features first. (A random head of std 1/sqrt(D+1), "N implementation details of RLHF
-with PPO", gave SmolLM2 scores of std 1.6 and a held-out accuracy of 0.34 after 10 steps on the
-pipeline's pairs.) A reward model goes on training. The result is written to `<output_dir>/reward_model_hf` as an
+score head, N(0, 0.02^2) (transformers' `initializer_range`, what TRL's RewardTrainer starts
+from). Tried on the pipeline's pairs and dropped: std 1/sqrt(D+1) ("N implementation details of
+RLHF with PPO") gave SmolLM2 scores of std 1.6 and a held-out accuracy of 0.34 after 10 steps; a
+zero head left the loss at log 2 for 10 steps (Adam moves a zero head by about lr per weight, and
+the backbone gets no gradient while the head is zero). A reward model goes on training. The result is written to `<output_dir>/reward_model_hf` as an
 HF `*ForSequenceClassification` directory with the tokenizer's pad id set and the mean / std of
 its scores on the held-out pairs (`score_mean`, `score_std` in config.json; OpenRLHF keeps the
 same pair for its `normalize_reward`), which stage 3's `reward.normalize` reads.
@@ -68,7 +68,7 @@ class RewardModelTrainer(SupervisedTrainer):
         return resolve_source(self.cfg.model.reward_model, "model.reward_model")
 
     def load_kwargs(self) -> dict:
-        return {"fresh_score_head": True, "head_init_std": 0.0}
+        return {"fresh_score_head": True, "head_init_std": 0.02}
 
     def _tokenize(self, path: str, key: str, tokenizer) -> dict:
         d, sec = self.cfg.data, self.settings

@@ -1,0 +1,126 @@
+"""One PNG of one or more runs from their metrics.jsonl, overlaid with the runs' names.
+
+Panels against the PPO step: reward (the training batch's mean score, dashed, and the held-out
+`eval/reward_mean`, solid, where the run evaluated), held-out reward against wall-clock minutes
+(steps plus evaluations), KL to the reference (summed over the response), entropy per token,
+response length, and seconds per step by phase (generation, scoring, update).
+
+Usage:
+  .venv/bin/python scripts/plot_run.py runs/default [runs/other ...] --out docs/default_run.png
+      [--names a b ...] [--title TEXT]
+Errors: a run directory without metrics.jsonl exits with status 2 and names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Rows of `<run_dir>/metrics.jsonl` ("nan" / "inf" strings read back as floats).
+
+    Raises:
+      FileNotFoundError: no metrics.jsonl there.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file: {path}")
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows.append({k: float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
+                         for k, v in json.loads(line).items()})
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows that have `key` with a finite value."""
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
+           and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def wall_minutes(rows: list[dict]) -> dict[int, float]:
+    """Step -> minutes since the start (sum of `time/step` and `time/eval` up to that step)."""
+    out, total = {}, 0.0
+    for r in rows:
+        total += r.get("time/step", 0.0) + r.get("time/eval", 0.0)
+        out[r["step"]] = total / 60.0
+    return out
+
+
+PANELS = (("reward", "reward (dashed: training batch; solid: held-out)"),
+          ("eval_time", "held-out reward vs wall-clock minutes"),
+          ("kl", "KL(actor || reference), summed over the response"),
+          ("entropy_per_token", "entropy per token (nats)"),
+          ("response_length", "response length (tokens)"),
+          ("time", "seconds per step (dotted: generation, dashed: update)"))
+
+
+def draw(ax, panel: str, rows: list[dict], color, name: str) -> None:
+    if panel == "reward":
+        ax.plot(*series(rows, "score_mean"), "--", color=color, alpha=0.6)
+        ax.plot(*series(rows, "eval/reward_mean"), "o-", color=color, label=name)
+    elif panel == "eval_time":
+        steps, values = series(rows, "eval/reward_mean")
+        minutes = wall_minutes(rows)
+        ax.plot([minutes.get(s, 0.0) for s in steps], values, "o-", color=color, label=name)
+    elif panel == "time":
+        ax.plot(*series(rows, "time/step"), "-", color=color, label=name)
+        ax.plot(*series(rows, "time/generation"), ":", color=color)
+        ax.plot(*series(rows, "time/update"), "--", color=color)
+    else:
+        ax.plot(*series(rows, panel), "-", color=color, label=name)
+
+
+def plot(runs: dict[str, list[dict]], out: Path, title: str | None = None) -> Path:
+    """Write the PNG of `runs` ({name: metrics rows}) to `out`; returns `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (panel, label) in zip(axes.flat, PANELS):
+        for i, (name, rows) in enumerate(runs.items()):
+            draw(ax, panel, rows, colors[i % len(colors)], name)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("minutes" if panel == "eval_time" else "step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (train.output_dir)")
+    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--names", nargs="*", help="legend names (default: directory names)")
+    parser.add_argument("--title")
+    args = parser.parse_args(argv)
+    names = args.names or [p.name for p in args.runs]
+    if len(names) != len(args.runs):
+        print(f"error: {len(names)} --names for {len(args.runs)} runs", file=sys.stderr)
+        return 2
+    try:
+        runs = {n: read_metrics(p) for n, p in zip(names, args.runs)}
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plot(runs, args.out, args.title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""A markdown table comparing runs from their metrics.jsonl and `<run>.time` files (written
+by /usr/bin/time next to the run directory, as scripts/compare_estimators.sh does).
+
+Columns: held-out reward at the start (step 0) and at the last evaluation, its rise, KL at the
+end (mean of the last 5 steps), median seconds per step (steps 2 on; step 1 compiles), wall
+time and peak resident memory.
+
+Usage: .venv/bin/python scripts/summarize_runs.py RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_run import read_metrics, series  # noqa: E402
+
+
+def row(run: Path) -> str:
+    rows = read_metrics(run)
+    _, evals = series(rows, "eval/reward_mean")
+    kl = [r["kl"] for r in rows if "kl" in r][-5:]
+    steps = [r["time/step"] for r in rows if "time/step" in r][1:] or [float("nan")]
+    timing = run.parent / f"{run.name}.time"
+    wall, rss = "", ""
+    if timing.is_file():
+        m = re.search(r"([\d.]+) s wall, peak RSS (\d+) kB", timing.read_text())
+        if m:
+            wall, rss = f"{float(m.group(1)) / 60:.1f} min", f"{int(m.group(2)) / 2**20:.2f} GiB"
+    start, end = (evals[0], evals[-1]) if evals else (float("nan"), float("nan"))
+    return (f"| {run.name} | {start:.3f} | {end:.3f} | {end - start:+.3f} | "
+            f"{statistics.fmean(kl) if kl else float('nan'):.2f} | {statistics.median(steps):.1f} | "
+            f"{wall} | {rss} |")
+
+
+def main(argv=None) -> int:
+    runs = [Path(p) for p in (argv if argv is not None else sys.argv[1:])]
+    if not runs:
+        print(__doc__)
+        return 2
+    print("| run | held-out reward, start | at the end | rise | KL (last 5 steps) | s / step | "
+          "wall | peak RSS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for run in runs:
+        try:
+            print(row(run))
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
