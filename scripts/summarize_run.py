@@ -1,5 +1,6 @@
 """Summarise a finished run from its metrics.jsonl: reward and KL at the start and the end
-(means over windows of steps, since one batch of 8 is noisy), and the median time per phase.
+(means over windows of steps, since one batch of 8 is noisy), and the median time per phase;
+with `eval.*`, the held-out reward and KL of the first and the last evaluation.
 
 Usage: .venv/bin/python scripts/summarize_run.py runs/default [--window 5]
 """
@@ -24,7 +25,16 @@ def main() -> None:
     rows = [{k: float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
              for k, v in json.loads(line).items()}
             for line in path.read_text().splitlines() if line.strip()]
-    w = min(args.window, len(rows))
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    rows = [r for r in rows if r["step"] > 0]  # step 0 holds only the starting policy's evaluation
+    if rows:
+        summarize_training(rows, args.window)
+    if evals:
+        summarize_evals(evals)
+
+
+def summarize_training(rows: list[dict], window: int) -> None:
+    w = min(window, len(rows))
     first, last = rows[:w], rows[-w:]
 
     def mean(rs, key):
@@ -42,6 +52,19 @@ def main() -> None:
             print(f"  {key:18s} median {statistics.median(r[key] for r in steady):6.1f} s "
                   f"(step 1: {rows[0][key]:.1f} s)")
 
+
+def summarize_evals(evals: list[dict]) -> None:
+    """The held-out evaluation (eval.*): the first and the last one, and its cost."""
+    a, b = evals[0], evals[-1]
+    print(f"{len(evals)} held-out evaluations (steps {a['step']}..{b['step']}); first vs last")
+    for key in ("eval/reward_mean", "eval/reward_std", "eval/kl", "eval/response_length",
+                "eval/ended_fraction"):
+        if key in a:
+            print(f"  {key:20s} first {a[key]:8.3f}   last {b[key]:8.3f}")
+    if "time/eval" in a:
+        steady = evals[1:] or evals  # the first one holds the compilation
+        print(f"  {'time/eval':20s} median {statistics.median(r['time/eval'] for r in steady):6.1f} s "
+              f"(first: {a['time/eval']:.1f} s)")
 
 if __name__ == "__main__":
     main()

@@ -10,8 +10,9 @@ A stage subclasses `StageTrainer` and fills in four steps, called in this order 
     step() -> dict    one optimiser step (or one PPO step); its metrics as floats
     export()          write the trained model as an HF directory
 
-and may override `periodic_metrics(step)` (held-out evaluation), `after_log(step)` (samples),
-`finite_keys` (metrics that stop the run when not finite) and `progress_postfix`.
+and may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
+starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_log(step)`
+(samples), `finite_keys` (metrics that stop the run when not finite) and `progress_postfix`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from ppo_jax.trainer.run_dir import SUPERSEDED, RunLock, check_writable, logged_
 
 def check_run_dir(out: Path, key: str, resume: bool) -> None:
     """Refuse to overwrite a run: `out` must be new or empty unless `resume`; a resume needs a
-    checkpoint when metrics exist. Reads only.
+    checkpoint when metrics of training steps exist (a run stopped before its first checkpoint
+    with only the step-0 record, `start_metrics`, starts over). Reads only.
 
     Raises:
       ConfigError: naming `key` (the config key of the directory) and what it holds.
@@ -45,7 +47,7 @@ def check_run_dir(out: Path, key: str, resume: bool) -> None:
         raise ConfigError(
             f"{key}={str(out)!r} already holds {held}; pass --resume to continue that run, or "
             f"choose a new {key} (nothing was written)")
-    if resume and not done and logged:
+    if resume and not done and any(step > 0 for step in logged):
         raise ConfigError(
             f"--resume: {key}={str(out)!r} holds metrics of {len(logged)} steps but no "
             f"checkpoint to continue them from; choose a new {key} (nothing was written)")
@@ -94,6 +96,12 @@ class StageTrainer:
         raise NotImplementedError
 
     # --- optional hooks -------------------------------------------------------------------
+    def start_metrics(self) -> dict:
+        """Metrics of the starting model (e.g. a held-out evaluation before any update); a
+        non-empty dict is logged as step 0, then `after_log(0)` runs. Called when a run starts
+        at step 0, not when it resumes from a checkpoint. Not checked for finiteness."""
+        return {}
+
     def periodic_metrics(self, step: int) -> dict:
         """Extra metrics merged into step `step`'s record (e.g. held-out evaluation)."""
         return {}
@@ -110,10 +118,12 @@ class StageTrainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", max_to_keep=self.cfg.train.max_to_keep)
         if resume:
             self._restore()
-            moved = supersede_metrics(self.out, self.step_count) if self.process_index == 0 else 0
+            # rows past the restored step run again; at step 0 (no checkpoint) the step-0 record too
+            keep = self.step_count if self.step_count else -1
+            moved = supersede_metrics(self.out, keep) if self.process_index == 0 else 0
             if moved:
-                print(f"--resume: {moved} logged steps after step {self.step_count} (past the last "
-                      f"checkpoint) moved to {self.out / SUPERSEDED}; they run again")
+                print(f"--resume: {moved} logged rows not covered by the restored state (step "
+                      f"{self.step_count}) moved to {self.out / SUPERSEDED}; they run again")
         self.writer = MetricsWriter(self.out, tensorboard=self.cfg.train.tensorboard,
                                     enabled=self.process_index == 0)
         if self.process_index == 0 and self.step_count < self.cfg.train.steps:
@@ -180,8 +190,9 @@ class StageTrainer:
         cfg = self.cfg.train
         metrics = self.step()
         n = self.step_count
-        metrics.update(self.periodic_metrics(n))
-        if n % cfg.log_every == 0 or n == cfg.steps or self._not_finite(metrics):
+        extra = self.periodic_metrics(n)
+        metrics.update(extra)
+        if n % cfg.log_every == 0 or n == cfg.steps or extra or self._not_finite(metrics):
             self.writer.write(n, metrics)
         self._stop_if_not_finite(n, metrics)
         self.after_log(n)
@@ -189,9 +200,17 @@ class StageTrainer:
             self.save()
         return metrics
 
+    def _log_start(self) -> None:
+        """Step 0: the `start_metrics()` record, when there is one."""
+        metrics = self.start_metrics()
+        if metrics:
+            self.writer.write(0, metrics)
+            self.after_log(0)
+
     def train(self, progress: bool | None = None) -> list[dict]:
-        """Run steps until `train.steps`; log, checkpoint; export the model at the end (when
-        `train.export_hf`). Returns the metrics of the steps run."""
+        """Run steps until `train.steps` (a run that starts at step 0 first logs
+        `start_metrics()` as step 0); log, checkpoint; export the model at the end (when
+        `train.export_hf`). Returns the metrics of the steps run (step 0 not among them)."""
         cfg = self.cfg.train
         if self.step_count >= cfg.steps:
             if self.process_index == 0:
@@ -207,6 +226,8 @@ class StageTrainer:
             bar = tqdm(total=cfg.steps, initial=self.step_count, desc=self.name, unit="step",
                        dynamic_ncols=True)
         try:
+            if self.step_count == 0:
+                self._log_start()
             while self.step_count < cfg.steps:
                 metrics = self._run_one()
                 history.append(metrics)

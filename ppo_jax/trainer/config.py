@@ -160,6 +160,22 @@ class SupervisedConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation of the actor during PPO (logged under `eval/`): the same prompts,
+    settings and PRNG key every time, so successive evaluations differ only by the params."""
+
+    prompts: Optional[str] = None  # held-out prompt file (data.prompt_field); None: no evaluation
+    num_prompts: int = 64  # the first N prompts of the file (all of them when it has fewer)
+    every: int = 5  # PPO steps between evaluations; 0 = off
+    at_start: bool = True  # also evaluate the starting policy, logged as step 0 (not on resume)
+    greedy: bool = False  # argmax decoding (log-probs for the KL still at `temperature`)
+    temperature: float = 1.0  # sampling and log-prob temperature (top_k / top_p: generation.*)
+    seed: int = 1234  # the fixed PRNG key of every evaluation
+    max_new_tokens: Optional[int] = None  # default: generation.max_new_tokens
+    num_samples: int = 2  # decoded eval responses written to samples.jsonl ("eval": true)
+
+
+@dataclass
 class MeshConfig:
     """Device mesh axis sizes; -1 takes the remaining devices."""
 
@@ -209,6 +225,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SupervisedConfig = field(default_factory=SupervisedConfig)
     reward_model: SupervisedConfig = field(default_factory=SupervisedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -353,6 +370,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")
     _validate_stage(cfg)
+    _validate_eval(cfg.eval)
     for name in ("param_dtype", "dtype", "frozen_param_dtype"):
         _choice(f"model.{name}", getattr(cfg.model, name), {"float32", "bfloat16"})
     _choice("model.remat", cfg.model.remat, {"none", "full", "dots"})
@@ -370,6 +388,24 @@ def _validate_loss_terms(p: PPOConfig) -> None:
     for name in ("entropy_coef", "kl_loss_coef"):
         if getattr(p, name) < 0:
             raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    """The `eval` block's sizes (its prompt file is read by the PPO stage before loading)."""
+    for name in ("num_prompts", "temperature"):
+        _positive(f"eval.{name}", getattr(e, name))
+    if e.max_new_tokens is not None:
+        _positive("eval.max_new_tokens", e.max_new_tokens)
+    for name in ("every", "seed", "num_samples"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"eval.{name}={getattr(e, name)!r} must be >= 0")
+    if e.prompts is not None and not e.prompts.strip():
+        raise ConfigError("eval.prompts='' must be a prompt file (or null for no evaluation)")
+
+
+def eval_enabled(e: EvalConfig) -> bool:
+    """Whether a run evaluates at all: a prompt file and `every` > 0."""
+    return e.prompts is not None and e.every > 0
 
 
 def _validate_stage(cfg: Config) -> None:

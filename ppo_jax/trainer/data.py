@@ -20,45 +20,46 @@ from ppo_jax.trainer.text_data import encode_prompt, read_rows, require_file
 PROMPT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
 
 
-def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
-    """Read the raw prompt strings of a file (JSON / JSONL / parquet through `text_data.read_rows`).
+def read_prompts(path: str | Path, field: str = "prompt", key: str = "data.prompts") -> list[str]:
+    """Read the raw prompt strings of a file (JSON / JSONL / parquet through `text_data.read_rows`);
+    errors name the config key `key` of the file.
 
     Raises:
       FileNotFoundError: the file does not exist.
       ValueError: unknown extension, a record without `field`, a prompt that is not a
         non-blank string (records count from 0, blank JSONL lines skipped), or an empty set.
     """
-    path = require_file(path, "data.prompts", "prompt")
+    path = require_file(path, key, "prompt")
     if path.suffix.lower() == ".txt":
         prompts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
         prompts = [p for p in prompts if p.strip()]
     else:
-        records = read_rows(path, "data.prompts", what="prompt", suffixes=PROMPT_SUFFIXES,
+        records = read_rows(path, key, what="prompt", suffixes=PROMPT_SUFFIXES,
                             items="prompt strings or records")
         if path.suffix.lower() == ".parquet" and records and field not in records[0]:
             raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
                              f"(columns: {list(records[0])})")
-        prompts = [_field(r, field, path, i) for i, r in enumerate(records)]
+        prompts = [_field(r, field, path, i, key) for i, r in enumerate(records)]
     if not prompts:
-        raise ValueError(f"data.prompts: no prompts in {path}")
+        raise ValueError(f"{key}: no prompts in {path}")
     return prompts
 
 
-def _field(record, field: str, path: Path, index: int) -> str:
+def _field(record, field: str, path: Path, index: int, key: str) -> str:
     if isinstance(record, str):
-        return _text(record, field, path, index)
+        return _text(record, field, path, index, key)
     if isinstance(record, dict) and field in record:
-        return _text(record[field], field, path, index)
+        return _text(record[field], field, path, index, key)
     raise ValueError(f"data.prompt_field={field!r}: record {index} of {path} has no such field")
 
 
-def _text(value, field: str, path: Path, index: int) -> str:
+def _text(value, field: str, path: Path, index: int, key: str) -> str:
     """A prompt must be a non-blank string (a number, null or list is a data error, not text)."""
     if not isinstance(value, str):
-        raise ValueError(f"data.prompts: record {index} of {path}: {field!r} is "
+        raise ValueError(f"{key}: record {index} of {path}: {field!r} is "
                          f"{type(value).__name__} {value!r:.60}, not a string")
     if not value.strip():
-        raise ValueError(f"data.prompts: record {index} of {path}: {field!r} is empty")
+        raise ValueError(f"{key}: record {index} of {path}: {field!r} is empty")
     return value
 
 

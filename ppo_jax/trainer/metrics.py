@@ -54,8 +54,9 @@ class MetricsWriter:
                     self._tb.add_scalar(key, value, int(step))
             self._tb.flush()
 
-    def write_samples(self, step: int, samples: list[dict]) -> None:
-        """Append decoded samples (dicts with prompt / response / score)."""
+    def write_samples(self, step: int, samples: list[dict], tag: str = "samples") -> None:
+        """Append decoded samples (dicts with prompt / response / score, and any other keys);
+        TensorBoard shows them as text under `tag`."""
         if not self.enabled:
             return
         for sample in samples:
@@ -63,7 +64,7 @@ class MetricsWriter:
         self._samples.flush()
         if self._tb is not None:
             text = "\n\n".join(f"**{s.get('score', '')}** {s.get('response', '')}" for s in samples)
-            self._tb.add_text("samples", text, int(step))
+            self._tb.add_text(tag, text, int(step))
 
     def close(self) -> None:
         if not self.enabled:

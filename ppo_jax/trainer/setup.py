@@ -212,16 +212,21 @@ def pad_token_id(tokenizer) -> int:
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
 
-def build_prompts(cfg: Config, tokenizer, model_cfg) -> PromptSet:
-    """Read, template and tokenise the prompt set; check it fits the context.
+def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
+                  key: str = "data.prompts", max_new_tokens: int | None = None,
+                  new_tokens_key: str = "generation.max_new_tokens") -> PromptSet:
+    """Read, template and tokenise a prompt set (default `data.prompts`; `path` / `key` for
+    another, e.g. `eval.prompts`, tokenised the same way: data.* template, field, length,
+    truncation); check it fits the context with `max_new_tokens` (default generation's).
 
     Raises:
-      FileNotFoundError / ValueError: see `read_prompts`, `tokenize_prompts`.
-      ConfigError: prompt width + generation.max_new_tokens exceeds the model's context, or the
-        tokenizer gives ids (prompt or pad) outside the model's vocabulary.
+      FileNotFoundError / ValueError: see `read_prompts`, `tokenize_prompts` (naming `key`).
+      ConfigError: prompt width + max_new_tokens exceeds the model's context (naming
+        `new_tokens_key`), or the tokenizer gives ids (prompt or pad) outside the model's
+        vocabulary.
     """
     d = cfg.data
-    texts = read_prompts(d.prompts, d.prompt_field)
+    texts = read_prompts(d.prompts if path is None else path, d.prompt_field, key)
     prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, use_chat_template=d.use_chat_template,
                                system_prompt=d.system_prompt, pad_token_id=pad_token_id(tokenizer))
@@ -232,15 +237,15 @@ def build_prompts(cfg: Config, tokenizer, model_cfg) -> PromptSet:
     real = prompts.ids[prompts.mask > 0]
     if real.size and real.max() >= model_cfg.vocab_size:
         row = int(np.argwhere((prompts.ids >= model_cfg.vocab_size) & (prompts.mask > 0))[0, 0])
-        raise ConfigError(f"prompt {row} ({texts[row][:40]!r}) has token id {int(real.max())} >= "
-                          f"the model vocab_size {model_cfg.vocab_size}: tokenizer and model do "
-                          "not match")
-    total = prompts.ids.shape[1] + cfg.generation.max_new_tokens
+        raise ConfigError(f"{key}: prompt {row} ({texts[row][:40]!r}) has token id "
+                          f"{int(real.max())} >= the model vocab_size {model_cfg.vocab_size}: "
+                          "tokenizer and model do not match")
+    new_tokens = cfg.generation.max_new_tokens if max_new_tokens is None else max_new_tokens
+    total = prompts.ids.shape[1] + new_tokens
     if total > model_cfg.max_position_embeddings:
         raise ConfigError(
-            f"prompt width {prompts.ids.shape[1]} + generation.max_new_tokens="
-            f"{cfg.generation.max_new_tokens} = {total} exceeds the model context "
-            f"{model_cfg.max_position_embeddings}")
+            f"{key}: prompt width {prompts.ids.shape[1]} + {new_tokens_key}={new_tokens} = "
+            f"{total} exceeds the model context {model_cfg.max_position_embeddings}")
     return prompts
 
 

@@ -136,7 +136,7 @@ def test_two_processes_over_localhost_equal_one_process(tmp_path, cache):
     run = multi / "run_1x2x2"
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     assert (run / "actor_hf" / "model.safetensors").is_file()
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # process 0 only
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3  # process 0 only (+ step 0 eval)
 
 
 def test_sft_and_reward_model_steps_on_a_mesh_of_8_equal_one_device(tmp_path):

@@ -225,6 +225,8 @@ def test_three_stage_pipeline_through_train_py(tiny_checkpoint, data_dir, tmp_pa
                        "--set", "ppo.critic_warmup_steps=1", "--set", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
                        "--set", f"train.output_dir={ppo_out}", *common]) == 0
     rows = [json.loads(x) for x in (ppo_out / "metrics.jsonl").read_text().splitlines()]
+    assert np.isfinite(rows[0]["eval/reward_mean"])  # step 0: the held-out eval, reward-model scored
+    rows = rows[1:]
     assert [r["critic_warmup"] for r in rows] == [1.0, 0.0]
     assert "pg_loss" not in rows[0] and np.isfinite(rows[1]["pg_loss"]) and np.isfinite(rows[0]["vf_loss"])
     for stage_out in (sft_out, rm_out):

@@ -39,7 +39,8 @@ def monkeypatch_module():
 def test_tiny_run_writes_finite_metrics(run_dir):
     out, _ = run_dir
     records = read_metrics(out)
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the held-out eval (eval.at_start)
+    records = records[1:]
     for r in records:
         for key in ("pg_loss", "vf_loss", "kl", "score_mean", "entropy", "clipfrac", "approxkl",
                     "advantages_mean", "returns_std", "response_length", "time/generation",
@@ -64,8 +65,8 @@ def test_resume_continues_at_the_next_step(run_dir):
     out, args = run_dir
     assert train.main(args + ["--set", "train.steps=3", "--resume"]) == 0
     records = read_metrics(out)
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[2]["data_position"] == 12  # the prompt order continues where it stopped
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0 is not evaluated again
+    assert records[3]["data_position"] == 12  # the prompt order continues where it stopped
 
 
 def test_bad_config_fails_before_loading(capsys):
@@ -153,7 +154,7 @@ def test_a_forks_registered_loss_runs_through_train_import(tmp_path, monkeypatch
     finally:
         unregister("policy loss", "plain_pg")
         sys.modules.pop("examples.my_losses", None)
-    (record,) = read_metrics(out)
+    (record,) = [r for r in read_metrics(out) if r["step"] == 1]
     assert record["pg_loss"] == 0.0 and "clipfrac" not in record  # pg_coef reached plain_pg
     assert record["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-6)
     assert train.main(["--import", "no_such_module_xyz"]) == 2

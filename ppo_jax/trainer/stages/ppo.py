@@ -4,7 +4,8 @@ Each step: take the next batch of prompts; the actor samples responses (one jitt
 reward function scores the decoded text (or the reward model scores the tokens); one jitted
 call computes log-probs, reference log-probs, values, rewards, advantages and returns; one
 jitted call runs every PPO epoch and minibatch. The jitted functions receive every array as an
-argument; graph definitions, optimisers and settings are static.
+argument; graph definitions, optimisers and settings are static. With `eval.*`, the actor is
+evaluated on held-out prompts at step 0 and every `eval.every` steps (`trainer.evaluation`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from ppo_jax.rollout.experience import make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head, map_in_chunks, reward_model_scores
 from ppo_jax.trainer.base import StageTrainer
-from ppo_jax.trainer.config import ConfigError
+from ppo_jax.trainer.config import ConfigError, eval_enabled
 from ppo_jax.trainer.data import PromptSampler, read_prompts
+from ppo_jax.trainer.evaluation import EvalSettings, Evaluator, eval_batch, eval_rows_multiple
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.optim import optimizer_from_config
 from ppo_jax.trainer.reward_functions import get_reward_function
@@ -63,6 +65,8 @@ class PPOTrainer(StageTrainer):
     def _check_inputs(self) -> None:
         check_names(self.cfg)
         read_prompts(self.cfg.data.prompts, self.cfg.data.prompt_field)  # fails before loading
+        if eval_enabled(self.cfg.eval):
+            read_prompts(self.cfg.eval.prompts, self.cfg.data.prompt_field, "eval.prompts")
 
     def _build(self) -> None:
         cfg, place = self.cfg, self.place
@@ -102,6 +106,8 @@ class PPOTrainer(StageTrainer):
             self.reward_params = place.offload(self.reward_params)
         self.sampler = PromptSampler(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
         self._build_functions()
+        self.evaluator = self._build_evaluator() if eval_enabled(cfg.eval) else None
+        self._eval_samples: list[dict] = []
 
     # ----------------------------------------------------------------------------------------
     def _build_functions(self) -> None:
@@ -170,6 +176,60 @@ class PPOTrainer(StageTrainer):
         # ppo.critic_warmup_steps: the same update with the actor left out (compiled when used)
         critic_only = dataclasses.replace(upd_settings, train_actor=False)
         self._update_critic_only = jit_update(partial(update, settings=critic_only))
+
+    def _build_evaluator(self) -> Evaluator:
+        """The held-out evaluation (`eval.*`): its prompts tokenised like the training prompts,
+        sampled with the eval settings, scored by the run's reward.
+
+        Raises:
+          FileNotFoundError / ValueError / ConfigError: a bad eval prompt file, or prompts too
+            long for the context (see `build_prompts`).
+        """
+        cfg, e, g, m, place = self.cfg, self.cfg.eval, self.cfg.generation, self.models, self.place
+        new_tokens = e.max_new_tokens or g.max_new_tokens
+        prompts = build_prompts(cfg, self.tokenizer, m.actor.cfg, path=e.prompts, key="eval.prompts",
+                                max_new_tokens=new_tokens,
+                                new_tokens_key="eval.max_new_tokens" if e.max_new_tokens
+                                else "generation.max_new_tokens")
+        batch = eval_batch(prompts, e.num_prompts,
+                           eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size))
+        settings = EvalSettings(
+            max_new_tokens=new_tokens, temperature=e.temperature, greedy=e.greedy, top_k=g.top_k,
+            top_p=g.top_p, stop_token_ids=() if g.ignore_eos else self.stop_ids,
+            pad_token_id=self.pad_id, micro_batch_size=cfg.ppo.micro_batch_size,
+            mesh=place.constraint_mesh,
+            score_normalizer=m.score_normalizer if cfg.reward.normalize else None)
+        actor_sh = place.shardings(self._policy_params(self.state["actor"].params))
+        shardings = (actor_sh, place.shardings(self.ref_params), place.shardings(self.reward_params))
+        graphdefs = (m.actor.graphdef, m.reference.graphdef, m.reward.graphdef if m.reward else None)
+        return Evaluator(batch, settings, place, graphdefs, shardings, seed=e.seed,
+                         reward_fn=self.reward_fn, decode=self._decode)
+
+    def _policy_params(self, params):
+        """The actor's CausalLM params (without the shared critic's value head)."""
+        return params["policy"] if self.shared_critic else params
+
+    def evaluate(self) -> dict:
+        """Evaluate the current actor on the held-out prompts (`eval.*`); keeps its first
+        `eval.num_samples` decoded responses for `after_log`. Returns `eval/*` metrics and
+        `time/eval` ({} when evaluation is off)."""
+        if self.evaluator is None:
+            return {}
+        ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
+        metrics, self._eval_samples = self.evaluator(
+            self._policy_params(self.state["actor"].params), ref, reward, self.cfg.eval.num_samples)
+        del ref, reward
+        release_host_memory()
+        return metrics
+
+    def start_metrics(self) -> dict:
+        """The starting policy's evaluation, logged as step 0 (`eval.at_start`)."""
+        return self.evaluate() if self.cfg.eval.at_start else {}
+
+    def periodic_metrics(self, step: int) -> dict:
+        """The evaluation every `eval.every` steps."""
+        every = self.cfg.eval.every
+        return self.evaluate() if every and step % every == 0 else {}
 
     # ----------------------------------------------------------------------------------------
     def _decode(self, ids: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -272,10 +332,16 @@ class PPOTrainer(StageTrainer):
         return self.export_actor()
 
     def after_log(self, step: int) -> None:
-        """Decoded samples every `train.sample_every` steps (and at step 1)."""
+        """Decoded samples every `train.sample_every` steps (and at step 1); the eval samples
+        of an evaluation at this step (marked `"eval": true`)."""
         cfg = self.cfg.train
-        if self.writer.enabled and cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
+        eval_samples, self._eval_samples = self._eval_samples, []
+        if not self.writer.enabled:
+            return
+        if step > 0 and cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
             self.writer.write_samples(step, self.last_samples[:cfg.num_samples])
+        if eval_samples:
+            self.writer.write_samples(step, eval_samples, tag="eval/samples")
 
     def progress_postfix(self, metrics: dict) -> dict:
         return {"reward": f"{metrics['score_mean']:.3f}", "kl": f"{metrics['kl']:.3f}",
