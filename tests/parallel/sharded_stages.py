@@ -40,7 +40,7 @@ def main() -> None:
         name = "x".join(map(str, mesh))
         for stage, sets in stages.items():
             cfg = load_config(ROOT / "configs/tiny.yaml", [
-                *sets, f"{stage}.batch_size=8", f"{stage}.micro_batch_size=4", f"{stage}.lr=1e-3",
+                *sets, f"{stage}.batch_size=8", f"{stage}.micro_batch_size=4", f"{stage}.lr=1e-4",
                 f"{stage}.eval_fraction=0.25", f"{stage}.max_length=40", "train.steps=2",
                 "train.progress=false", "train.tensorboard=false", "train.export_hf=false",
                 f"mesh.data={mesh[0]}", f"mesh.fsdp={mesh[1]}", f"mesh.tensor={mesh[2]}",

@@ -132,7 +132,7 @@ def test_sft_learns_and_evaluates_the_held_out_split(tiny_checkpoint, data_dir, 
 def test_reward_model_separates_a_separable_set(tiny_checkpoint, data_dir, tmp_path):
     from ppo_jax.trainer.stages.reward_model import RewardModelTrainer
 
-    trainer = RewardModelTrainer(rm_cfg(tiny_checkpoint, data_dir, tmp_path / "run", "train.steps=24",
+    trainer = RewardModelTrainer(rm_cfg(tiny_checkpoint, data_dir, tmp_path / "run", "train.steps=24", "reward_model.lr=1e-2",
                                         "train.export_hf=false"))
     start = trainer.evaluate(trainer.train_data)
     assert start["loss"] == pytest.approx(np.log(2), abs=0.05)  # a fresh head: near-equal scores

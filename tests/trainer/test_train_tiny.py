@@ -216,7 +216,7 @@ def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at
         return (advantages * mask).sum(), {}
 
     @register_advantage_estimator("needs_alpha")
-    def needs_alpha(values, rewards, mask, *, gamma, lam, alpha):
+    def needs_alpha(values, rewards, mask, *, gamma, lam, alpha, **unused):
         return rewards, rewards
 
     base = str(ROOT / "configs/tiny.yaml")
