@@ -12,7 +12,6 @@ the registered advantage estimator and advantage whitening. The order and formul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Optional
 
 import jax
@@ -96,6 +95,43 @@ def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]
     return {f"{name}_mean": mean, f"{name}_std": jnp.sqrt(var)}
 
 
+def scoring_passes(actor, reference, critic, reward, rollout, scores, *,
+                   settings: ExperienceSettings):
+    """The forward passes of experience making, each in micro-batch chunks.
+
+    Args:
+      actor, reference, critic, reward: `(graphdef, params)` pairs; critic / reward may be
+        `(None, None)` (no critic: zero values; scores given).
+      rollout: `(query_ids, query_mask, response_ids, response_mask)`.
+      scores: `[B]` from a reward function, or None to read the reward model (normalised by
+        `settings.score_normalizer` when set, OpenRLHF's `normalize_reward`).
+
+    Returns:
+      `(logprobs, entropy, values, ref_logprobs [B, N], scores [B])`, float32.
+    """
+    s = settings
+
+    def run(fn, *arrays):
+        return _map_in_chunks(fn, s.micro_batch_size, *arrays, mesh=s.mesh)
+
+    if s.shared_critic:
+        logprobs, entropy, values = run(lambda *r: policy_logprobs_and_values(
+            *actor, *r, temperature=s.temperature), *rollout)
+    else:
+        logprobs, entropy = run(lambda *r: policy_logprobs(
+            *actor, *r, temperature=s.temperature, with_entropy=True), *rollout)
+        values = (jnp.zeros(rollout[3].shape, jnp.float32) if critic[0] is None else
+                  run(lambda *r: critic_values(*critic, *r), *rollout))
+    ref_logprobs = run(lambda *r: policy_logprobs(*reference, *r, temperature=s.temperature),
+                       *rollout)
+    if scores is None:
+        scores = run(lambda *r: reward_model_scores(*reward, *r), *rollout)
+        if s.score_normalizer is not None:
+            mean, std = s.score_normalizer
+            scores = (scores - mean) / std
+    return logprobs, entropy, values, ref_logprobs, scores
+
+
 def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, critic_graphdef,
                     critic_params, reward_graphdef, reward_params, kl_state, query_ids,
                     query_mask, response_ids, response_mask, scores, ended, *,
@@ -128,31 +164,11 @@ def make_experience(actor_graphdef, actor_params, ref_graphdef, ref_params, crit
         reward shaping.
     """
     s = settings
-    chunk = s.micro_batch_size
     rollout = (query_ids, query_mask, response_ids, response_mask)
     mask = response_mask.astype(jnp.int32)
-    map_in_chunks = partial(_map_in_chunks, mesh=s.mesh)
-
-    if s.shared_critic:
-        logprobs, entropy, values = map_in_chunks(
-            lambda *r: policy_logprobs_and_values(actor_graphdef, actor_params, *r,
-                                                  temperature=s.temperature), chunk, *rollout)
-    else:
-        logprobs, entropy = map_in_chunks(
-            lambda *r: policy_logprobs(actor_graphdef, actor_params, *r, temperature=s.temperature,
-                                       with_entropy=True), chunk, *rollout)
-        values = (jnp.zeros(mask.shape, jnp.float32) if critic_graphdef is None else
-                  map_in_chunks(lambda *r: critic_values(critic_graphdef, critic_params, *r),
-                                chunk, *rollout))
-    ref_logprobs = map_in_chunks(
-        lambda *r: policy_logprobs(ref_graphdef, ref_params, *r, temperature=s.temperature),
-        chunk, *rollout)
-    if scores is None:
-        scores = map_in_chunks(lambda *r: reward_model_scores(reward_graphdef, reward_params, *r),
-                               chunk, *rollout)
-        if s.score_normalizer is not None:  # OpenRLHF's normalize_reward with the RM's mean/std
-            mean, std = s.score_normalizer
-            scores = (scores - mean) / std
+    logprobs, entropy, values, ref_logprobs, scores = scoring_passes(
+        (actor_graphdef, actor_params), (ref_graphdef, ref_params), (critic_graphdef, critic_params),
+        (reward_graphdef, reward_params), rollout, scores, settings=s)
     raw_scores = scores.astype(jnp.float32)
     shaping = get_reward_shaping(s.reward_shaping)
     rewards, non_score, scores = shaping(raw_scores, ended, logprobs, ref_logprobs, mask,

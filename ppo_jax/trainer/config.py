@@ -301,6 +301,43 @@ def validate(cfg: Config) -> None:
             value = getattr(getattr(cfg, section.name), f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{section.name}.{f.name}={value!r} must be a finite number")
+    _validate_ppo(p)
+    _positive("generation.max_new_tokens", g.max_new_tokens)
+    _positive("generation.temperature", g.temperature)
+    if g.top_k < 0 or not (0.0 < g.top_p <= 1.0):
+        raise ConfigError(f"generation.top_k={g.top_k!r} must be >= 0 and generation.top_p="
+                          f"{g.top_p!r} in (0, 1]")
+    _positive("data.max_prompt_length", cfg.data.max_prompt_length)
+    _choice("data.truncation", cfg.data.truncation, {"left", "error"})
+    _validate_optim_train(o, cfg.train)
+    _choice("reward.kind", cfg.reward.kind, {"function", "model"})
+    if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
+        raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
+    if cfg.reward.normalize and cfg.reward.kind != "model":
+        raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
+    if p.critic_warmup_steps < 0:
+        raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
+    _positive("generation.samples_per_prompt", g.samples_per_prompt)
+    if p.batch_size % g.samples_per_prompt:
+        raise ConfigError(f"ppo.batch_size={p.batch_size} is not a multiple of "
+                          f"generation.samples_per_prompt={g.samples_per_prompt}")
+    if p.critic_warmup_steps and cfg.model.shared_critic:
+        raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
+                          "false): a shared backbone cannot train the values alone")
+    _validate_stage(cfg)
+    _validate_eval(cfg.eval)
+    for name in ("param_dtype", "dtype", "frozen_param_dtype"):
+        _choice(f"model.{name}", getattr(cfg.model, name), {"float32", "bfloat16"})
+    _choice("model.remat", cfg.model.remat, {"none", "full", "dots"})
+    _positive("train.steps", cfg.train.steps)
+    for name in ("data", "fsdp", "tensor"):
+        size = getattr(cfg.mesh, name)
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
+
+
+def _validate_ppo(p: PPOConfig) -> None:
+    """The PPO algorithm's sizes, ranges, choices and kwargs."""
     for name in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "horizon"):
         _positive(f"ppo.{name}", getattr(p, name))
     if p.batch_size % p.mini_batch_size:
@@ -332,13 +369,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"ppo.vf_coef={p.vf_coef!r} must be >= 0")
     _choice("ppo.kl_estimator", p.kl_estimator, set(KL_ESTIMATORS))
     _validate_loss_terms(p)
-    _positive("generation.max_new_tokens", g.max_new_tokens)
-    _positive("generation.temperature", g.temperature)
-    if g.top_k < 0 or not (0.0 < g.top_p <= 1.0):
-        raise ConfigError(f"generation.top_k={g.top_k!r} must be >= 0 and generation.top_p="
-                          f"{g.top_p!r} in (0, 1]")
-    _positive("data.max_prompt_length", cfg.data.max_prompt_length)
-    _choice("data.truncation", cfg.data.truncation, {"left", "error"})
+
+
+def _validate_optim_train(o: OptimConfig, t: TrainConfig) -> None:
+    """The optimiser and outer-loop settings."""
     _choice("optim.schedule", o.schedule, {"constant", "cosine"})
     _positive("optim.actor_lr", o.actor_lr)
     _positive("optim.critic_lr", o.critic_lr)
@@ -349,36 +383,11 @@ def validate(cfg: Config) -> None:
     for name in ("warmup_steps", "weight_decay", "max_grad_norm"):  # max_grad_norm 0 = no clipping
         if getattr(o, name) < 0:
             raise ConfigError(f"optim.{name}={getattr(o, name)!r} must be >= 0")
-    t = cfg.train
     _positive("train.log_every", t.log_every)
     _positive("train.max_to_keep", t.max_to_keep)
     for name in ("seed", "sample_every", "num_samples", "save_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)!r} must be >= 0")
-    _choice("reward.kind", cfg.reward.kind, {"function", "model"})
-    if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
-        raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
-    if cfg.reward.normalize and cfg.reward.kind != "model":
-        raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
-    if p.critic_warmup_steps < 0:
-        raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
-    _positive("generation.samples_per_prompt", g.samples_per_prompt)
-    if p.batch_size % g.samples_per_prompt:
-        raise ConfigError(f"ppo.batch_size={p.batch_size} is not a multiple of "
-                          f"generation.samples_per_prompt={g.samples_per_prompt}")
-    if p.critic_warmup_steps and cfg.model.shared_critic:
-        raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
-                          "false): a shared backbone cannot train the values alone")
-    _validate_stage(cfg)
-    _validate_eval(cfg.eval)
-    for name in ("param_dtype", "dtype", "frozen_param_dtype"):
-        _choice(f"model.{name}", getattr(cfg.model, name), {"float32", "bfloat16"})
-    _choice("model.remat", cfg.model.remat, {"none", "full", "dots"})
-    _positive("train.steps", cfg.train.steps)
-    for name in ("data", "fsdp", "tensor"):
-        size = getattr(cfg.mesh, name)
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
 
 
 def _validate_loss_terms(p: PPOConfig) -> None:

@@ -147,12 +147,6 @@ class PPOTrainer(StageTrainer):
                             stop_token_ids=() if g.ignore_eos else self.stop_ids,
                             pad_token_id=self.pad_id, mesh=self.place.constraint_mesh)
 
-        def rm_scores(reward_params, q, qm, r, rm):  # ReMax's greedy baseline, as in training
-            out = map_in_chunks(lambda *x: reward_model_scores(reward_graphdef, reward_params, *x),
-                                cfg.ppo.micro_batch_size, q, qm, r, rm, mesh=mesh)
-            norm = exp_settings.score_normalizer
-            return out if norm is None else (out - norm[0]) / norm[1]
-
         # explicit layouts: params by the rules, batches by rows, the rest replicated
         place, rows, rep = self.place, self.place.rows, self.place.replicated
         actor_sh, critic_sh = place.shardings(self.state["actor"]), place.shardings(self.state["critic"])
@@ -164,8 +158,7 @@ class PPOTrainer(StageTrainer):
         self._generate_greedy = jax.jit(partial(sample, greedy=True),
                                         in_shardings=(actor_sh.params, rows, rows, rep),
                                         out_shardings=(rows, rows))
-        self._rm_scores = jax.jit(rm_scores, in_shardings=(frozen_sh[1], rows, rows, rows, rows),
-                                  out_shardings=rows)
+        self._build_baseline_scoring(reward_graphdef, exp_settings, frozen_sh[1])
         self._experience = jax.jit(
             experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_params_sh, frozen_sh[1],
                                       rep, rows, rows, rows, rows, rows, rows, rows),
@@ -176,6 +169,21 @@ class PPOTrainer(StageTrainer):
         # ppo.critic_warmup_steps: the same update with the actor left out (compiled when used)
         critic_only = dataclasses.replace(upd_settings, train_actor=False)
         self._update_critic_only = jit_update(partial(update, settings=critic_only))
+
+    def _build_baseline_scoring(self, reward_graphdef, exp_settings, reward_sh) -> None:
+        """`self._rm_scores`: the reward model's scores of ReMax's greedy responses, normalised
+        as in training (`reward.normalize`)."""
+        micro, mesh, norm = self.cfg.ppo.micro_batch_size, self.place.constraint_mesh, \
+            exp_settings.score_normalizer
+
+        def rm_scores(reward_params, q, qm, r, rm):
+            out = map_in_chunks(lambda *x: reward_model_scores(reward_graphdef, reward_params, *x),
+                                micro, q, qm, r, rm, mesh=mesh)
+            return out if norm is None else (out - norm[0]) / norm[1]
+
+        rows = self.place.rows
+        self._rm_scores = jax.jit(rm_scores, in_shardings=(reward_sh, rows, rows, rows, rows),
+                                  out_shardings=rows)
 
     def _build_evaluator(self) -> Evaluator:
         """The held-out evaluation (`eval.*`): its prompts tokenised like the training prompts,

@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import bradley_terry_loss
-from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source, rows_of
-from ppo_jax.trainer.text_data import preference_pairs, read_records, split_holdout, tokenize_pairs
+from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
+from ppo_jax.trainer.text_data import preference_pairs, read_records, tokenize_pairs
 
 
 def pair_scores(graphdef, params, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -70,7 +70,7 @@ class RewardModelTrainer(SupervisedTrainer):
     def load_kwargs(self) -> dict:
         return {"fresh_score_head": True, "head_init_std": 0.02}
 
-    def _tokenize(self, path: str, key: str, tokenizer) -> dict:
+    def tokenize_file(self, path: str, key: str, tokenizer) -> dict:
         d, sec = self.cfg.data, self.settings
         pairs, _ = preference_pairs(read_records(path, key), path, key)
         if not pairs:
@@ -80,14 +80,6 @@ class RewardModelTrainer(SupervisedTrainer):
                                   system_prompt=d.system_prompt, eos_id=tokenizer.eos_token_id,
                                   pad_id=self.pad_id)
         return _as_arrays(batch)
-
-    def load_data(self, tokenizer) -> tuple[dict, dict]:
-        sec = self.settings
-        data = self._tokenize(sec.data, "reward_model.data", tokenizer)
-        if sec.eval_data:
-            return data, self._tokenize(sec.eval_data, "reward_model.eval_data", tokenizer)
-        train_idx, eval_idx = split_holdout(len(data["weight"]), sec.eval_fraction, self.cfg.train.seed)
-        return rows_of(data, train_idx), rows_of(data, eval_idx)
 
     def normalizer(self, batch: dict) -> jax.Array:
         """Pairs in the whole minibatch."""

@@ -15,10 +15,8 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import logprobs_from_logits, masked_sum, nll_loss, shift_for_next_token
-from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source, rows_of
-from ppo_jax.trainer.text_data import (
-    read_records, sft_examples, split_holdout, tokenize_sft,
-)
+from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
+from ppo_jax.trainer.text_data import read_records, sft_examples, tokenize_sft
 
 
 def sft_logprobs(graphdef, params, batch: dict):
@@ -44,7 +42,7 @@ class SFTTrainer(SupervisedTrainer):
     def model_source(self) -> Path:
         return resolve_source(self.cfg.model.actor, "model.actor")
 
-    def _tokenize(self, path: str, key: str, tokenizer) -> dict:
+    def tokenize_file(self, path: str, key: str, tokenizer) -> dict:
         d, sec = self.cfg.data, self.settings
         examples = sft_examples(read_records(path, key), path, key)
         seqs, _ = tokenize_sft(examples, tokenizer, max_prompt_length=d.max_prompt_length,
@@ -52,14 +50,6 @@ class SFTTrainer(SupervisedTrainer):
                                system_prompt=d.system_prompt, eos_id=tokenizer.eos_token_id,
                                pad_id=self.pad_id)
         return _as_arrays(seqs)
-
-    def load_data(self, tokenizer) -> tuple[dict, dict]:
-        sec = self.settings
-        data = self._tokenize(sec.data, "sft.data", tokenizer)
-        if sec.eval_data:
-            return data, self._tokenize(sec.eval_data, "sft.eval_data", tokenizer)
-        train_idx, eval_idx = split_holdout(len(data["weight"]), sec.eval_fraction, self.cfg.train.seed)
-        return rows_of(data, train_idx), rows_of(data, eval_idx)
 
     def normalizer(self, batch: dict) -> jax.Array:
         """Response tokens (targets) of the whole minibatch."""

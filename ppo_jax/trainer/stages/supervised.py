@@ -2,8 +2,8 @@
 model, minibatch steps with exact gradient accumulation, and held-out evaluation.
 
 A subclass (`SFTTrainer`, `RewardModelTrainer`) gives: `section` (its config section),
-`model_kind` and `model_source()`, `load_data(tokenizer) -> (train, eval)` (each a dict of
-numpy arrays with rows first), `loss(params, micro, normalizer) -> (loss, stats)` (a sum over
+`model_kind` and `model_source()`, `tokenize_file(path, key, tokenizer)` (a dict of numpy
+arrays with rows first, one of them `weight [N]`), `loss(params, micro, normalizer) -> (loss, stats)` (a sum over
 the micro-batch divided by the minibatch's `normalizer`), `normalizer(batch)`,
 `eval_sums(params, batch) -> dict of sums` and `finish_eval(sums) -> metrics`.
 """
@@ -23,6 +23,7 @@ from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data import PromptSampler
 from ppo_jax.trainer.optim import optimizer_from_config
 from ppo_jax.trainer.setup import Split, load_split, pad_token_id, resolve_model_path
+from ppo_jax.trainer.text_data import split_holdout
 
 
 def rows_of(batch: dict, idx) -> dict:
@@ -150,7 +151,18 @@ class SupervisedTrainer(StageTrainer):
     def model_source(self):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def load_data(self, tokenizer) -> tuple[dict, dict]:  # pragma: no cover - abstract
+    def load_data(self, tokenizer) -> tuple[dict, dict]:
+        """(train, eval) row dicts: `<section>.data`, and `<section>.eval_data` or a seeded
+        `<section>.eval_fraction` of the data held out."""
+        sec, key = self.settings, self.section
+        data = self.tokenize_file(sec.data, f"{key}.data", tokenizer)
+        if sec.eval_data:
+            return data, self.tokenize_file(sec.eval_data, f"{key}.eval_data", tokenizer)
+        train_idx, eval_idx = split_holdout(len(data["weight"]), sec.eval_fraction, self.cfg.train.seed)
+        return rows_of(data, train_idx), rows_of(data, eval_idx)
+
+    def tokenize_file(self, path: str, key: str, tokenizer) -> dict:  # pragma: no cover - abstract
+        """Read, check and tokenise one data file (config key `key`) into a row dict."""
         raise NotImplementedError
 
     def normalizer(self, batch: dict) -> jax.Array:  # pragma: no cover - abstract
