@@ -20,15 +20,7 @@ TOL = dict(rtol=1e-6, atol=1e-6)
 GAMMA_LAM = [(1.0, 1.0), (1.0, 0.95), (0.95, 1.0), (0.95, 0.95)]
 SHAPES = [(16, 64, 5), (7, 33, 4), (3, 1, 3)]  # (B, T, V); T=33 is not a multiple of the chunk
 
-
-@pytest.fixture(autouse=True)
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def ragged_batch(seed, b, t, v):

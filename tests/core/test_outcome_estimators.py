@@ -21,15 +21,6 @@ TOL = dict(rtol=1e-6, atol=1e-6)
 SQRT_1_3 = math.sqrt(1.0 / 3.0)  # unbiased std of [1, 0, 0, 1]: sqrt(4 * 0.5^2 / 3) = 0.5774
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
 
 def prefix_mask(lengths, t):
     return (np.arange(t)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)

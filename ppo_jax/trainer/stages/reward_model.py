@@ -71,14 +71,8 @@ class RewardModelTrainer(SupervisedTrainer):
         return {"fresh_score_head": True, "head_init_std": 0.02}
 
     def tokenize_file(self, path: str, key: str, tokenizer) -> dict:
-        d, sec = self.cfg.data, self.settings
         pairs, _ = preference_pairs(read_records(path, key), path, key)
-        if not pairs:
-            raise ValueError(f"{key}: no usable preference pairs in {path}")
-        batch, _ = tokenize_pairs(pairs, tokenizer, max_prompt_length=d.max_prompt_length,
-                                  max_length=sec.max_length, use_chat_template=d.use_chat_template,
-                                  system_prompt=d.system_prompt, eos_id=tokenizer.eos_token_id,
-                                  pad_id=self.pad_id)
+        batch, _ = tokenize_pairs(pairs, tokenizer, **self.encode_kwargs(tokenizer))
         return _as_arrays(batch)
 
     def normalizer(self, batch: dict) -> jax.Array:

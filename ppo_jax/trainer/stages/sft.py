@@ -43,12 +43,8 @@ class SFTTrainer(SupervisedTrainer):
         return resolve_source(self.cfg.model.actor, "model.actor")
 
     def tokenize_file(self, path: str, key: str, tokenizer) -> dict:
-        d, sec = self.cfg.data, self.settings
         examples = sft_examples(read_records(path, key), path, key)
-        seqs, _ = tokenize_sft(examples, tokenizer, max_prompt_length=d.max_prompt_length,
-                               max_length=sec.max_length, use_chat_template=d.use_chat_template,
-                               system_prompt=d.system_prompt, eos_id=tokenizer.eos_token_id,
-                               pad_id=self.pad_id)
+        seqs, _ = tokenize_sft(examples, tokenizer, **self.encode_kwargs(tokenizer))
         return _as_arrays(seqs)
 
     def normalizer(self, batch: dict) -> jax.Array:

@@ -161,6 +161,14 @@ class SupervisedTrainer(StageTrainer):
         train_idx, eval_idx = split_holdout(len(data["weight"]), sec.eval_fraction, self.cfg.train.seed)
         return rows_of(data, train_idx), rows_of(data, eval_idx)
 
+    def encode_kwargs(self, tokenizer) -> dict:
+        """Tokenisation settings of both stages: PPO's prompt template and lengths, the
+        tokenizer's EOS after each response, right padding with its pad id."""
+        d, sec = self.cfg.data, self.settings
+        return dict(max_prompt_length=d.max_prompt_length, max_length=sec.max_length,
+                    use_chat_template=d.use_chat_template, system_prompt=d.system_prompt,
+                    eos_id=tokenizer.eos_token_id, pad_id=self.pad_id)
+
     def tokenize_file(self, path: str, key: str, tokenizer) -> dict:  # pragma: no cover - abstract
         """Read, check and tokenise one data file (config key `key`) into a row dict."""
         raise NotImplementedError
