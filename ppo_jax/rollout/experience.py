@@ -55,6 +55,9 @@ class ExperienceSettings:
     mesh: Optional[Mesh] = None  # split the rows of every micro-batch chunk over ("data", "fsdp")
     # (mean, std): reward-model scores become (score - mean) / std (reward.normalize)
     score_normalizer: Optional[tuple[float, float]] = None
+    # EOS id written over the last response token before the reward model reads it
+    # (reward.eos_at_end; `scoring.end_with_eos`), None: the response as sampled
+    reward_eos_id: Optional[int] = None
     reward_shaping: str = "kl_penalty"  # a registered reward shaping (core.registry)
     reward_shaping_kwargs: tuple = ()  # extra (name, value) keyword arguments of the shaping
 
@@ -125,7 +128,7 @@ def scoring_passes(actor, reference, critic, reward, rollout, scores, *,
     ref_logprobs = run(lambda *r: policy_logprobs(*reference, *r, temperature=s.temperature),
                        *rollout)
     if scores is None:
-        scores = run(lambda *r: reward_model_scores(*reward, *r), *rollout)
+        scores = run(lambda *r: reward_model_scores(*reward, *r, eos_id=s.reward_eos_id), *rollout)
         if s.score_normalizer is not None:
             mean, std = s.score_normalizer
             scores = (scores - mean) / std

@@ -62,8 +62,26 @@ def critic_values(graphdef, params, query_ids, query_mask, response_ids, respons
     return _response_slice(values, query_ids.shape[1], response_ids.shape[1])
 
 
-def reward_model_scores(graphdef, params, query_ids, query_mask, response_ids, response_mask):
-    """Scores `[B]` float32 of a RewardModel, read at the last real token of query + response."""
+def end_with_eos(response_ids: jax.Array, response_mask: jax.Array, eos_id: int) -> jax.Array:
+    """`response_ids [B, N]` with the last real token (mask 1) of every row set to `eos_id`:
+    a response that stopped keeps its stop token as EOS, one cut at max_new_tokens has EOS
+    written over its last token (OpenRLHF's `process_sequences` makes every sequence it scores
+    end in EOS the same way). Rows with no real token are unchanged."""
+    n = response_ids.shape[1]
+    last = jnp.max(jnp.where(response_mask != 0, jnp.arange(n)[None, :], -1), axis=1)
+    at_last = jnp.arange(n)[None, :] == last[:, None]
+    return jnp.where(at_last, jnp.asarray(eos_id, response_ids.dtype), response_ids)
+
+
+def reward_model_scores(graphdef, params, query_ids, query_mask, response_ids, response_mask, *,
+                        eos_id: int | None = None):
+    """Scores `[B]` float32 of a RewardModel, read at the last real token of query + response.
+
+    With `eos_id` (`reward.eos_at_end`) that token is first made EOS (`end_with_eos`), so the
+    model reads every response at an EOS, as a reward model trained with
+    `reward_model.eos_after_truncated=true` saw its pairs."""
+    if eos_id is not None:
+        response_ids = end_with_eos(response_ids, response_mask, eos_id)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
     scores, _ = nnx.merge(graphdef, params)(ids, mask)
     return scores

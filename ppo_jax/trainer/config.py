@@ -143,6 +143,11 @@ class RewardConfig:
     # kind=model: (score - mean) / std with the mean / std of the reward model's scores that
     # stage reward_model measured on its held-out pairs and wrote into its config.json
     normalize: bool = False
+    # kind=model: the last token of every response is made the tokenizer's EOS before the reward
+    # model reads it (a response cut at max_new_tokens loses its last token to EOS; OpenRLHF
+    # scores every sequence at an EOS) -- for a reward model trained with
+    # reward_model.eos_after_truncated=true
+    eos_at_end: bool = False
 
 
 @dataclass
@@ -157,6 +162,9 @@ class SupervisedConfig:
     micro_batch_size: int = 8  # per forward/backward (gradient accumulation)
     lr: float = 1.0e-5  # peak learning rate (optim.* gives schedule, warmup, AdamW settings)
     eval_every: int = 0  # steps between held-out evaluations (0: at the end only)
+    # rows flagged truncated (cut at a length limit) end with EOS too, so every response ends
+    # in EOS (OpenRLHF's reward data; pairs for a PPO run with reward.eos_at_end=true)
+    eos_after_truncated: bool = False
 
 
 @dataclass
@@ -315,6 +323,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
     if cfg.reward.normalize and cfg.reward.kind != "model":
         raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
+    if cfg.reward.eos_at_end and cfg.reward.kind != "model":
+        raise ConfigError("reward.eos_at_end=true applies to reward.kind='model' only")
     if p.critic_warmup_steps < 0:
         raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
     _positive("generation.samples_per_prompt", g.samples_per_prompt)

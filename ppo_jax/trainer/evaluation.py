@@ -50,6 +50,7 @@ class EvalSettings:
     micro_batch_size: int = 1  # rows per forward pass of the log-prob / reward-model chunks
     mesh: Optional[Mesh] = None
     score_normalizer: Optional[tuple[float, float]] = None  # reward model (mean, std)
+    reward_eos_id: Optional[int] = None  # reward.eos_at_end (see ExperienceSettings)
 
 
 @dataclass
@@ -143,7 +144,8 @@ def eval_stats(actor_graphdef, actor_params, ref_graphdef, ref_params, reward_gr
                       s.micro_batch_size, *rollout)
 
     if scores is None:
-        scores = chunks(lambda *r: reward_model_scores(reward_graphdef, reward_params, *r),
+        scores = chunks(lambda *r: reward_model_scores(reward_graphdef, reward_params, *r,
+                                                          eos_id=s.reward_eos_id),
                         s.micro_batch_size, *rollout)
         if s.score_normalizer is not None:
             mean, std = s.score_normalizer

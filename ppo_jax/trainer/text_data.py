@@ -392,12 +392,13 @@ def pack(pairs_of_ids: list[Row], *, max_prompt_length: int, max_length: int, pa
 
 def tokenize_sft(examples: list[SFTExample], tokenizer, *, max_prompt_length: int, max_length: int,
                  use_chat_template: bool = True, system_prompt: str | None = None, eos_id: int,
-                 pad_id: int) -> tuple[SequenceBatch, dict]:
+                 pad_id: int, eos_after_truncated: bool = False) -> tuple[SequenceBatch, dict]:
     """Encode (`encode_prompt`, `encode_response`) and `pack` SFT examples: [N, L] rows whose
-    loss mask is the response + EOS (TRL's completion-only loss). Raises ValueError: see `pack`."""
+    loss mask is the response + EOS (TRL's completion-only loss); a `truncated` row gets no EOS
+    unless `eos_after_truncated`. Raises ValueError: see `pack`."""
     rows = [(encode_prompt(tokenizer, e.prompt, use_chat_template=use_chat_template,
                            system_prompt=system_prompt),
-             encode_response(tokenizer, e.response, eos_id, e.truncated))
+             encode_response(tokenizer, e.response, eos_id, e.truncated and not eos_after_truncated))
             for e in examples]
     return pack(rows, max_prompt_length=max_prompt_length, max_length=max_length, pad_id=pad_id)
 
@@ -421,9 +422,11 @@ class PairBatch:
 
 def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length: int, max_length: int,
                    use_chat_template: bool = True, system_prompt: str | None = None, eos_id: int,
-                   pad_id: int) -> tuple[PairBatch, dict]:
+                   pad_id: int, eos_after_truncated: bool = False) -> tuple[PairBatch, dict]:
     """Encode and pack preference pairs, chosen and rejected to one width (DeepSpeed-Chat step 2
-    batches them together). Truncation as in `truncate_rows`, one warning per kind.
+    batches them together). Truncation as in `truncate_rows`, one warning per kind. A response
+    flagged truncated gets no EOS unless `eos_after_truncated` (then every row ends in EOS, the
+    position a PPO run with `reward.eos_at_end` reads).
 
     Returns:
       (batch, {"prompts_truncated", "chosen_truncated", "rejected_truncated": pair counts,
@@ -434,9 +437,10 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length:
     limits = dict(max_prompt_length=max_prompt_length, max_length=max_length, what="pair")
     prompts = [encode_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template,
                              system_prompt=system_prompt) for p in pairs]
-    chosen, c = truncate_rows([(q, encode_response(tokenizer, p.chosen, eos_id, p.chosen_truncated))
+    chosen, c = truncate_rows([(q, encode_response(tokenizer, p.chosen, eos_id, p.chosen_truncated and not eos_after_truncated))
                                for q, p in zip(prompts, pairs)], **limits)
-    rejected, r = truncate_rows([(q, encode_response(tokenizer, p.rejected, eos_id, p.rejected_truncated))
+    rejected, r = truncate_rows([(q, encode_response(tokenizer, p.rejected, eos_id,
+                                                    p.rejected_truncated and not eos_after_truncated))
                                  for q, p in zip(prompts, pairs)], **limits)
     counts = {"prompts_truncated": c["prompts_truncated"], "chosen_truncated": c["responses_truncated"],
               "rejected_truncated": r["responses_truncated"],

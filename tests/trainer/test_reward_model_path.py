@@ -59,3 +59,43 @@ def test_experience_scores_are_the_reward_model_at_the_last_real_token(tiny_chec
         ids = np.concatenate([q[b][qm[b] > 0], r[b][rmask[b] > 0]])[None]
         want = rm(jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids)))[0][0]
         assert float(exp.scores[b]) == pytest.approx(float(want), abs=1e-5)
+
+
+def test_eos_at_end_scores_every_response_at_an_eos(tiny_checkpoint, reward_dir):
+    """reward.eos_at_end: the reward model reads each response with its last real token made
+    EOS (a cut response loses its last token to EOS; one that stopped is unchanged)."""
+    from ppo_jax.core import init_kl_controller
+    from ppo_jax.models import split_model
+    from ppo_jax.rollout.experience import ExperienceSettings, make_experience
+    from ppo_jax.rollout.scoring import end_with_eos
+
+    eos = 1
+    r = np.array([[5, 6, eos, 0], [7, 8, 9, 10], [11, 0, 0, 0]], np.int32)
+    rmask = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]], np.int32)
+    np.testing.assert_array_equal(end_with_eos(jnp.asarray(r), jnp.asarray(rmask), eos),
+                                  [[5, 6, eos, 0], [7, 8, 9, eos], [11, 0, 0, 0]])
+
+    actor, _ = load_model(tiny_checkpoint, "causal_lm")
+    rm, _ = load_model(reward_dir, "reward")
+    (ag, ap), (rg, rp) = split_model(actor), split_model(rm)
+    q = np.array([[0, 3, 4], [3, 4, 5]], np.int32)
+    qm = np.array([[0, 1, 1], [1, 1, 1]], np.int32)
+    r, rmask = r[:2], rmask[:2]
+    exp, _, _ = make_experience(ag, ap, ag, ap, None, None, rg, rp, init_kl_controller("fixed", 0.1),
+                                q, qm, r, rmask, None, jnp.array([True, False]),
+                                settings=ExperienceSettings(micro_batch_size=1, reward_eos_id=eos))
+    for b, resp in enumerate(([5, 6, eos], [7, 8, 9, eos])):
+        ids = jnp.asarray([q[b][qm[b] > 0].tolist() + resp])
+        want = rm(ids, jnp.ones_like(ids))[0][0]
+        assert float(exp.scores[b]) == pytest.approx(float(want), abs=1e-5)
+    plain, _, _ = make_experience(ag, ap, ag, ap, None, None, rg, rp, init_kl_controller("fixed", 0.1),
+                                  q, qm, r, rmask, None, jnp.array([True, False]),
+                                  settings=ExperienceSettings(micro_batch_size=1))
+    assert float(plain.scores[0]) == pytest.approx(float(exp.scores[0]), abs=1e-6)
+    assert abs(float(plain.scores[1]) - float(exp.scores[1])) > 1e-4
+
+
+def test_eos_at_end_is_for_a_reward_model_only(tiny_checkpoint):
+    from ppo_jax.trainer.config import ConfigError
+    with pytest.raises(ConfigError, match="reward.eos_at_end=true applies to reward.kind='model'"):
+        load_config("configs/tiny.yaml", ["reward.eos_at_end=true"])

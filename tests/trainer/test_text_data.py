@@ -332,3 +332,8 @@ def test_a_truncated_response_gets_no_stop_token(tokenizer, tmp_path):
     assert pairs.rejected.ids[0, 9:].tolist() == [GOOD, 0, 0]
     with pytest.raises(ValueError, match=r"record 0 .*'truncated' is str"):
         sft_examples([{"prompt": "x", "response": "y", "truncated": "yes"}], tmp_path / "c.jsonl", "sft.data")
+    # eos_after_truncated: every row ends in EOS (what reward.eos_at_end scores)
+    batch, _ = tokenize_sft([sft], tokenizer, **LIMITS, eos_after_truncated=True)
+    assert batch.ids[0].tolist() == PROMPT_THE_BUS + [WAS, LATE, EOS]
+    pairs, _ = tokenize_pairs([pair], tokenizer, **LIMITS, eos_after_truncated=True)
+    assert pairs.rejected.ids[0, 9:].tolist() == [GOOD, EOS, 0]

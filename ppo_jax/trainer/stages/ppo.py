@@ -116,7 +116,8 @@ class PPOTrainer(StageTrainer):
         mesh = self.place.constraint_mesh
         exp_settings = experience_settings(
             cfg, shared_critic=self.shared_critic, mesh=mesh,
-            score_normalizer=m.score_normalizer if cfg.reward.normalize else None)
+            score_normalizer=m.score_normalizer if cfg.reward.normalize else None,
+            reward_eos_id=self.reward_eos_id())
         upd_settings = update_settings(cfg, shared_critic=self.shared_critic, mesh=mesh)
         critic_graphdef = m.critic.graphdef if m.critic is not None else None
         reward_graphdef = m.reward.graphdef if m.reward else None
@@ -175,9 +176,11 @@ class PPOTrainer(StageTrainer):
         as in training (`reward.normalize`)."""
         micro, mesh, norm = self.cfg.ppo.micro_batch_size, self.place.constraint_mesh, \
             exp_settings.score_normalizer
+        eos_id = exp_settings.reward_eos_id
 
         def rm_scores(reward_params, q, qm, r, rm):
-            out = map_in_chunks(lambda *x: reward_model_scores(reward_graphdef, reward_params, *x),
+            out = map_in_chunks(lambda *x: reward_model_scores(reward_graphdef, reward_params, *x,
+                                                                eos_id=eos_id),
                                 micro, q, qm, r, rm, mesh=mesh)
             return out if norm is None else (out - norm[0]) / norm[1]
 
@@ -206,12 +209,18 @@ class PPOTrainer(StageTrainer):
             top_p=g.top_p, stop_token_ids=() if g.ignore_eos else self.stop_ids,
             pad_token_id=self.pad_id, micro_batch_size=cfg.ppo.micro_batch_size,
             mesh=place.constraint_mesh,
-            score_normalizer=m.score_normalizer if cfg.reward.normalize else None)
+            score_normalizer=m.score_normalizer if cfg.reward.normalize else None,
+            reward_eos_id=self.reward_eos_id())
         actor_sh = place.shardings(self._policy_params(self.state["actor"].params))
         shardings = (actor_sh, place.shardings(self.ref_params), place.shardings(self.reward_params))
         graphdefs = (m.actor.graphdef, m.reference.graphdef, m.reward.graphdef if m.reward else None)
         return Evaluator(batch, settings, place, graphdefs, shardings, seed=e.seed,
                          reward_fn=self.reward_fn, decode=self._decode)
+
+    def reward_eos_id(self) -> int | None:
+        """The tokenizer's EOS id when `reward.eos_at_end` (the reward model reads every response
+        at an EOS), else None."""
+        return int(self.tokenizer.eos_token_id) if self.cfg.reward.eos_at_end else None
 
     def _policy_params(self, params):
         """The actor's CausalLM params (without the shared critic's value head)."""

@@ -38,7 +38,8 @@ _OLD_LOSS_HINT = (" (since issue 11 a registered loss takes one LossInputs batch
 
 
 def experience_settings(cfg: Config, *, shared_critic: bool = False, mesh=None,
-                        score_normalizer: Optional[tuple[float, float]] = None) -> ExperienceSettings:
+                        score_normalizer: Optional[tuple[float, float]] = None,
+                        reward_eos_id: Optional[int] = None) -> ExperienceSettings:
     """The `ExperienceSettings` of `cfg` (static: hashable)."""
     p, g = cfg.ppo, cfg.generation
     return ExperienceSettings(
@@ -48,6 +49,7 @@ def experience_settings(cfg: Config, *, shared_critic: bool = False, mesh=None,
         whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
         gamma=p.gamma, lam=p.lam, advantage_kwargs=static_kwargs(p.advantage_kwargs),
         shared_critic=shared_critic, mesh=mesh, score_normalizer=score_normalizer,
+        reward_eos_id=reward_eos_id,
         reward_shaping=p.reward_shaping, reward_shaping_kwargs=static_kwargs(p.reward_shaping_kwargs))
 
 

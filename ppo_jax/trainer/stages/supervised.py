@@ -167,7 +167,8 @@ class SupervisedTrainer(StageTrainer):
         d, sec = self.cfg.data, self.settings
         return dict(max_prompt_length=d.max_prompt_length, max_length=sec.max_length,
                     use_chat_template=d.use_chat_template, system_prompt=d.system_prompt,
-                    eos_id=tokenizer.eos_token_id, pad_id=self.pad_id)
+                    eos_id=tokenizer.eos_token_id, pad_id=self.pad_id,
+                    eos_after_truncated=sec.eos_after_truncated)
 
     def tokenize_file(self, path: str, key: str, tokenizer) -> dict:  # pragma: no cover - abstract
         """Read, check and tokenise one data file (config key `key`) into a row dict."""
