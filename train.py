@@ -33,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import a module first, e.g. one that registers a policy loss, "
                              "advantage estimator or reward function (repeatable)")
+    parser.add_argument("--help-config", action="store_true",
+                        help="print every config key with its type, default and meaning (and "
+                             "the value --config gives it where that differs), then exit")
     return parser.parse_args(argv)
 
 
@@ -54,6 +57,11 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.help_config:
+        from ppo_jax.trainer.config import describe
+
+        print(describe(cfg, args.config + (" + --set" if args.overrides else "")))
+        return 0
     from ppo_jax.trainer.distributed import initialize
 
     initialize(cfg.distributed)

@@ -26,7 +26,7 @@ mean whatever the loss mode (a clip fraction stays a fraction of tokens; verl's
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Literal, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from ppo_jax.core import validation as V
 from ppo_jax.core.masked import safe_divide
 
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LossAggregation = Literal[LOSS_AGGREGATIONS]  # the config's type of ppo.loss_aggregation
 
 
 class Normalizers(NamedTuple):

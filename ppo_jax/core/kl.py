@@ -7,7 +7,7 @@ Per-token estimators of ``KL(pi || pi_ref)`` from the log-probs of the sampled t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from ppo_jax.core import validation as V
 
 KL_ESTIMATORS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
+KLEstimator = Literal[KL_ESTIMATORS]  # the config's type of ppo.kl_estimator / kl_loss_estimator
 
 
 def check_estimator(estimator: str) -> None:

@@ -17,7 +17,7 @@ section 2.2), as in TRL 0.11 ``AdaptiveKLController.update``::
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from ppo_jax.core import validation as V
 
 KL_CONTROLLER_KINDS: dict[str, int] = {"fixed": 0, "adaptive": 1}
+KLControllerKind = Literal[tuple(KL_CONTROLLER_KINDS)]  # the config's type of ppo.kl_controller
 PROPORTIONAL_ERROR_CLIP = 0.2
 
 

@@ -12,7 +12,7 @@ Sources: transformers `configuration_{llama,qwen2,mistral,gpt2}.py` and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,10 @@ def remat_policy_names() -> tuple[str, ...]:
     """Names accepted by `ModelConfig.remat`: "none", "full", or a `jax.checkpoint_policies`
     policy that takes no arguments."""
     return ("none", "full") + tuple(p for p in REMAT_POLICIES if hasattr(jax.checkpoint_policies, p))
+
+
+Dtype = Literal[DTYPES]  # the trainer config's type of model.param_dtype / dtype / ...
+RematPolicy = Literal[remat_policy_names()]  # the trainer config's type of model.remat
 
 
 @dataclasses.dataclass(frozen=True)

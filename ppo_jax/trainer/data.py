@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -107,6 +108,10 @@ class PromptSet:
         return len(self.texts)
 
 
+TRUNCATIONS = ("left", "error")  # data.truncation: drop the oldest tokens (warn) | refuse
+Truncation = Literal[TRUNCATIONS]
+
+
 def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, truncation: str = "left",
                      use_chat_template: bool = True, system_prompt: str | None = None,
                      pad_token_id: int) -> PromptSet:
@@ -116,9 +121,11 @@ def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, tru
     or are rejected (truncation="error").
 
     Raises:
-      ValueError: truncation="error" and a prompt is longer than max_prompt_length (names the
+      ValueError: an unknown `truncation`; truncation="error" and a prompt is longer than max_prompt_length (names the
         prompt index and its length), or a prompt is empty after tokenisation.
     """
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"data.truncation={truncation!r} is not one of {list(TRUNCATIONS)}")
     lists = [apply_template(tokenizer, t, use_chat_template, system_prompt) for t in texts]
     too_long = [i for i, toks in enumerate(lists) if len(toks) > max_prompt_length]
     if too_long:

@@ -3,7 +3,12 @@ global-norm gradient clipping (optax)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import optax
+
+SCHEDULES = ("constant", "cosine")  # optim.schedule (see `lr_schedule`)
+Schedule = Literal[SCHEDULES]
 
 
 def make_schedule(peak_lr: float, *, schedule: str, warmup_steps: int, total_steps: int) -> optax.Schedule:
@@ -23,8 +28,8 @@ def make_schedule(peak_lr: float, *, schedule: str, warmup_steps: int, total_ste
     Raises:
       ValueError: unknown schedule name.
     """
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"optim.schedule={schedule!r} is not one of ['constant', 'cosine']")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule={schedule!r} is not one of {list(SCHEDULES)}")
     if warmup_steps <= 0:
         if schedule == "constant":
             return optax.constant_schedule(peak_lr)

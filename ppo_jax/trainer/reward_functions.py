@@ -8,12 +8,14 @@ runs only when selected) and select it with `reward.function=name`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 
 from ppo_jax.core.registry import Registry
 
+REWARD_KINDS = ("function", "model")  # reward.kind: a registered function | a reward model
+RewardKind = Literal[REWARD_KINDS]
 RewardFunction = Callable[[list[str], list[str]], np.ndarray]
 REWARD_FUNCTIONS = Registry("reward function")  # name -> factory () -> RewardFunction
 

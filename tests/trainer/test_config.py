@@ -48,11 +48,11 @@ def test_missing_config_file():
 @pytest.mark.parametrize("overrides, field", [
     (["ppo.batch_size=6", "ppo.mini_batch_size=4"], "ppo.batch_size=6"),
     (["ppo.mini_batch_size=4", "ppo.micro_batch_size=3"], "ppo.mini_batch_size=4"),
-    (["ppo.kl_estimator=k9"], "ppo.kl_estimator='k9'"),
+    (["ppo.kl_estimator=k9"], "config key 'ppo.kl_estimator': Invalid value 'k9'"),
     (["generation.temperature=0"], "generation.temperature=0"),
     (["reward.kind=model"], "model.reward_model"),
     (["mesh.fsdp=0"], "mesh.fsdp=0"),
-    (["data.truncation=right"], "data.truncation='right'"),
+    (["data.truncation=right"], "config key 'data.truncation': Invalid value 'right'"),
 ])
 def test_inconsistent_fields_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
@@ -64,3 +64,101 @@ def test_shipped_configs_load():
     assert load_config(CONFIGS / "default.yaml").model.actor == "smollm2"
     big = load_config(CONFIGS / "llama_8b_gpu_tpu.yaml", ["model.actor=/ckpt/llama"])
     assert big.mesh.tensor == 4 and big.model.frozen_param_dtype == "bfloat16"
+
+
+def _code_accepts():
+    """config key -> (the code's list of names, a call of the code that uses the name)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from ppo_jax.core import check_estimator, init_kl_controller
+    from ppo_jax.core.aggregation import LOSS_AGGREGATIONS, aggregate
+    from ppo_jax.core.gae import GAE_METHODS, compute_gae
+    from ppo_jax.core.kl import KL_ESTIMATORS
+    from ppo_jax.core.kl_control import KL_CONTROLLER_KINDS
+    from ppo_jax.models.config import DTYPES, remat_policy_names
+    from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
+    from ppo_jax.trainer.data import TRUNCATIONS, tokenize_prompts
+    from ppo_jax.trainer.optim import SCHEDULES, make_schedule
+    from ppo_jax.trainer.reward_functions import REWARD_KINDS
+    from ppo_jax.trainer.stages import STAGES, trainer_class
+
+    model = tiny_config(64)
+    tok = tiny_tokenizer()
+    ones = jnp.ones((1, 3))
+    dtype = (DTYPES, lambda v: dataclasses.replace(model, dtype=v, param_dtype=v))
+    return {
+        "stage": (STAGES, trainer_class),
+        "model.param_dtype": dtype, "model.dtype": dtype, "model.frozen_param_dtype": dtype,
+        "model.remat": (remat_policy_names(), lambda v: dataclasses.replace(model, remat=v)),
+        "data.truncation": (TRUNCATIONS, lambda v: tokenize_prompts(
+            ["the bus was late"], tok, max_prompt_length=32, truncation=v, pad_token_id=0)),
+        "ppo.kl_controller": (tuple(KL_CONTROLLER_KINDS), lambda v: init_kl_controller(v, 0.1, 6.0, 10000)),
+        "ppo.kl_estimator": (KL_ESTIMATORS, check_estimator),
+        "ppo.kl_loss_estimator": (KL_ESTIMATORS, check_estimator),
+        "ppo.loss_aggregation": (LOSS_AGGREGATIONS, lambda v: aggregate(ones, ones, v)),
+        "ppo.advantage_kwargs.method": (GAE_METHODS, lambda v: compute_gae(
+            ones, ones, ones, gamma=1.0, lam=0.9, method=v)),
+        "optim.schedule": (SCHEDULES, lambda v: make_schedule(1e-3, schedule=v, warmup_steps=0, total_steps=3)),
+        "reward.kind": (REWARD_KINDS, None),
+    }
+
+
+def test_every_enumerated_choice_is_accepted_by_config_exactly_when_the_code_accepts_it():
+    """Issue 12: one source of truth per choice: the config takes its list from the code that uses
+    the name, so each name the code lists passes the config and works in the code, and a name
+    the code does not know is refused by both, the config's error naming the key and the list."""
+    import typing
+    import warnings
+
+    from ppo_jax.trainer.config import _leaves
+
+    accepts = _code_accepts()
+    kinds = {k: t for k, _, t in _leaves(Config())}
+    literal_keys = {k for k, t in kinds.items() if typing.get_origin(t) is typing.Literal}
+    assert literal_keys == set(accepts) - {"ppo.advantage_kwargs.method"}  # every enumerated field
+    extra = {"stage=reward_model": ["reward_model.data=x.jsonl", "model.reward_model=smollm2"],
+             "stage=sft": ["sft.data=x.jsonl"], "reward.kind=model": ["model.reward_model=rm"]}
+    for key, (names, use) in accepts.items():
+        if key in kinds:
+            assert set(typing.get_args(kinds[key])) == set(names), key
+        for name in names:
+            item = f"{key}={name}"
+            cfg = load_config(None, [item] + extra.get(item, []))
+            assert str(eval(f"cfg.{key}") if "kwargs" not in key else cfg.ppo.advantage_kwargs["method"]) == name
+            if use is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    use(name)  # the code takes it
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{key}=bogus"])
+        assert key in str(err.value) and "bogus" in str(err.value)
+        assert all(repr(n) in str(err.value) for n in names), str(err.value)
+        if use is not None:
+            with pytest.raises(ValueError):
+                use("bogus")
+
+
+def test_remat_names_of_the_model_layer_pass_the_config():
+    """The failing case of issue 12: `dots` (listed by an old comment) is refused by the config with
+    the accepted names; `dots_saveable`, a name the model layer takes, is accepted."""
+    with pytest.raises(ConfigError, match=r"model.remat.*'dots'.*'dots_saveable'"):
+        load_config(None, ["model.remat=dots"])
+    assert load_config(None, ["model.remat=dots_saveable"]).model.remat == "dots_saveable"
+
+
+def test_help_config_lists_every_key_with_type_default_and_help(capsys):
+    import train
+    from ppo_jax.trainer.config import _leaves, describe
+
+    text = describe()
+    for key, value, _ in _leaves(Config()):
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"{key}:"))
+        assert repr(value) in line
+        help_line = text.splitlines()[text.splitlines().index(line) + 1].strip()
+        assert help_line, f"{key} has no help text"
+    assert "model.remat: one of: none | full | dots_saveable" in text
+    assert train.main(["--config", str(CONFIGS / "tiny.yaml"), "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "model.actor: str = 'smollm2'" in out and "tiny.yaml: 'tiny-random'" in out

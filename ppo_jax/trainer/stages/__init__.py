@@ -5,7 +5,10 @@ update: `sft` (stage 1, `SFTTrainer`), `reward_model` (stage 2, `RewardModelTrai
 
 from __future__ import annotations
 
+from typing import Literal
+
 STAGES = ("sft", "reward_model", "ppo")
+Stage = Literal[STAGES]  # the config's type of `stage`
 
 
 def trainer_class(stage: str):
