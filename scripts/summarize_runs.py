@@ -1,8 +1,8 @@
 """A markdown table comparing runs from their metrics.jsonl and `<run>.time` files (written
 by /usr/bin/time next to the run directory, as scripts/compare_estimators.sh does).
 
-Columns: held-out reward at the start (step 0) and at the last evaluation, its rise, KL at the
-end (mean of the last 5 steps), median seconds per step (steps 2 on; step 1 compiles), wall
+Columns: held-out reward at the start (step 0), at the last evaluation, its rise, the best
+evaluation and its step, KL at the end (mean of the last 5 steps), median seconds per step (steps 2 on; step 1 compiles), wall
 time and peak resident memory.
 
 Usage: .venv/bin/python scripts/summarize_runs.py RUN_DIR [RUN_DIR ...]
@@ -21,7 +21,7 @@ from plot_run import read_metrics, series  # noqa: E402
 
 def row(run: Path) -> str:
     rows = read_metrics(run)
-    _, evals = series(rows, "eval/reward_mean")
+    eval_steps, evals = series(rows, "eval/reward_mean")
     kl = [r["kl"] for r in rows if "kl" in r][-5:]
     steps = [r["time/step"] for r in rows if "time/step" in r][1:] or [float("nan")]
     timing = run.parent / f"{run.name}.time"
@@ -31,7 +31,9 @@ def row(run: Path) -> str:
         if m:
             wall, rss = f"{float(m.group(1)) / 60:.1f} min", f"{int(m.group(2)) / 2**20:.2f} GiB"
     start, end = (evals[0], evals[-1]) if evals else (float("nan"), float("nan"))
-    return (f"| {run.name} | {start:.3f} | {end:.3f} | {end - start:+.3f} | "
+    best = max(range(len(evals)), key=lambda i: evals[i]) if evals else None
+    best_text = f"{evals[best]:.3f} (step {eval_steps[best]})" if evals else ""
+    return (f"| {run.name} | {start:.3f} | {end:.3f} | {end - start:+.3f} | {best_text} | "
             f"{statistics.fmean(kl) if kl else float('nan'):.2f} | {statistics.median(steps):.1f} | "
             f"{wall} | {rss} |")
 
@@ -41,9 +43,9 @@ def main(argv=None) -> int:
     if not runs:
         print(__doc__)
         return 2
-    print("| run | held-out reward, start | at the end | rise | KL (last 5 steps) | s / step | "
-          "wall | peak RSS |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | held-out reward, start | at the end | rise | best (step) | KL (last 5 steps) | "
+          "s / step | wall | peak RSS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in runs:
         try:
             print(row(run))

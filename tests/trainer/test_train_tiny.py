@@ -292,3 +292,23 @@ def test_plot_run_draws_the_tiny_runs_metrics(run_dir, tmp_path):
     minutes = plot_run.wall_minutes([{"step": 1, "time/step": 30.0}, {"step": 2, "time/step": 30.0,
                                                                       "time/eval": 60.0}])
     assert minutes == {1: 0.5, 2: 2.0}
+
+
+def test_summarize_runs_reads_the_eval_figures_of_the_tiny_run(run_dir, capsys):
+    """scripts/summarize_runs.py: one table row whose held-out figures are the run's eval/ lines."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("summarize_runs", ROOT / "scripts/summarize_runs.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    out, _ = run_dir
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    assert len(evals) >= 2
+    assert summarize.main([str(out)]) == 0
+    cells = [c.strip() for c in capsys.readouterr().out.splitlines()[-1].split("|")[1:-1]]
+    start, end = evals[0][1], evals[-1][1]
+    best_step, best = max(evals, key=lambda e: e[1])
+    assert cells[1:4] == [f"{start:.3f}", f"{end:.3f}", f"{end - start:+.3f}"]
+    assert cells[4] == f"{best:.3f} (step {best_step})"
