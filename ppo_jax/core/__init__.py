@@ -28,6 +28,7 @@ from ppo_jax.core.kl_control import (
     update_kl_controller,
 )
 from ppo_jax.core.logprobs import entropy_from_logits, logprobs_from_logits
+from ppo_jax.core.chunked_logprobs import chunked_logprobs_and_entropy
 from ppo_jax.core.loss_inputs import LossInputs, masked_inputs
 from ppo_jax.core.losses import (
     clipped_value_loss,
@@ -78,6 +79,7 @@ __all__ = [
     "bradley_terry_loss",
     "check_aggregation",
     "check_estimator",
+    "chunked_logprobs_and_entropy",
     "clipped_value_loss",
     "compute_gae",
     "compute_rewards",

@@ -53,14 +53,20 @@ class CausalLM(nnx.Module):
                                       param_dtype=cfg.jnp_param_dtype,
                                       kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
-    def lm_head(self, hidden: jax.Array) -> jax.Array:
-        """hidden `[..., D]` (compute dtype) -> logits `[..., V]` float32 (float32 accumulation)."""
+    def head_kernel(self) -> tuple[jax.Array, int]:
+        """`(kernel, vocab_axis)` of the LM head in the compute dtype: the tied embedding matrix
+        `[V, D]` (vocab_axis 0) or `unembed/kernel [D, V]` (vocab_axis 1). No bias."""
         dt = self.cfg.jnp_dtype
         if self.cfg.tie_word_embeddings:
-            w = self.backbone.embedding_matrix().astype(dt)
-            return jnp.einsum("...d,vd->...v", hidden.astype(dt), w, preferred_element_type=jnp.float32)
-        w = self.unembed.kernel[...].astype(dt)
-        return jnp.einsum("...d,dv->...v", hidden.astype(dt), w, preferred_element_type=jnp.float32)
+            return self.backbone.embedding_matrix().astype(dt), 0
+        return self.unembed.kernel[...].astype(dt), 1
+
+    def lm_head(self, hidden: jax.Array) -> jax.Array:
+        """hidden `[..., D]` (compute dtype) -> logits `[..., V]` float32 (float32 accumulation)."""
+        w, vocab_axis = self.head_kernel()
+        spec = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
+        return jnp.einsum(spec, hidden.astype(self.cfg.jnp_dtype), w,
+                          preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids, attention_mask, *, cache: KVCache | None = None, cache_index=None):
         """-> (logits `[B, L, V]` float32, cache). Raises ValueError on inconsistent shapes."""

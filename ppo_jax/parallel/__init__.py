@@ -13,4 +13,11 @@ from ppo_jax.parallel.mesh import (
     shard_rows,
     shard_rows_tree,
 )
-from ppo_jax.parallel.rules import RULES, describe, param_spec, shard_like_params, tree_shardings
+from ppo_jax.parallel.rules import (
+    RULES,
+    describe,
+    param_spec,
+    shard_like_params,
+    tree_shardings,
+    vocab_shards,
+)

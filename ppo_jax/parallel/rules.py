@@ -84,6 +84,15 @@ def param_spec(path: str, shape: Sequence[int], mesh: Mesh,
     return P(*spec)
 
 
+def vocab_shards(mesh: Optional[Mesh], vocab: int) -> int:
+    """How many devices `RULES` split the LM head's (and embedding's) vocabulary axis over: the
+    `tensor` axis size when it divides `vocab`, else 1 (replicated); 1 without a mesh."""
+    if mesh is None:
+        return 1
+    size = mesh.shape["tensor"]
+    return size if size > 1 and vocab % size == 0 else 1
+
+
 def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[Rule] = RULES) -> Any:
     """Same-structure pytree of `NamedSharding`s for params or any pytree that contains them.
 

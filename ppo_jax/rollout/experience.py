@@ -60,6 +60,9 @@ class ExperienceSettings:
     reward_eos_id: Optional[int] = None
     reward_shaping: str = "kl_penalty"  # a registered reward shaping (core.registry)
     reward_shaping_kwargs: tuple = ()  # extra (name, value) keyword arguments of the shaping
+    # vocabulary columns per block of the log-prob / entropy head (scoring.head_logprobs);
+    # 0: the full [B, N, V] logits
+    logprob_chunk_size: int = 0
 
     def shaping_fixed_kwargs(self, kl_coef) -> dict:
         """The trainer's own keyword arguments of a reward-shaping call."""
@@ -113,20 +116,21 @@ def scoring_passes(actor, reference, critic, reward, rollout, scores, *,
       `(logprobs, entropy, values, ref_logprobs [B, N], scores [B])`, float32.
     """
     s = settings
+    head = {"logprob_chunk_size": s.logprob_chunk_size, "mesh": s.mesh}  # scoring.head_logprobs
 
     def run(fn, *arrays):
         return _map_in_chunks(fn, s.micro_batch_size, *arrays, mesh=s.mesh)
 
     if s.shared_critic:
         logprobs, entropy, values = run(lambda *r: policy_logprobs_and_values(
-            *actor, *r, temperature=s.temperature), *rollout)
+            *actor, *r, temperature=s.temperature, **head), *rollout)
     else:
         logprobs, entropy = run(lambda *r: policy_logprobs(
-            *actor, *r, temperature=s.temperature, with_entropy=True), *rollout)
+            *actor, *r, temperature=s.temperature, with_entropy=True, **head), *rollout)
         values = (jnp.zeros(rollout[3].shape, jnp.float32) if critic[0] is None else
                   run(lambda *r: critic_values(*critic, *r), *rollout))
-    ref_logprobs = run(lambda *r: policy_logprobs(*reference, *r, temperature=s.temperature),
-                       *rollout)
+    ref_logprobs = run(lambda *r: policy_logprobs(*reference, *r, temperature=s.temperature,
+                                                  **head), *rollout)
     if scores is None:
         scores = run(lambda *r: reward_model_scores(*reward, *r, eos_id=s.reward_eos_id), *rollout)
         if s.score_normalizer is not None:

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ppo_jax.core import entropy_from_logits, logprobs_from_logits
+from ppo_jax.core import chunked_logprobs_and_entropy, entropy_from_logits, logprobs_from_logits
 from ppo_jax.parallel.mesh import shard_rows
+from ppo_jax.parallel.rules import vocab_shards
 
 
 def _sequence(query_ids, query_mask, response_ids, response_mask):
@@ -30,8 +31,36 @@ def _response_slice(x: jax.Array, prompt_len: int, response_len: int) -> jax.Arr
     return x[:, prompt_len - 1: prompt_len - 1 + response_len]
 
 
+def head_logprobs(model, hidden: jax.Array, tokens: jax.Array, temperature: float = 1.0, *,
+                  with_entropy: bool = True, chunk_size: int = 0, mesh=None):
+    """Log-probs (and entropies) of `tokens [B, T]` under `softmax(lm_head(hidden) / temperature)`
+    of a CausalLM `model`, from its final hidden states `hidden [B, T, D]`.
+
+    `chunk_size == 0`: from the full `[B, T, V]` float32 logits (`core.logprobs_from_logits`,
+    `core.entropy_from_logits`). `chunk_size > 0` (`model.logprob_chunk_size`): over blocks of
+    that many vocabulary columns (`core.chunked_logprobs_and_entropy`): the same values and
+    gradients to float32 rounding, with at most one `[B, T, chunk_size]` block of logits alive,
+    forward and backward. With a `mesh` whose `tensor` axis splits the head's vocabulary
+    (`parallel.vocab_shards`), each block takes `chunk_size` columns of every device's shard, so
+    no device gathers the head.
+
+    Returns:
+      logprobs `[B, T]` float32, or `(logprobs, entropy)` when `with_entropy`.
+    """
+    if chunk_size == 0:
+        logits = model.lm_head(hidden)
+        logprobs = logprobs_from_logits(logits, tokens, temperature)
+        return (logprobs, entropy_from_logits(logits, temperature)) if with_entropy else logprobs
+    kernel, vocab_axis = model.head_kernel()
+    out = chunked_logprobs_and_entropy(
+        hidden.astype(kernel.dtype), kernel, tokens, temperature, chunk_size=chunk_size,
+        vocab_axis=vocab_axis, vocab_shards=vocab_shards(mesh, kernel.shape[vocab_axis]))
+    return out if with_entropy else out[0]
+
+
 def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, response_mask, *,
-                    temperature: float = 1.0, with_entropy: bool = False):
+                    temperature: float = 1.0, with_entropy: bool = False,
+                    logprob_chunk_size: int = 0, mesh=None):
     """Log-probs of the response tokens under a CausalLM (actor or reference).
 
     Args:
@@ -40,6 +69,8 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
       response_ids, response_mask: `[B, N]` int32.
       temperature: the sampling temperature (logits are divided by it).
       with_entropy: also return the entropy of the full next-token distribution.
+      logprob_chunk_size, mesh: 0, or the vocabulary block size of `head_logprobs` (static),
+        and the run's mesh (None on one device).
 
     Returns:
       logprobs `[B, N]` float32, or `(logprobs, entropy)` with entropy `[B, N]` float32 in
@@ -48,11 +79,9 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
     model = nnx.merge(graphdef, params)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
     hidden, _ = model.backbone(ids, mask)
-    logits = model.lm_head(_response_slice(hidden, query_ids.shape[1], response_ids.shape[1]))
-    logprobs = logprobs_from_logits(logits, response_ids, temperature)
-    if with_entropy:
-        return logprobs, entropy_from_logits(logits, temperature)
-    return logprobs
+    h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
+    return head_logprobs(model, h, response_ids, temperature, with_entropy=with_entropy,
+                         chunk_size=logprob_chunk_size, mesh=mesh)
 
 
 def critic_values(graphdef, params, query_ids, query_mask, response_ids, response_mask):
@@ -122,7 +151,8 @@ def init_value_head(hidden_size: int) -> dict:
 
 
 def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response_ids, response_mask,
-                               *, temperature: float = 1.0):
+                               *, temperature: float = 1.0, logprob_chunk_size: int = 0,
+                               mesh=None):
     """Shared-backbone policy and critic (TRL's `AutoModelForCausalLMWithValueHead`).
 
     Args:
@@ -137,6 +167,6 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
     hidden, _ = model.backbone(ids, mask)
     h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
-    logits = model.lm_head(h)
-    return (logprobs_from_logits(logits, response_ids, temperature),
-            entropy_from_logits(logits, temperature), value_head(params["value_head"], h))
+    logprobs, entropy = head_logprobs(model, h, response_ids, temperature,
+                                      chunk_size=logprob_chunk_size, mesh=mesh)
+    return logprobs, entropy, value_head(params["value_head"], h)

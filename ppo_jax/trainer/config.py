@@ -71,6 +71,11 @@ class ModelsConfig:
                              "jax.checkpoint_policies name")
     offload_frozen: bool = opt(False, "keep the reference / reward-model params in host memory "
                                "between the phases that use them")
+    logprob_chunk_size: int = opt(0, "PPO log-probs and entropies (scoring, update, eval) from the "
+                                  "LM head in blocks of this many vocabulary columns (per "
+                                  "mesh.tensor shard), forward and backward, never forming the "
+                                  "[B, N, V] logits; same values to float32 rounding; 0: full "
+                                  "logits")
 
 
 @dataclass
@@ -414,6 +419,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"generation.top_k={g.top_k!r} must be >= 0 and generation.top_p="
                           f"{g.top_p!r} in (0, 1]")
     _positive("data.max_prompt_length", cfg.data.max_prompt_length)
+    if cfg.model.logprob_chunk_size < 0:
+        raise ConfigError(f"model.logprob_chunk_size={cfg.model.logprob_chunk_size!r} must be >= 0 "
+                          "(0: full-vocabulary logits)")
     _validate_optim_train(o, cfg.train)
     if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
         raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")

@@ -51,6 +51,7 @@ class EvalSettings:
     mesh: Optional[Mesh] = None
     score_normalizer: Optional[tuple[float, float]] = None  # reward model (mean, std)
     reward_eos_id: Optional[int] = None  # reward.eos_at_end (see ExperienceSettings)
+    logprob_chunk_size: int = 0  # model.logprob_chunk_size (scoring.head_logprobs)
 
 
 @dataclass
@@ -140,7 +141,9 @@ def eval_stats(actor_graphdef, actor_params, ref_graphdef, ref_params, reward_gr
     chunks = partial(map_in_chunks, mesh=s.mesh)
 
     def logprobs_of(graphdef, params):
-        return chunks(lambda *r: policy_logprobs(graphdef, params, *r, temperature=s.temperature),
+        return chunks(lambda *r: policy_logprobs(graphdef, params, *r, temperature=s.temperature,
+                                                 logprob_chunk_size=s.logprob_chunk_size,
+                                                 mesh=s.mesh),
                       s.micro_batch_size, *rollout)
 
     if scores is None:

@@ -64,6 +64,9 @@ class UpdateSettings:
     vf_coef: float = 0.1
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
     train_actor: bool = True  # False: critic-only update (ppo.critic_warmup_steps)
+    # vocabulary columns per block of the log-prob / entropy head, forward and backward
+    # (scoring.head_logprobs); 0: the full [B, N, V] logits
+    logprob_chunk_size: int = 0
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call."""
@@ -128,7 +131,8 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef):
         m, g = mb
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
-                                            temperature=s.temperature, with_entropy=True)
+                                            temperature=s.temperature, with_entropy=True,
+                                            logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh)
         return policy_objective(loss_inputs(m, g, logprobs=logprobs, entropy=entropy), norms, s)
 
     def critic_loss(params, mb, norms):
@@ -141,8 +145,9 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef):
         """pg_loss + vf_coef * vf_loss of the shared policy/value model (TRL 0.11)."""
         m, g = mb
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
-        logprobs, entropy, values = policy_logprobs_and_values(actor_graphdef, params, *rollout,
-                                                               temperature=s.temperature)
+        logprobs, entropy, values = policy_logprobs_and_values(
+            actor_graphdef, params, *rollout, temperature=s.temperature,
+            logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh)
         batch = loss_inputs(m, g, logprobs=logprobs, entropy=entropy, values=values)
         pg, p_stats = policy_objective(batch, norms, s)
         vf, v_stats = value_objective(batch, norms, s)

@@ -53,6 +53,7 @@ def test_missing_config_file():
     (["reward.kind=model"], "model.reward_model"),
     (["mesh.fsdp=0"], "mesh.fsdp=0"),
     (["data.truncation=right"], "config key 'data.truncation': Invalid value 'right'"),
+    (["model.logprob_chunk_size=-1"], "model.logprob_chunk_size=-1"),
 ])
 def test_inconsistent_fields_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
@@ -162,3 +163,12 @@ def test_help_config_lists_every_key_with_type_default_and_help(capsys):
     assert train.main(["--config", str(CONFIGS / "tiny.yaml"), "--help-config"]) == 0
     out = capsys.readouterr().out
     assert "model.actor: str = 'smollm2'" in out and "tiny.yaml: 'tiny-random'" in out
+
+
+def test_logprob_chunk_size_reaches_the_scoring_and_update_settings():
+    from ppo_jax.trainer.stages.ppo_checks import experience_settings, update_settings
+
+    assert load_config(None).model.logprob_chunk_size == 0  # full logits unless asked
+    cfg = load_config(None, ["model.logprob_chunk_size=4096"])
+    assert experience_settings(cfg).logprob_chunk_size == 4096
+    assert update_settings(cfg).logprob_chunk_size == 4096

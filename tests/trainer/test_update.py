@@ -257,3 +257,54 @@ def test_a_registered_reward_shaping_replaces_the_kl_penalty(models):
         assert float(stats["non_score_reward"]) == 0.0 and float(stats["kl"]) != 0.0
     finally:
         unregister("reward shaping", "score_only_test")
+
+
+def _assert_trees_close(x, y, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), x, y)
+
+
+CHUNK = 64  # the tiny vocabulary is not a multiple: a ragged last block
+
+
+def test_chunked_logprobs_give_the_same_experience_and_update(models):
+    """model.logprob_chunk_size: rollout / reference log-probs and entropies, then a PPO update
+    with an entropy bonus, equal the full-logits path's to float32 rounding."""
+    exp, _, stats = experience(models)
+    exp_c, _, stats_c = experience(models, ExperienceSettings(micro_batch_size=2,
+                                                              logprob_chunk_size=CHUNK))
+    _assert_trees_close(exp_c, exp)
+    _assert_trees_close(stats_c, stats)
+    kw = dict(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, entropy_coef=0.05)
+    sgd = optax.sgd(0.05)
+    a0, c0, s0 = run_update(models, exp, UpdateSettings(**kw), sgd)
+    a1, c1, s1 = run_update(models, exp, UpdateSettings(logprob_chunk_size=CHUNK, **kw), sgd)
+    _assert_trees_close(s1, s0)
+    _assert_trees_close(a1.params, a0.params)
+    _assert_trees_close(c1.params, c0.params)
+    assert float(jnp.abs(s0["entropy_loss"]).min()) > 0.0
+
+
+def test_chunked_logprobs_in_the_shared_critic_update(models):
+    from ppo_jax.rollout.scoring import init_value_head
+
+    ag, ap, _, _ = models
+    q, qm, r, rm = rollout()
+    kl = init_kl_controller("fixed", 0.1)
+    shared = {"policy": ap, "value_head": init_value_head(64)}
+    sgd = optax.sgd(0.05)
+    out = []
+    for chunk in (0, CHUNK):
+        exp, _, _ = make_experience(
+            ag, shared, ag, ap, None, None, None, None, kl, q, qm, r, rm,
+            jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
+            settings=ExperienceSettings(micro_batch_size=2, shared_critic=True,
+                                        logprob_chunk_size=chunk))
+        settings = UpdateSettings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=2,
+                                  shared_critic=True, vf_coef=0.5, entropy_coef=0.05,
+                                  logprob_chunk_size=chunk)
+        state, _, stats = jax.jit(lambda a, e: ppo_update(
+            a, None, e, jax.random.PRNGKey(0), actor_graphdef=ag, critic_graphdef=None,
+            actor_tx=sgd, critic_tx=None, settings=settings))(TrainState.create(shared, sgd), exp)
+        out.append((exp, stats, state.params))
+    for got, want in zip(out[1], out[0]):
+        _assert_trees_close(got, want)

@@ -210,7 +210,7 @@ class PPOTrainer(StageTrainer):
             pad_token_id=self.pad_id, micro_batch_size=cfg.ppo.micro_batch_size,
             mesh=place.constraint_mesh,
             score_normalizer=m.score_normalizer if cfg.reward.normalize else None,
-            reward_eos_id=self.reward_eos_id())
+            reward_eos_id=self.reward_eos_id(), logprob_chunk_size=cfg.model.logprob_chunk_size)
         actor_sh = place.shardings(self._policy_params(self.state["actor"].params))
         shardings = (actor_sh, place.shardings(self.ref_params), place.shardings(self.reward_params))
         graphdefs = (m.actor.graphdef, m.reference.graphdef, m.reward.graphdef if m.reward else None)

@@ -49,7 +49,7 @@ def experience_settings(cfg: Config, *, shared_critic: bool = False, mesh=None,
         whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
         gamma=p.gamma, lam=p.lam, advantage_kwargs=static_kwargs(p.advantage_kwargs),
         shared_critic=shared_critic, mesh=mesh, score_normalizer=score_normalizer,
-        reward_eos_id=reward_eos_id,
+        reward_eos_id=reward_eos_id, logprob_chunk_size=cfg.model.logprob_chunk_size,
         reward_shaping=p.reward_shaping, reward_shaping_kwargs=static_kwargs(p.reward_shaping_kwargs))
 
 
@@ -65,7 +65,7 @@ def update_settings(cfg: Config, *, shared_critic: bool = False, mesh=None) -> U
         value_loss_kwargs=static_kwargs(p.value_loss_kwargs), shared_critic=shared_critic,
         vf_coef=p.vf_coef, mesh=mesh, loss_aggregation=p.loss_aggregation,
         entropy_coef=p.entropy_coef, kl_loss_coef=p.kl_loss_coef,
-        kl_loss_estimator=p.kl_loss_estimator)
+        kl_loss_estimator=p.kl_loss_estimator, logprob_chunk_size=cfg.model.logprob_chunk_size)
 
 
 def _test_batch() -> LossInputs:

@@ -1,0 +1,154 @@
+"""Peak memory and time of the PPO update's log-prob + entropy head: full logits vs vocabulary
+blocks (`model.logprob_chunk_size`, `core.chunked_logprobs_and_entropy`).
+
+Work measured: from the final hidden states `[B, T, D]` and the tied LM head `[V, D]` (SmolLM2's
+layout), the response tokens' log-probs and entropies and the gradient of
+`sum(a * logprobs + c * entropy)` (a policy loss with an entropy bonus) w.r.t. the hidden states
+and the head, all float32, jitted:
+
+- plain: `logits = hidden @ W^T` (`[B, T, V]` float32), `core.logprobs_from_logits`,
+  `core.entropy_from_logits`, autodiff;
+- chunked: `core.chunked_logprobs_and_entropy` with `--chunk` columns per block.
+
+Memory is XLA's own account of each compiled program (`compile().memory_analysis()`, which works
+on the CPU backend): `temp` is the scratch the program needs beyond its arguments and outputs (the
+outputs include the `[V, D]` head gradient in both). Time: median of `--runs` calls after one
+warm-up. Also prints the same arithmetic for Llama-3-8B at `configs/llama_8b_gpu_tpu.yaml`'s
+sizes (micro-batch x response length x V=128256).
+
+Usage: `python bench/logprob_memory.py [--batch 8] [--length 40] [--hidden 576] [--vocab 49152]
+[--chunk 4096] [--runs 5]` (SmolLM2-135M's D and V by default; < 1 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+from ppo_jax.core import (  # noqa: E402
+    chunked_logprobs_and_entropy,
+    entropy_from_logits,
+    logprobs_from_logits,
+)
+
+MIB = 2 ** 20
+LLAMA3_8B = {"hidden": 4096, "vocab": 128256}
+
+
+def cpu_model() -> str:
+    """The "model name" line of /proc/cpuinfo and the logical core count."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "unknown"
+    return f"{name}, {os.cpu_count()} logical cores"
+
+
+def plain_head(hidden, kernel, tokens, temperature):
+    logits = jnp.einsum("btd,vd->btv", hidden, kernel, preferred_element_type=jnp.float32)
+    return logprobs_from_logits(logits, tokens, temperature), entropy_from_logits(logits, temperature)
+
+
+def chunked_head(chunk: int):
+    def head(hidden, kernel, tokens, temperature):
+        return chunked_logprobs_and_entropy(hidden, kernel, tokens, temperature, chunk_size=chunk,
+                                            vocab_axis=0)
+    return head
+
+
+def loss_grad(head):
+    """jitted `(hidden, kernel, tokens, a, c) -> (loss, (d_hidden, d_kernel))`."""
+    def loss(hidden, kernel, tokens, a, c):
+        logprobs, entropy = head(hidden, kernel, tokens, 1.0)
+        return jnp.sum(a * logprobs + c * entropy)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def inputs(batch: int, length: int, hidden: int, vocab: int):
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    return (jax.random.normal(k[0], (batch, length, hidden)),
+            0.1 * jax.random.normal(k[1], (vocab, hidden)),
+            jax.random.randint(k[2], (batch, length), 0, vocab),
+            jax.random.normal(k[3], (batch, length)), jax.random.normal(k[4], (batch, length)))
+
+
+def measure(fn, args, runs: int) -> dict:
+    """XLA's memory figures (bytes) of the compiled program and the median time (s) of `runs`."""
+    compiled = fn.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    jax.block_until_ready(compiled(*args))  # warm-up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return {"temp": mem.temp_size_in_bytes, "output": mem.output_size_in_bytes,
+            "argument": mem.argument_size_in_bytes, "time": statistics.median(times),
+            "result": compiled(*args)}
+
+
+def max_abs_diffs(x, y) -> str:
+    return ", ".join(f"{float(jnp.max(jnp.abs(u - v))):.2e}"
+                     for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+
+
+def llama_8b_arithmetic(chunk: int) -> None:
+    """Bytes of the full float32 logits path vs one block at configs/llama_8b_gpu_tpu.yaml's sizes."""
+    cfg = yaml.safe_load((ROOT / "configs/llama_8b_gpu_tpu.yaml").read_text())
+    micro, length = cfg["ppo"]["micro_batch_size"], cfg["generation"]["max_new_tokens"]
+    vocab = LLAMA3_8B["vocab"]
+    logits = micro * length * vocab * 4
+    block = micro * length * min(chunk, vocab) * 4
+    print(f"\nLlama-3-8B at configs/llama_8b_gpu_tpu.yaml: micro_batch_size={micro}, "
+          f"response length (max_new_tokens)={length}, V={vocab}, D={LLAMA3_8B['hidden']}")
+    print(f"  full float32 logits [{micro}, {length}, {vocab}]: {micro} * {length} * {vocab} * 4 B "
+          f"= {logits / MIB:,.0f} MiB; with its log-softmax and its gradient (3 such arrays): "
+          f"{3 * logits / MIB:,.0f} MiB per micro-batch (per device holding the whole vocabulary)")
+    print(f"  one block [{micro}, {length}, {chunk}]: {block / MIB:,.0f} MiB; 3 such: "
+          f"{3 * block / MIB:,.0f} MiB  (ratio {logits / block:.1f}x)")
+    print(f"  both paths also hold the [V, D] head gradient: {vocab * LLAMA3_8B['hidden'] * 4 / MIB:,.0f}"
+          " MiB float32 (a parameter gradient, not an activation)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=40, help="response tokens per row (T)")
+    parser.add_argument("--hidden", type=int, default=576, help="D (SmolLM2-135M: 576)")
+    parser.add_argument("--vocab", type=int, default=49152, help="V (SmolLM2: 49152)")
+    parser.add_argument("--chunk", type=int, default=4096, help="vocabulary columns per block")
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args(argv)
+    b, t, d, v = args.batch, args.length, args.hidden, args.vocab
+    print(f"CPU: {cpu_model()}; jax {jax.__version__}, backend {jax.default_backend()}")
+    print(f"head: hidden [{b}, {t}, {d}] float32, tied kernel [{v}, {d}] float32, "
+          f"loss sum(a * logprobs + c * entropy), grad w.r.t. hidden and kernel; chunk {args.chunk}")
+    data = inputs(b, t, d, v)
+    plain = measure(loss_grad(plain_head), data, args.runs)
+    chunked = measure(loss_grad(chunked_head(args.chunk)), data, args.runs)
+    print(f"{'':10}{'temp MiB':>10}{'output MiB':>12}{'arg MiB':>10}{'median s':>10}")
+    for name, m in (("plain", plain), ("chunked", chunked)):
+        print(f"{name:10}{m['temp'] / MIB:10.1f}{m['output'] / MIB:12.1f}{m['argument'] / MIB:10.1f}"
+              f"{m['time']:10.3f}")
+    print(f"temp ratio plain / chunked: {plain['temp'] / max(chunked['temp'], 1):.1f}x; "
+          f"time ratio chunked / plain: {chunked['time'] / plain['time']:.2f}")
+    print(f"one [B, T, V] float32 array: {b * t * v * 4 / MIB:.1f} MiB; one block: "
+          f"{b * t * min(args.chunk, v) * 4 / MIB:.1f} MiB")
+    print(f"max |chunked - plain| of (loss {float(plain['result'][0]):.1f}, d_hidden, d_kernel): "
+          f"{max_abs_diffs(plain['result'], chunked['result'])}")
+    llama_8b_arithmetic(args.chunk)
+
+
+if __name__ == "__main__":
+    main()
