@@ -64,6 +64,9 @@ class UpdateSettings:
     vf_coef: float = 0.1
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
     train_actor: bool = True  # False: critic-only update (ppo.critic_warmup_steps)
+    # seq-mean-token-sum's constant T (generation.max_new_tokens); None: the experience's width.
+    # Pinned so that cutting all-pad response columns (trainer.columns) changes no loss.
+    horizon: Optional[int] = None
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call."""
@@ -195,7 +198,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
     def minibatch_step(carry, idx):
         a_state, c_state = carry
         mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], data), s.mesh)
-        norms = loss_normalizers(mb[0].response_mask)
+        norms = loss_normalizers(mb[0].response_mask, s.horizon)
         a_stats = {}
         if s.train_actor:
             a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
