@@ -12,6 +12,8 @@ minibatch with ``N`` valid tokens, ``S`` rows (sequences) and padded response le
   normaliser ``S T``, so long and short responses are not reweighted by their length
   (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", section 3.1:
   ``1/|o_i|`` replaced by a constant, the maximum response length).
+  ``T`` is the width of the mask unless the caller pins it (``loss_normalizers(mask,
+  horizon)``): a trainer that drops all-pad columns keeps ``T`` = the maximum response length.
 
 Exactness: the caller computes ``Normalizers`` ONCE from the whole minibatch's mask
 (``loss_normalizers``) and passes them to every micro-batch; each micro-batch's ``aggregate`` is
@@ -44,7 +46,7 @@ class Normalizers(NamedTuple):
     Attributes:
       tokens: ``N``, valid tokens of the minibatch (token-mean).
       seqs: ``S``, rows of the minibatch (the seq modes).
-      horizon: ``T``, the padded response length (seq-mean-token-sum).
+      horizon: ``T``, the padded (maximum) response length (seq-mean-token-sum).
     """
 
     tokens: Any
@@ -59,16 +61,24 @@ def check_aggregation(mode: str) -> None:
         raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
 
 
-def loss_normalizers(mask: Any) -> Normalizers:
-    """``Normalizers`` of a (whole minibatch) ``[B, T]`` mask: float32 ``N``, ``B``, ``T``.
+def loss_normalizers(mask: Any, horizon: Optional[int] = None) -> Normalizers:
+    """``Normalizers`` of a (whole minibatch) ``[B, T]`` mask: float32 ``N``, ``B`` and the
+    horizon, ``T`` or the given ``horizon``.
+
+    ``horizon`` pins seq-mean-token-sum's constant when the mask is narrower than the maximum
+    response length (a trainer that drops all-pad columns passes ``max_new_tokens``, so the
+    loss does not change with the columns it keeps).
 
     Raises:
-      ValueError: ``mask`` is not a rank-2 bool / int / float array.
+      ValueError: ``mask`` is not a rank-2 bool / int / float array; ``horizon`` not >= 1.
     """
     valid = V.as_valid("mask", mask)
     if valid.ndim != 2:
         raise ValueError(f"mask must have rank 2, got shape {tuple(valid.shape)}")
     b, t = valid.shape
+    if horizon is not None and horizon < 1:
+        raise ValueError(f"horizon={horizon!r} must be >= 1 (or None: the mask's width)")
+    t = t if horizon is None else horizon
     return Normalizers(jnp.sum(valid, dtype=jnp.float32), jnp.float32(b), jnp.float32(t))
 
 

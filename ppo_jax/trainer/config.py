@@ -92,6 +92,10 @@ class DataConfig:
     truncation: Truncation = opt("left", "a longer prompt: left (drop the oldest tokens, warn) "
                                  "or error")
     shuffle: bool = opt(True, "visit the prompts in a seeded random order each epoch")
+    prompt_buckets: int = opt(4, "PPO: each batch is left-padded only to its widest prompt, "
+                              "rounded up to one of this many evenly spaced widths between the "
+                              "set's shortest and widest prompt (trainer.columns); 1 = the "
+                              "widest prompt of the set, every step")
 
 
 @dataclass
@@ -107,6 +111,9 @@ class GenerationConfig:
                                     "tokenizer's EOS", factory=list)
     ignore_eos: bool = opt(False, "never stop: every response is max_new_tokens long "
                            "(benchmarks)")
+    response_buckets: int = opt(4, "scoring and the update run on the batch's longest response, "
+                                "rounded up to one of this many evenly spaced widths up to "
+                                "max_new_tokens (trainer.columns); 1 = always max_new_tokens")
     samples_per_prompt: int = opt(1, "responses per prompt (GRPO / RLOO groups): a PPO batch "
                                   "holds ppo.batch_size / n prompts x n")
 
@@ -422,6 +429,8 @@ def validate(cfg: Config) -> None:
     if cfg.model.logprob_chunk_size < 0:
         raise ConfigError(f"model.logprob_chunk_size={cfg.model.logprob_chunk_size!r} must be >= 0 "
                           "(0: full-vocabulary logits)")
+    _positive("data.prompt_buckets", cfg.data.prompt_buckets)
+    _positive("generation.response_buckets", g.response_buckets)
     _validate_optim_train(o, cfg.train)
     if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
         raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")

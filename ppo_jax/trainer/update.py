@@ -67,6 +67,9 @@ class UpdateSettings:
     # vocabulary columns per block of the log-prob / entropy head, forward and backward
     # (scoring.head_logprobs); 0: the full [B, N, V] logits
     logprob_chunk_size: int = 0
+    # seq-mean-token-sum's constant T (generation.max_new_tokens); None: the experience's width.
+    # Pinned so that cutting all-pad response columns (trainer.columns) changes no loss.
+    horizon: Optional[int] = None
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call."""
@@ -200,7 +203,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
     def minibatch_step(carry, idx):
         a_state, c_state = carry
         mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], data), s.mesh)
-        norms = loss_normalizers(mb[0].response_mask)
+        norms = loss_normalizers(mb[0].response_mask, s.horizon)
         a_stats = {}
         if s.train_actor:
             a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,

@@ -121,16 +121,19 @@ def free_port() -> int:
 def test_two_processes_over_localhost_equal_one_process(tmp_path, cache):
     """Two jax processes (2 CPU devices each, gloo collectives), mesh (1, 2, 2): fsdp spans the
     processes, tensor stays inside each. Two steps of `train()` (checkpoints written by both,
-    HF export gathered) agree with one process on one device."""
+    HF export gathered) agree with one process on one device. Responses stop early (half the
+    vocabulary stops them), so both processes cut them to the same global bucket width."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     coordinator = f"localhost:{free_port()}"
+    stops = ("--set", "generation.stop_token_ids=[" + ",".join(map(str, range(2, 106))) + "]")
     procs = [launch(multi, [(1, 2, 2)], devices=2, steps=2, loop="train", cache=cache,
-                    process=(coordinator, 2, i)) for i in range(2)]
-    ref = launch(single, [(1, 1, 1)], devices=1, steps=2, loop="train", cache=cache)
+                    process=(coordinator, 2, i), extra=stops) for i in range(2)]
+    ref = launch(single, [(1, 1, 1)], devices=1, steps=2, loop="train", cache=cache, extra=stops)
     for p in (*procs, ref):
         finish(p)
     got, want = load(multi, (1, 2, 2)), load(single, (1, 1, 1))
     assert got[0]["processes"] == 2
+    assert any(m["response_width"] < 8 for m in want[0]["metrics"])  # the narrower columns ran
     assert_sharded(got[0], (1, 2, 2))
     assert_same_run(got, want, "two processes")
     run = multi / "run_1x2x2"

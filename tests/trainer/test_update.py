@@ -308,3 +308,53 @@ def test_chunked_logprobs_in_the_shared_critic_update(models):
         out.append((exp, stats, state.params))
     for got, want in zip(out[1], out[0]):
         _assert_trees_close(got, want)
+
+
+def _padded_rollout(wide_p: int, wide_n: int):
+    """Left-padded prompts of 6, 4, 5, 2 tokens in `wide_p` columns; responses of 4, 2, 0
+    (empty) and 3 tokens in `wide_n` columns (pad id 0 after each)."""
+    rng = np.random.default_rng(5)
+    q, r = (rng.integers(4, 200, (B, w)).astype(np.int32) for w in (wide_p, wide_n))
+    qm = (np.arange(wide_p)[None] >= wide_p - np.array([6, 4, 5, 2])[:, None]).astype(np.int32)
+    rm = (np.arange(wide_n)[None] < np.array([4, 2, 0, 3])[:, None]).astype(np.int32)
+    return np.where(qm > 0, q, 0), qm, np.where(rm > 0, r, 0), rm
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
+    """`trainer.columns` drops columns that are padding in every row (leading prompt columns,
+    trailing response columns). Experience (log-probs, values, missing-EOS penalty, whitened
+    rewards, GAE, whitened advantages, KL and the logged stats) and the update (losses, stats,
+    params) agree with the full width, an empty response row included; seq-mean-token-sum
+    keeps its constant T through `UpdateSettings.horizon`."""
+    ag, ap, cg, cp = models
+    wide_p, wide_n, p_used, n_used = 9, 8, 6, 4
+    full = tuple(jnp.asarray(x) for x in _padded_rollout(wide_p, wide_n))
+    q, qm, r, rm = full
+    cut = (q[:, -p_used:], qm[:, -p_used:], r[:, :n_used], rm[:, :n_used])
+    kl = init_kl_controller("fixed", 0.1)
+    settings = ExperienceSettings(micro_batch_size=2, missing_eos_penalty=0.5, whiten_rewards=True,
+                                  gamma=0.9, lam=0.8)
+    scores, ended = jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.asarray([True, False, False, True])
+
+    def make(rollout):
+        return jax.jit(lambda ap, cp: make_experience(ag, ap, ag, ap, cg, cp, None, None, kl,
+                                                      *rollout, scores, ended, settings=settings))(ap, cp)
+
+    (exp_w, _, stats_w), (exp_n, _, stats_n) = make(full), make(cut)
+    assert exp_n.response_ids.shape == (B, n_used) and exp_n.query_ids.shape == (B, p_used)
+    for field in ("logprobs", "ref_logprobs", "values", "rewards", "advantages", "returns"):
+        wide, narrow = np.asarray(getattr(exp_w, field)), np.asarray(getattr(exp_n, field))
+        np.testing.assert_allclose(narrow, wide[:, :n_used], rtol=1e-5, atol=1e-6, err_msg=field)
+    np.testing.assert_allclose(exp_n.scores, exp_w.scores, rtol=1e-6)
+    for key in stats_w:
+        np.testing.assert_allclose(stats_n[key], stats_w[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+    upd = UpdateSettings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, loss_aggregation=mode,
+                         entropy_coef=0.01, kl_loss_coef=0.1, horizon=wide_n)
+    (a_w, c_w, s_w), (a_n, c_n, s_n) = (run_update(models, e, upd) for e in (exp_w, exp_n))
+    for key in s_w:
+        np.testing.assert_allclose(s_n[key], s_w[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert float(np.abs(s_w["pg_loss"]).max()) > 0
+    for narrow, wide in ((a_n.params, a_w.params), (c_n.params, c_w.params)):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), narrow, wide)

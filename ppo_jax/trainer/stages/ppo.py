@@ -1,11 +1,13 @@
 """Stage 3, PPO: rollout -> experience -> update, on the shared loop of `trainer.base`.
 
-Each step: take the next batch of prompts; the actor samples responses (one jitted call); the
-reward function scores the decoded text (or the reward model scores the tokens); one jitted
-call computes log-probs, reference log-probs, values, rewards, advantages and returns; one
-jitted call runs every PPO epoch and minibatch. The jitted functions receive every array as an
-argument; graph definitions, optimisers and settings are static. With `eval.*`, the actor is
-evaluated on held-out prompts at step 0 and every `eval.every` steps (`trainer.evaluation`).
+Each step: take the next batch of prompts (left-padded to the batch's own widest prompt, rounded
+up to a bucket: `trainer.columns`); the actor samples responses (one jitted call), cut to the
+batch's longest response (rounded up to a bucket); the reward function scores the decoded text
+(or the reward model scores the tokens); one jitted call computes log-probs, reference
+log-probs, values, rewards, advantages and returns; one jitted call runs every PPO epoch and
+minibatch. The jitted functions receive every array as an argument; graph definitions,
+optimisers and settings are static. With `eval.*`, the actor is evaluated on held-out prompts
+at step 0 and every `eval.every` steps (`trainer.evaluation`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ppo_jax.rollout.experience import make_experience
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import init_value_head, map_in_chunks, reward_model_scores
 from ppo_jax.trainer.base import StageTrainer
+from ppo_jax.trainer.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.config import ConfigError, eval_enabled
 from ppo_jax.trainer.data import PromptSampler, read_prompts
 from ppo_jax.trainer.evaluation import EvalSettings, Evaluator, eval_batch, eval_rows_multiple
@@ -76,6 +79,7 @@ class PPOTrainer(StageTrainer):
         models = build_models(cfg, sharding_fn=place.sharding_fn)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = build_prompts(cfg, self.tokenizer, models.actor.cfg)
+        self.prompt_columns = PromptColumns(self.prompts.mask, cfg.data.prompt_buckets)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
         self.pad_id = pad_token_id(self.tokenizer)
         self.reward_fn = get_reward_function(cfg.reward.function) if cfg.reward.kind == "function" else None
@@ -160,6 +164,8 @@ class PPOTrainer(StageTrainer):
                                         in_shardings=(actor_sh.params, rows, rows, rep),
                                         out_shardings=(rows, rows))
         self._build_baseline_scoring(reward_graphdef, exp_settings, frozen_sh[1])
+        # experience making and the update compile once per (prompt, response) bucket width
+        self.response_columns = ResponseColumns(g.max_new_tokens, g.response_buckets, rows, rep)
         self._experience = jax.jit(
             experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_params_sh, frozen_sh[1],
                                       rep, rows, rows, rows, rows, rows, rows, rows),
@@ -260,15 +266,22 @@ class PPOTrainer(StageTrainer):
         and with a reward function their response tokens come out, are decoded and scored, and
         the scores go back in (`jax.make_array_from_process_local_data` with several
         processes). Everything else stays on the devices until the step's scalars are read.
+
+        Column buckets (`trainer.columns`): the prompts keep the batch's widest prompt (rounded
+        up), read from the whole batch's indices that every process knows; the responses are
+        cut after sampling to the batch's longest response (rounded up; a global max over the
+        row-sharded mask). Both widths are logged (`prompt_width`, `response_width`).
         """
         cfg, place = self.cfg, self.place
-        batch, width = cfg.ppo.batch_size, self.prompts.ids.shape[1]
+        batch = cfg.ppo.batch_size
         t0 = time.perf_counter()
         lo, hi = place.row_range(batch)
         n = cfg.generation.samples_per_prompt  # rows of one prompt are adjacent: one group
-        idx = np.repeat(self.sampler.next_indices(batch // n), n)[lo:hi]  # this process's rows
-        q = place.put_rows(self.prompts.ids[idx], (batch, width))
-        qm = place.put_rows(self.prompts.mask[idx], (batch, width))
+        whole = np.repeat(self.sampler.next_indices(batch // n), n)  # the whole batch's prompts
+        idx, width = whole[lo:hi], self.prompt_columns.width(whole)  # this process's rows
+        cut = self.prompt_columns.cut
+        q = place.put_rows(cut(self.prompts.ids[idx], width), (batch, width))
+        qm = place.put_rows(cut(self.prompts.mask[idx], width), (batch, width))
         groups = place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
         rng, gen_key, upd_key = self._split(self.state["rng"])
         actor, critic = self.state["actor"], self.state["critic"]
@@ -276,6 +289,7 @@ class PPOTrainer(StageTrainer):
         resp, resp_mask = jax.block_until_ready(self._generate(actor.params, q, qm, gen_key))
         prompts = [self.prompts.texts[i] for i in idx]
         baseline = self._greedy_baseline(actor.params, q, qm, gen_key, prompts)
+        resp, resp_mask, resp_width = self.response_columns(resp, resp_mask)
         t_gen = time.perf_counter()
         responses, scores = None, None
         if self.reward_fn is not None:
@@ -310,6 +324,7 @@ class PPOTrainer(StageTrainer):
             "tokens_per_s/generation": gen_tokens / max(t_gen - t0, 1e-9),
             "tokens_per_s/step": total_tokens / max(t_update - t0, 1e-9),
             "data_position": self.sampler.position, "critic_warmup": float(warmup),
+            "prompt_width": float(width), "response_width": float(resp_width),
         })
         self._last_rollout = (prompts, responses, resp, resp_mask, exp.scores)
         return metrics

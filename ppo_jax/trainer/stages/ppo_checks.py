@@ -65,7 +65,8 @@ def update_settings(cfg: Config, *, shared_critic: bool = False, mesh=None) -> U
         value_loss_kwargs=static_kwargs(p.value_loss_kwargs), shared_critic=shared_critic,
         vf_coef=p.vf_coef, mesh=mesh, loss_aggregation=p.loss_aggregation,
         entropy_coef=p.entropy_coef, kl_loss_coef=p.kl_loss_coef,
-        kl_loss_estimator=p.kl_loss_estimator, logprob_chunk_size=cfg.model.logprob_chunk_size)
+        kl_loss_estimator=p.kl_loss_estimator, logprob_chunk_size=cfg.model.logprob_chunk_size,
+        horizon=cfg.generation.max_new_tokens)
 
 
 def _test_batch() -> LossInputs:
