@@ -4,7 +4,8 @@
 # held-out reward on 32 prompts of configs/prompts/quotes_eval.jsonl every 5 steps (eval.*, one
 # fixed sampler key), then each final actor on 64 held-out prompts with three sampling seeds
 # (scripts/compare_actors.py), a table (scripts/summarize_runs.py) and docs/default_runs.png.
-# Usage: scripts/default_run_study.sh   [env: OUT=runs/study STEPS=60 PARALLEL=1]; a run whose
+# Usage: scripts/default_run_study.sh   [env: OUT=runs/study STEPS=60 PARALLEL=1
+#   RUNS="default kl_0.1" (names of the settings below)]; a run whose
 # OUT/NAME.time exists is skipped. PARALLEL=1 runs the variants at the same time (their
 # times per step are then inflated by sharing the cores).
 set -euo pipefail
@@ -23,11 +24,11 @@ run() {  # run NAME SETTINGS...
     "$py" train.py "${common[@]}" --set "train.output_dir=$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   cat "$OUT/$name.time"
 }
-names=(default kl_0.1)
-variants=("" "--set ppo.kl_coef=0.1")
-for i in "${!names[@]}"; do
+declare -A settings=([default]="" [kl_0.1]="--set ppo.kl_coef=0.1" [batch_16]="--set ppo.batch_size=16")
+read -r -a names <<< "${RUNS:-default kl_0.1}"
+for name in "${names[@]}"; do
   # shellcheck disable=SC2086
-  if [ "${PARALLEL:-1}" = 1 ]; then run "${names[$i]}" ${variants[$i]} & else run "${names[$i]}" ${variants[$i]}; fi
+  if [ "${PARALLEL:-1}" = 1 ]; then run "$name" ${settings[$name]} & else run "$name" ${settings[$name]}; fi
 done
 wait
 for name in "${names[@]}"; do

@@ -139,7 +139,7 @@ def test_normalize_needs_the_reward_models_score_statistics(tiny_checkpoint, tmp
 @pytest.mark.parametrize("sets, match", [
     (["stage=sft"], "sft.data"),
     (["stage=reward_model", "reward_model.data=x.jsonl"], "model.reward_model"),
-    (["stage=rm"], "stage='rm'"),
+    (["stage=rm"], "'stage': Invalid value 'rm', expected one of \\['sft', 'reward_model', 'ppo'\\]"),
     (["stage=sft", "sft.data=x.jsonl", "sft.batch_size=6", "sft.micro_batch_size=4"], "sft.batch_size=6"),
     (["stage=sft", "sft.data=x.jsonl", "sft.max_length=32", "data.max_prompt_length=32"], "no room"),
     (["ppo.critic_warmup_steps=2", "model.shared_critic=true"], "separate critic"),
