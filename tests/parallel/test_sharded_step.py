@@ -118,6 +118,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # default-run budget (69 s on 2 cores); `make test-slow`
 def test_two_processes_over_localhost_equal_one_process(tmp_path, cache):
     """Two jax processes (2 CPU devices each, gloo collectives), mesh (1, 2, 2): fsdp spans the
     processes, tensor stays inside each. Two steps of `train()` (checkpoints written by both,
@@ -142,6 +143,7 @@ def test_two_processes_over_localhost_equal_one_process(tmp_path, cache):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3  # process 0 only (+ step 0 eval)
 
 
+@pytest.mark.slow  # default-run budget (25 s on 2 cores); `make test-slow`
 def test_sft_and_reward_model_steps_on_a_mesh_of_8_equal_one_device(tmp_path):
     """Stages 1 and 2: two steps (micro-batched, with a held-out evaluation) on a 2x2x2 mesh
     of CPU devices give the single-device params and metrics."""

@@ -66,6 +66,7 @@ def test_chunked_policy_logprobs_equal_the_full_logits_path(tied, temperature):
     np.testing.assert_allclose(lp_only, got[0], atol=1e-6)
 
 
+@pytest.mark.slow  # default-run budget (11 s on 2 cores); `make test-slow`
 def test_bfloat16_compute_gives_the_full_logits_values_and_gradients():
     graphdef, params = tiny(True, "bfloat16")
     weights = (jnp.ones((B, N)), 0.5 * jnp.ones((B, N)))
