@@ -225,6 +225,9 @@ class SupervisedConfig:
     lr: float = opt(1.0e-5, "peak learning rate (optim.* gives schedule, warmup, AdamW "
                     "settings)")
     eval_every: int = opt(0, "steps between held-out evaluations (0: at the end only)")
+    backbone_lr_scale: float = opt(1.0, "reward_model only: the backbone's learning rate as a "
+                                   "fraction of lr (the score head gets lr); 0 freezes the "
+                                   "backbone and trains the head alone (a linear probe)")
     eos_after_truncated: bool = opt(False, "rows flagged truncated end with EOS too, so every "
                                     "response ends in EOS (OpenRLHF's reward data; pairs for a "
                                     "PPO run with reward.eos_at_end=true)")
@@ -551,6 +554,10 @@ def _validate_stage(cfg: Config) -> None:
         raise ConfigError(f"{name}.eval_fraction={sec.eval_fraction!r} must lie in [0, 1)")
     if sec.eval_every < 0:
         raise ConfigError(f"{name}.eval_every={sec.eval_every!r} must be >= 0")
+    if sec.backbone_lr_scale < 0 or (name == "sft" and sec.backbone_lr_scale != 1.0):
+        raise ConfigError(f"{name}.backbone_lr_scale={sec.backbone_lr_scale!r}: "
+                          + ("a causal LM has no separate head; it must be 1" if name == "sft"
+                             else "must be >= 0 (0 freezes the backbone)"))
     if cfg.data.max_prompt_length >= sec.max_length:
         raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} leaves no room for "
                           f"a response in {name}.max_length={sec.max_length}")

@@ -1,10 +1,13 @@
 """Optimisers of the trained models: AdamW with a warmup + constant or cosine schedule and
-global-norm gradient clipping (optax)."""
+global-norm gradient clipping (optax); optionally a smaller learning rate (or none) for the
+backbone than for the head on top of it."""
 
 from __future__ import annotations
 
-from typing import Literal
+from functools import partial
+from typing import Any, Literal, Sequence
 
+import jax
 import optax
 
 SCHEDULES = ("constant", "cosine")  # optim.schedule (see `lr_schedule`)
@@ -42,23 +45,63 @@ def make_schedule(peak_lr: float, *, schedule: str, warmup_steps: int, total_ste
     return lambda count: by_update(count + 1)  # update u = count + 1
 
 
+def head_labels(params: Any, heads: Sequence[str]) -> Any:
+    """`"head"` for every leaf under a top-level key in `heads` (e.g. a reward model's
+    `score`), `"backbone"` for the rest: the labels `optax.multi_transform` splits on."""
+    def label(path, _):
+        return "head" if getattr(path[0], "key", None) in heads else "backbone"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def stop_backbone_gradient(params: Any, heads: Sequence[str] = ("score",)) -> Any:
+    """`params` with `jax.lax.stop_gradient` on every leaf outside the top-level keys `heads`:
+    a loss of these params has zero backbone gradients, and XLA drops the backward pass through
+    the backbone (a frozen backbone then costs one forward pass per step)."""
+    labels = head_labels(params, heads)
+    return jax.tree.map(lambda x, lab: x if lab == "head" else jax.lax.stop_gradient(x), params, labels)
+
+
 def make_optimizer(peak_lr: float, *, schedule: str = "constant", warmup_steps: int = 0,
                    total_steps: int = 1, weight_decay: float = 0.0, b1: float = 0.9,
-                   b2: float = 0.95, eps: float = 1e-8,
-                   max_grad_norm: float | None = 1.0) -> optax.GradientTransformation:
-    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule) (Loshchilov & Hutter 2019)."""
+                   b2: float = 0.95, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                   backbone_lr_scale: float = 1.0,
+                   heads: Sequence[str] = ("score",)) -> optax.GradientTransformation:
+    """clip_by_global_norm(max_grad_norm) -> AdamW(schedule) (Loshchilov & Hutter 2019).
+
+    With `backbone_lr_scale != 1` the params under the top-level keys `heads` get AdamW at
+    `peak_lr` and the rest (the backbone) AdamW at `peak_lr * backbone_lr_scale`; 0 freezes the
+    backbone (`optax.set_to_zero`: no update, no Adam moments) and trains the head alone, a
+    linear probe of the starting model's features. The gradient clip still sees every gradient.
+
+    Raises:
+      ValueError: unknown schedule name; negative `backbone_lr_scale`.
+    """
+    if backbone_lr_scale < 0:
+        raise ValueError(f"backbone_lr_scale={backbone_lr_scale} is negative")
     parts = []
     if max_grad_norm is not None and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
-    lr = make_schedule(peak_lr, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps)
-    parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+    def adamw(lr: float) -> optax.GradientTransformation:
+        sched = make_schedule(lr, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps)
+        return optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
+    if backbone_lr_scale == 1.0:
+        parts.append(adamw(peak_lr))
+    else:
+        backbone = adamw(peak_lr * backbone_lr_scale) if backbone_lr_scale > 0 else optax.set_to_zero()
+        parts.append(optax.multi_transform({"head": adamw(peak_lr), "backbone": backbone},
+                                           partial(head_labels, heads=tuple(heads))))
     return optax.chain(*parts)
 
 
-def optimizer_from_config(optim_cfg, peak_lr: float, total_steps: int) -> optax.GradientTransformation:
+def optimizer_from_config(optim_cfg, peak_lr: float, total_steps: int, *,
+                          backbone_lr_scale: float = 1.0) -> optax.GradientTransformation:
     """`make_optimizer` with the schedule and AdamW settings of an `OptimConfig` (every stage
     builds its optimisers through this)."""
     o = optim_cfg
     return make_optimizer(peak_lr, schedule=o.schedule, warmup_steps=o.warmup_steps,
                           total_steps=total_steps, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
-                          eps=o.eps, max_grad_norm=o.max_grad_norm)
+                          eps=o.eps, max_grad_norm=o.max_grad_norm,
+                          backbone_lr_scale=backbone_lr_scale)

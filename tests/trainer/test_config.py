@@ -54,6 +54,9 @@ def test_missing_config_file():
     (["mesh.fsdp=0"], "mesh.fsdp=0"),
     (["data.truncation=right"], "config key 'data.truncation': Invalid value 'right'"),
     (["model.logprob_chunk_size=-1"], "model.logprob_chunk_size=-1"),
+    (["stage=sft", "sft.data=x.jsonl", "sft.backbone_lr_scale=0.5"], "sft.backbone_lr_scale=0.5"),
+    (["stage=reward_model", "model.reward_model=m", "reward_model.data=x.jsonl",
+      "reward_model.backbone_lr_scale=-1"], "reward_model.backbone_lr_scale=-1.0"),
 ])
 def test_inconsistent_fields_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from ppo_jax.trainer.optim import make_optimizer, make_schedule
+from ppo_jax.trainer.optim import head_labels, make_optimizer, make_schedule, stop_backbone_gradient
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
@@ -44,3 +44,44 @@ def test_the_first_optimiser_update_moves_the_params(schedule, warmup):
     updates, state = jax.jit(tx.update)({"w": jnp.ones(())}, state, params)
     new = optax.apply_updates(params, updates)
     np.testing.assert_allclose(new["w"], 1.0 - (0.1 if warmup else 0.4), rtol=1e-5)
+
+
+def _two_part_params():
+    return {"backbone": {"w": jnp.array([1.0, -2.0]), "b": jnp.array(0.5)},
+            "score": {"kernel": jnp.array([[3.0], [-1.0]])}}
+
+
+def test_head_labels_split_the_score_head_from_the_backbone():
+    labels = head_labels(_two_part_params(), ("score",))
+    assert labels == {"backbone": {"w": "backbone", "b": "backbone"}, "score": {"kernel": "head"}}
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.25])
+def test_backbone_lr_scale_scales_only_the_backbone_updates(scale):
+    # Adam's updates are linear in the learning rate: the backbone's are `scale` times those of
+    # the one-rate optimiser at every step, the head's equal them (0: the backbone never moves).
+    params = _two_part_params()
+    one, split = (make_optimizer(0.1, schedule="cosine", warmup_steps=2, total_steps=5,
+                                 max_grad_norm=1.0, backbone_lr_scale=s) for s in (1.0, scale))
+    s1, s2 = one.init(params), split.init(params)
+    for k in range(4):
+        grads = jax.tree.map(lambda x: jnp.sin(x * (k + 1.0)) + 0.3, params)
+        u1, s1 = one.update(grads, s1, params)
+        u2, s2 = split.update(grads, s2, params)
+        np.testing.assert_allclose(u2["score"]["kernel"], u1["score"]["kernel"], rtol=1e-6)
+        for name in ("w", "b"):
+            np.testing.assert_allclose(u2["backbone"][name], scale * u1["backbone"][name],
+                                       rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="backbone_lr_scale=-1"):
+        make_optimizer(0.1, backbone_lr_scale=-1.0)
+
+
+def test_stop_backbone_gradient_leaves_only_the_head_gradient():
+    def loss(p):
+        return jnp.sum(p["backbone"]["w"] ** 2) * p["backbone"]["b"] + jnp.sum(p["score"]["kernel"] ** 3)
+
+    full = jax.grad(loss)(_two_part_params())
+    frozen = jax.grad(lambda p: loss(stop_backbone_gradient(p)))(_two_part_params())
+    np.testing.assert_allclose(frozen["score"]["kernel"], full["score"]["kernel"])
+    np.testing.assert_array_equal(frozen["backbone"]["w"], 0.0)
+    np.testing.assert_array_equal(frozen["backbone"]["b"], 0.0)

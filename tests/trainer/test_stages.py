@@ -144,6 +144,20 @@ def test_reward_model_separates_a_separable_set(tiny_checkpoint, data_dir, tmp_p
         assert np.isfinite(history[-1][key]), key
 
 
+def test_reward_model_with_a_frozen_backbone_trains_the_score_head_alone(tiny_checkpoint, data_dir, tmp_path):
+    from ppo_jax.trainer.stages.reward_model import RewardModelTrainer
+
+    trainer = RewardModelTrainer(rm_cfg(tiny_checkpoint, data_dir, tmp_path / "run", "train.steps=3",
+                                        "reward_model.backbone_lr_scale=0", "train.export_hf=false"))
+    before = jax.tree.map(np.asarray, trainer.state["model"].params)
+    history = trainer.train(progress=False)
+    after = jax.tree.map(np.asarray, trainer.state["model"].params)
+    assert not np.allclose(after["score"]["kernel"], before["score"]["kernel"])
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), after["backbone"], before["backbone"]))
+    assert moved and not any(moved)
+    assert all(np.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in history)
+
+
 def test_pair_scores_do_not_depend_on_padding_or_neighbours(tiny_checkpoint, data_dir, tmp_path):
     from ppo_jax.trainer.stages.reward_model import RewardModelTrainer, pair_scores
 

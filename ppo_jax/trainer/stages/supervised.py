@@ -21,7 +21,7 @@ from ppo_jax.trainer.accumulate import accumulate_gradients
 from ppo_jax.trainer.base import StageTrainer
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data import PromptSampler
-from ppo_jax.trainer.optim import optimizer_from_config
+from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
 from ppo_jax.trainer.setup import Split, load_split, pad_token_id, resolve_model_path
 from ppo_jax.trainer.text_data import split_holdout
 
@@ -70,7 +70,8 @@ class SupervisedTrainer(StageTrainer):
         model = self.load_model()
         self._check_ids(model.cfg.vocab_size)
         self.model = Split(model.graphdef, None, model.cfg)
-        self.tx = optimizer_from_config(cfg.optim, sec.lr, cfg.train.steps)
+        self.tx = optimizer_from_config(cfg.optim, sec.lr, cfg.train.steps,
+                                        backbone_lr_scale=sec.backbone_lr_scale)
         self.state = {"model": place.create_state(model.params, self.tx)}
         self.sampler = PromptSampler(len(self.train_data["weight"]), cfg.train.seed, cfg.data.shuffle)
         self._jit()
@@ -96,10 +97,13 @@ class SupervisedTrainer(StageTrainer):
         place, sec = self.place, self.settings
         graphdef, mesh, tx = self.model.graphdef, place.constraint_mesh, self.tx
 
+        frozen = sec.backbone_lr_scale == 0  # no backbone gradient at all, not just no update
+
         def update(state, batch):
             n = self.normalizer(batch)
             grads, stats = accumulate_gradients(
-                lambda p, m: self.loss(graphdef, p, m, n), state.params, batch,
+                lambda p, m: self.loss(graphdef, stop_backbone_gradient(p) if frozen else p, m, n),
+                state.params, batch,
                 micro_batch_size=sec.micro_batch_size, mesh=mesh)
             stats["grad_norm"] = optax.global_norm(grads)
             return state.apply_gradients(grads, tx), stats
