@@ -4,11 +4,11 @@ ARGS ?=
 .PHONY: train test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
-# bench/generate.py and bench/ppo_step.py (each writes JSON under $(BENCH_RAW)), then
-# bench/report.py writes bench/results.md (with a GPU section when bench/gpu.sh --json left a
-# gpu.json there). Takes 30-60 minutes on a 2-core machine; run it on a quiet machine (other
-# load inflates every figure). `make bench-quick` runs the same pipeline with tiny sizes (a
-# smoke check of the scripts, not figures to quote; ~5 minutes) and writes
+# bench/generate.py, bench/ppo_step.py and bench/roofline.py (each writes JSON under
+# $(BENCH_RAW)), then bench/report.py writes bench/results.md (with a GPU section when
+# bench/gpu.sh --json left a gpu.json there). Takes 30-60 minutes on a 2-core machine; run it on
+# a quiet machine (other load inflates every figure). `make bench-quick` runs the same pipeline
+# with tiny sizes (a smoke check of the scripts, not figures to quote; ~5 minutes) and writes
 # bench/results_raw/quick/results.md instead.
 BENCH_RAW ?= bench/results_raw
 BENCH_QUICK_RAW ?= bench/results_raw/quick
@@ -38,6 +38,7 @@ bench:
 	.venv/bin/python bench/core.py --json $(BENCH_RAW)/core.json
 	.venv/bin/python bench/generate.py --json $(BENCH_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --json $(BENCH_RAW)/ppo_step.json
+	.venv/bin/python bench/roofline.py --json $(BENCH_RAW)/roofline.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
 bench-quick:
@@ -47,6 +48,7 @@ bench-quick:
 	.venv/bin/python bench/core.py --batch 16 --length 64 --runs 3 --jax-runs 10 --json $(BENCH_QUICK_RAW)/core.json
 	.venv/bin/python bench/generate.py --new-tokens 4 --runs 1 --json $(BENCH_QUICK_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
+	.venv/bin/python bench/roofline.py --steps 1 --warmup 1 --new-tokens 4 --matmul 1024 --matmul-runs 3 --json $(BENCH_QUICK_RAW)/roofline.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
 
 # How far the sampler is from its weight-matmul floor (prints only; about 2 minutes).

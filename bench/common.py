@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 from pathlib import Path
 
@@ -19,6 +20,38 @@ def stats(values) -> dict:
 def machine_load() -> dict:
     """Logical CPU count and the 1-minute load average now (other load inflates timings)."""
     return {"cpus": os.cpu_count(), "load_average": os.getloadavg()[0]}
+
+
+# SIMD / matrix instruction sets worth naming next to a CPU figure (x86 flags, Arm features)
+ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve", "sve2")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict:
+    """`{model, cores, isa}` of this machine from /proc/cpuinfo (or the text `cpuinfo`): the
+    "model name", the logical core count and which of `ISA_FLAGS` its "flags" / "Features" line
+    lists (figures from CPUs with different vector units must never be mixed)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model, flags = None, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return {"model": model or platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def cpu_line(info: dict) -> str:
+    """One line for a log or a table: model, cores and instruction sets."""
+    isa = " ".join(info["isa"]) or "no SIMD flags read"
+    return f"{info['model']}, {info['cores']} logical cores; {isa}"
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -36,6 +36,13 @@ Tokens/s: generation = B * new_tokens / t; scoring and step = (real prompt + res
 t; update = epochs * (real prompt + response tokens) / t. With the same tokens on both sides,
 ours/TRL tokens/s equals TRL time / ours time.
 
+Model FLOPs per step, counted on both sides (not assumed; `model_flops` in each result): ppo_jax
+from the jaxprs of the compiled scoring (`make_experience`) and update (`ppo_update`) functions,
+after the timed steps (bench/flops.py: matmuls, scan bodies x trip count; XLA's cost analysis
+beside it); TRL from torch's `FlopCounterMode` on one extra untimed step (bench/ppo_step_trl.py).
+ppo_jax applies the LM head and log-softmax to response positions only, TRL 0.11 to every
+position, so "equal work" is equal PPO work, not equal FLOPs: the table shows both.
+
 Timing: `--warmup` untimed steps first (for ppo_jax they hold the XLA compilation), then
 `--steps` measured steps; each figure is the median over the measured steps with its min and
 max. Compile time = first step minus the median steady-state step (per phase as well).
@@ -130,6 +137,7 @@ def run_jax_worker(args) -> dict:
     """Build `PPOTrainer(load_config(overrides))` and time `warmup + steps` calls of `step()`."""
     import jax
     import numpy as np
+    from flops import SignatureRecorder
 
     from ppo_jax.trainer.config import load_config
     from ppo_jax.trainer.stages.ppo import PPOTrainer
@@ -144,6 +152,10 @@ def run_jax_worker(args) -> dict:
         critic = trainer.state["critic"]
         n_critic = 0 if critic is None else int(sum(np.prod(x.shape) for x in jax.tree.leaves(critic.params)))
         mcfg = trainer.models.actor.cfg
+        # record the scoring and update calls' shapes; their FLOPs are counted after the steps
+        recorders = {"scoring": SignatureRecorder(trainer._experience),
+                     "update": SignatureRecorder(trainer._update)}
+        trainer._experience, trainer._update = recorders["scoring"], recorders["update"]
         log(f"[ppo_jax {args.mode}] {model_dir.name}: {n_params / 1e6:.1f}M actor params"
             f"{'' if critic is None else f' + {n_critic / 1e6:.1f}M critic'}, batch {args.batch}, "
             f"{args.epochs} epochs, {args.new_tokens} new tokens, {args.dtype}; jax {jax.__version__} "
@@ -173,8 +185,9 @@ def run_jax_worker(args) -> dict:
                 f"{rec['time/generation']:.2f}, scoring {rec['time/scoring']:.2f}, update "
                 f"{rec['time/update']:.2f}); score {m['score_mean']:+.3f}, kl {m['kl']:.4f}")
             records.append(rec)
+        model_flops = counted_flops(recorders, records, args.warmup)
     warm, measured = records[:args.warmup], records[args.warmup:]
-    keys = [k for k in measured[0] if k.startswith(("time/", "tokens_per_s/"))]
+    keys = [k for k in measured[0] if k.startswith(("time/", "tokens_per_s/", "gflops_per_s/"))]
     phase_keys = ("time/generation", "time/scoring", "time/update", "time/step")
     compile_s = None
     if warm:  # first step minus the steady-state median, per phase
@@ -202,6 +215,7 @@ def run_jax_worker(args) -> dict:
         "seq_tokens_mean": statistics.mean(r["seq_tokens"] for r in measured),
         "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in measured),
         "stats": {k: stats(r[k] for r in measured) for k in keys},
+        "model_flops": model_flops,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_device_bytes": device_peak_bytes(),
         "versions": {"python": platform.python_version(), "jax": jax.__version__,
@@ -211,6 +225,32 @@ def run_jax_worker(args) -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg()[0],
     }
+
+
+def counted_flops(recorders: dict, records: list[dict], warmup: int) -> dict | None:
+    """Per phase, the matmul FLOPs per measured step counted from the compiled functions
+    (bench/flops.py: the jaxpr's count, and XLA's cost analysis beside it); adds each measured
+    record's `gflops_per_s/<phase>`. None (and a log line) if counting fails."""
+    out = {"source": "jaxpr dot_general count (bench/flops.py)"}
+    t0 = time.perf_counter()
+    try:
+        for phase, rec in recorders.items():
+            counts = rec.per_call()
+            if len(counts) != len(records):
+                raise ValueError(f"{len(counts)} {phase} calls for {len(records)} steps")
+            for c, r in zip(counts, records):
+                r[f"gflops_per_s/{phase}"] = c["flops"] / r[f"time/{phase}"] / 1e9
+            measured = counts[warmup:]
+            xla = [c["xla_flops"] for c in measured]
+            out[phase] = {"flops": statistics.mean(c["flops"] for c in measured),
+                          "xla_flops": None if None in xla else statistics.mean(xla),
+                          "while_loops": max(c["loops"] for c in measured)}
+    except Exception as e:  # noqa: BLE001 - a benchmark still reports its times
+        log(f"FLOP count failed: {type(e).__name__}: {e}")
+        return None
+    log(f"FLOPs per step counted in {time.perf_counter() - t0:.1f} s: "
+        + ", ".join(f"{k} {out[k]['flops'] / 1e9:.3g} GFLOP" for k in recorders))
+    return out
 
 
 def command_line() -> str:

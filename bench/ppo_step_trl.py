@@ -24,6 +24,11 @@ KL-controller update + overhead); step = generation + reward + `step()`.
 Tokens/s use the same counts as ppo_jax: generation = B * new_tokens / t; scoring and step = real
 (unpadded) prompt + response tokens / t; update = epochs * those tokens / t.
 
+FLOPs: after the measured steps, one more untimed step on the rows of the first measured step
+runs `step()` under `torch.utils.flop_counter.FlopCounterMode` (plus the CPU flash-attention
+kernels its table lacks), split at `compute_advantages` into scoring and update FLOPs
+(`model_flops` in the JSON, `gflops_per_s/*` = those FLOPs / each measured step's phase time).
+
 Prints one line `BENCH_JSON {...}` (median, min, max of each figure over the measured steps after
 `--warmup` untimed steps; the first step's time; peak RSS of this process, from
 `getrusage(RUSAGE_SELF).ru_maxrss`). Run one configuration per process so that
@@ -116,6 +121,83 @@ def read_prompt_ids(path: Path | None, tok, max_prompt_length: int) -> list[list
     return out
 
 
+# --------------------------------------------------------------------------- FLOP count
+def flop_counter():
+    """A `torch.utils.flop_counter.FlopCounterMode` (no display) that also counts the CPU
+    flash-attention kernels its table leaves out (`aten._scaled_dot_product_flash_attention_for_cpu`
+    and its backward: transformers' default `sdpa` attention on the CPU), with torch's own sdpa
+    formulas; None where this torch has no flop counter."""
+    try:
+        import torch
+        from torch.utils import flop_counter as fc
+    except ImportError:
+        return None
+    extra, known = {}, getattr(fc, "flop_registry", {})
+    try:
+        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    except (AttributeError, RuntimeError):
+        fwd = bwd = None
+    if fwd is not None and fwd not in known:
+        extra[fwd] = lambda q, k, v, *_, out_shape=None, **__: fc.sdpa_flop_count(q, k, v)
+    if bwd is not None and bwd not in known:
+        extra[bwd] = (lambda g, q, k, v, *_, out_shape=None, **__:
+                      fc.sdpa_backward_flop_count(g, q, k, v))
+    return fc.FlopCounterMode(display=False, custom_mapping=extra)
+
+
+def count_split_flops(obj, marker: str, run) -> dict | None:
+    """Run `run()` once under `flop_counter()`; split its FLOPs where the method `obj.<marker>`
+    returns (its first call): `{"before", "after", "total"}`, None without a flop counter.
+
+    For TRL's `PPOTrainer.step`, marker `compute_advantages` splits the scoring passes (actor +
+    value and reference forward, reward shaping, GAE) from the update (epochs x minibatches)."""
+    counter = flop_counter()
+    if counter is None:
+        return None
+    marks, method = [], getattr(obj, marker)
+
+    def marked(*args, **kwargs):
+        out = method(*args, **kwargs)
+        marks.append(counter.get_total_flops())
+        return out
+
+    setattr(obj, marker, marked)
+    try:
+        with counter:
+            run()
+    finally:
+        delattr(obj, marker)
+    if not marks:
+        raise RuntimeError(f"{marker} was never called")
+    total = counter.get_total_flops()
+    return {"before": marks[0], "after": total - marks[0], "total": total}
+
+
+def count_step_flops(ppo_trainer, queries, responses, scores, records: list[dict]) -> dict | None:
+    """`model_flops` of one `ppo_trainer.step(queries, responses, scores)` run under the counter
+    (scoring / update split at `compute_advantages`); adds `gflops_per_s/<phase>` to each timed
+    record. None (and a log line) without a counter or when counting fails."""
+    try:
+        split = count_split_flops(ppo_trainer, "compute_advantages",
+                                  lambda: ppo_trainer.step(queries, responses, scores))
+    except Exception as e:  # noqa: BLE001 - the timings still stand
+        log(f"FLOP count failed: {type(e).__name__}: {e}")
+        return None
+    if split is None:
+        log("no torch.utils.flop_counter: FLOPs not counted")
+        return None
+    out = {"source": "torch FlopCounterMode, one extra untimed step on the rows of the first "
+                     "measured step",
+           "scoring": {"flops": split["before"]}, "update": {"flops": split["after"]}}
+    log(f"FLOPs per step (counted): scoring {split['before'] / 1e9:.3g} GFLOP, update "
+        f"{split['after'] / 1e9:.3g} GFLOP")
+    for r in records:
+        for phase in ("scoring", "update"):
+            r[f"gflops_per_s/{phase}"] = out[phase]["flops"] / r[f"time/{phase}"] / 1e9
+    return out
+
+
 # --------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -179,19 +261,25 @@ def main() -> None:
         f"{args.new_tokens} new tokens; torch {torch.__version__} ({torch.get_num_threads()} "
         f"threads), transformers {transformers.__version__}, trl {trl.__version__}")
 
+    def batch_rows(i: int) -> list[list[int]]:
+        start = (i * args.batch) % len(prompts)
+        return [prompts[(start + k) % len(prompts)] for k in range(args.batch)]
+
+    def reward(responses) -> list:
+        texts = tok.batch_decode(responses, skip_special_tokens=True)
+        return [torch.tensor(analyzer.polarity_scores(t)["compound"], dtype=torch.float32)
+                for t in texts]
+
     records, first_step_s = [], None
     for i in range(args.warmup + args.steps):
-        start = (i * args.batch) % len(prompts)
-        rows = [prompts[(start + k) % len(prompts)] for k in range(args.batch)]
+        rows = batch_rows(i)
         queries = [torch.tensor(r, dtype=torch.long) for r in rows]
 
         t0 = time.perf_counter()
         responses = ppo_trainer.generate(queries, batch_size=args.batch, return_prompt=False,
                                          **gen_kwargs)
         t1 = time.perf_counter()
-        texts = tok.batch_decode(responses, skip_special_tokens=True)
-        scores = [torch.tensor(analyzer.polarity_scores(t)["compound"], dtype=torch.float32)
-                  for t in texts]
+        scores = reward(responses)
         t2 = time.perf_counter()
         out = ppo_trainer.step(queries, responses, scores)
         t3 = time.perf_counter()
@@ -229,7 +317,16 @@ def main() -> None:
         if i >= args.warmup:
             records.append(rec)
 
-    keys = [k for k in records[0] if k.startswith(("time/", "tokens_per_s/"))]
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the timed steps'
+    # one more, untimed step on the rows of the first measured step, its `step()` under torch's
+    # flop counter: the scoring and update FLOPs TRL executes (after the timings, never in them)
+    queries = [torch.tensor(r, dtype=torch.long) for r in batch_rows(args.warmup)]
+    responses = ppo_trainer.generate(queries, batch_size=args.batch, return_prompt=False,
+                                     **gen_kwargs)
+    scores = reward(responses)
+    model_flops = count_step_flops(ppo_trainer, queries, responses, scores, records)
+
+    keys = [k for k in records[0] if k.startswith(("time/", "tokens_per_s/", "gflops_per_s/"))]
     result = {
         "bench": "ppo_step", "impl": "trl", "mode": "shared", "config": "trl",
         "label": "TRL 0.11 PPOTrainer (value head on actor)",
@@ -243,7 +340,8 @@ def main() -> None:
         "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in records),
         "padded_seq_len_mean": statistics.mean(r["max_prompt_len"] + args.new_tokens for r in records),
         "stats": {k: stats(r[k] for r in records) for k in keys},
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "model_flops": model_flops,
+        "peak_rss_mib": peak_rss_mib,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "trl": trl.__version__,
                      "torch_threads": torch.get_num_threads()},

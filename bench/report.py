@@ -1,7 +1,7 @@
 """Assemble `bench/results.md` from the JSON files the benchmark scripts write with `--json`.
 
-Reads `core.json` (bench/core.py), `generate.json` (bench/generate.py) and `ppo_step.json`
-(bench/ppo_step.py) from a directory (any of them may be missing; its section then says so),
+Reads `core.json` (bench/core.py), `generate.json` (bench/generate.py), `ppo_step.json`
+(bench/ppo_step.py) and `roofline.json` (bench/roofline.py) from a directory (any of them may be missing; its section then says so),
 plus `gpu.json` (bench/gpu.sh --json) when present,
 and writes one markdown file: the date, the machine (CPU model, cores, memory, load average
 when each benchmark ran), the software versions, the commands to reproduce, and one section of
@@ -82,6 +82,11 @@ def _spread(st: dict | None, digits: int = 2) -> str:
     return f"{_f(st['median'], digits)} ({_f(st['min'], digits)}–{_f(st['max'], digits)})"
 
 
+def _gflop(flops) -> str:
+    """FLOPs as GFLOP to 3 significant figures ("n/a" for None)."""
+    return "n/a" if flops is None else f"{flops / 1e9:.3g}"
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -131,12 +136,61 @@ def ppo_step_markdown(data: dict) -> str:
                 rows.append([f"{r['label']}: TRL time / ours time"] + [f"×{x:.2f}" for x in tim])
             out.append("\nRatios against TRL (medians; above 1: ppo_jax is faster):\n")
             out.append(table(["comparison"] + [n for _, n in PHASES], rows))
+        flops = flops_table(rs)
+        if flops:
+            out.append("\nModel FLOPs per step, counted (matmuls executed: ppo_jax from the compiled "
+                       "functions' jaxprs, TRL from torch's FlopCounterMode on one extra untimed "
+                       "step; ppo_jax applies the LM head to response positions only, TRL to "
+                       "every position; GFLOP/s = those FLOPs / the phase's median time):\n")
+            out.append(flops)
         comp_rows = [[r["label"], _f(r.get("load_s")), _f(r.get("first_step_s"))]
                      + [_f((r.get("compile_s") or {}).get(f"time/{k}")) for k, _ in PHASES]
                      for r in rs]
         out.append("\nLoad and first step (compile = first step minus the steady-state median):\n")
         out.append(table(["configuration", "load s", "first step s"]
                          + [f"compile {n} s" for _, n in PHASES], comp_rows))
+    return "\n".join(out)
+
+
+def flops_table(rs: list[dict]) -> str | None:
+    """Scoring / update GFLOP per step and GFLOP/s of each result with `model_flops`."""
+    rows = []
+    for r in rs:
+        mf = r.get("model_flops")
+        if not mf:
+            continue
+        cells = [r["label"]]
+        cells += [_gflop(mf[k]["flops"]) for k in ("scoring", "update")]
+        cells += [_f(r["stats"].get(f"gflops_per_s/{k}", {}).get("median"), 1)
+                  for k in ("scoring", "update")]
+        rows.append(cells + [mf["source"].split(",")[0]])
+    if not rows:
+        return None
+    return table(["configuration", "scoring GFLOP / step", "update GFLOP / step",
+                  "scoring GFLOP/s", "update GFLOP/s", "counted by"], rows)
+
+
+# --------------------------------------------------------------------------- roofline
+def roofline_markdown(data: dict) -> str:
+    """The update's model-FLOP rate against a large matmul's (bench/roofline.py's JSON)."""
+    cpu, mm, u = data["cpu"], data["matmul"], data["update"]
+    dry = " DRY RUN on the tiny random model: not a figure to quote." if data.get("tiny") else ""
+    out = [f"CPU {cpu['model']}, {cpu['cores']} logical cores, instruction sets "
+           f"{' '.join(cpu['isa']) or 'n/a'}; jax {data['jax']}, float32, one process, measured "
+           f"{data['date']}.{dry} GFLOP/s: median (min–max); the update's FLOPs are the "
+           f"matmuls of its compiled program ({u['flops_source']}), attention included.", ""]
+    n = mm["n"]
+    rows = [[f"matmul {n}x{n}x{n} (jitted `x @ y`)", _spread(mm["gflops_per_s"], 1),
+             f"{_gflop(mm['flops'])} (2 N^3)", _spread(mm["seconds"], 3)],
+            [f"PPO update: `{u['model']}`, {u['mode']} critic, {u['epochs']} epoch(s), batch "
+             f"{u['batch']}, {u['new_tokens']} new tokens", _spread(u["gflops_per_s"], 1),
+             f"{_gflop(u['flops'])} per step (XLA cost analysis {_gflop(u['xla_flops'])}, "
+             f"6N model {_gflop(u['flops_6n'])})", _spread(u["seconds"], 3)]]
+    out.append(table(["work", "GFLOP/s", "GFLOP", "seconds"], rows))
+    out.append(f"\nUpdate / matmul rate: **{data['ratio']:.2f}** (target ≥ {data['target']:.2f}); "
+               f"scoring ran at {_f(u['scoring_gflops_per_s']['median'], 1)} GFLOP/s. XLA's "
+               "cost analysis counts each loop body once (the layers are a `lax.scan`), hence "
+               "its lower figure.")
     return "\n".join(out)
 
 
@@ -228,6 +282,7 @@ def load(raw: Path, name: str) -> dict | None:
 
 def render(raw: Path) -> str:
     core, gen, step = load(raw, "core"), load(raw, "generate"), load(raw, "ppo_step")
+    roof = load(raw, "roofline")
     m = machine_info()
     rel = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -253,23 +308,25 @@ def render(raw: Path) -> str:
         out.append(f"- TRL environment (.venv-bench): trl {tv['trl']}, transformers "
                    f"{tv['transformers']}, torch {tv['torch']} ({tv['torch_threads']} threads)")
     loads = [(n, d.get("load_average")) for n, d in (("core", core), ("generate", gen),
-                                                     ("ppo_step", step)) if d]
+                                                     ("ppo_step", step), ("roofline", roof)) if d]
     if loads:
         out.append("- load average (1 min) at the end of each benchmark: "
                    + ", ".join(f"{n} {la:.2f}" for n, la in loads if la is not None))
     out += ["", "## Reproduce", "", "```bash",
-            "make bench   # sets up .venv and .venv-bench, runs the three benchmarks, writes bench/results.md",
+            "make bench   # sets up .venv and .venv-bench, runs the four benchmarks, writes bench/results.md",
             "# or one at a time:"]
-    for name, d in (("core", core), ("generate", gen), ("ppo_step", step)):
+    for name, d in (("core", core), ("generate", gen), ("ppo_step", step), ("roofline", roof)):
         if d and d.get("command"):
             out.append(d["command"])
-        elif name != "ppo_step":
+        elif name not in ("ppo_step", "roofline"):
             out.append(f".venv/bin/python bench/{name}.py")
     out += [f".venv/bin/python bench/report.py {rel}",
             "```", ""]
 
     out += ["## PPO step: ppo_jax vs TRL 0.11 `PPOTrainer` (bench/ppo_step.py)", ""]
     out.append(ppo_step_markdown(step) if step else "_not run (no ppo_step.json)_")
+    out += ["", "## Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)", ""]
+    out.append(roofline_markdown(roof) if roof else "_not run (no roofline.json)_")
     out += ["", "## Generation: ppo_jax sampler vs transformers `generate` (bench/generate.py)", ""]
     out.append(generate_markdown(gen) if gen else "_not run (no generate.json)_")
     out += ["", "## PPO math: ppo_jax.core vs TRL 0.11-style torch (bench/core.py)", ""]

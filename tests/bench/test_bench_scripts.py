@@ -1,8 +1,10 @@
-"""The benchmark scripts' own logic: config overrides, FLOPs model, peak table, report tables.
+"""The benchmark scripts' own logic: config overrides, FLOPs model and counters, peak table,
+report tables.
 
 Models run here only in `test_gpu_sh_dry_run` (`bench/gpu.sh --dry-run`: two tiny workers on
 the CPU, about a minute) and in the slow tests (one tiny ppo_jax worker step, the code path of
-`bench/ppo_step.py`; the shipped tokenizer against the converted SmolLM2's).
+`bench/ppo_step.py`; `bench/roofline.py --tiny`; the shipped tokenizer against the converted
+SmolLM2's).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def _load(name: str):
 
 
 ppo_step, gpu, report = _load("ppo_step"), _load("gpu"), _load("report")
+flops, common, trl_step = _load("flops"), _load("common"), _load("ppo_step_trl")
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])
@@ -265,3 +268,196 @@ def test_decode_floor_reads_every_weight_once_in_both_layer_forms(tied):
         outs.append(np.asarray(jax.block_until_ready(run(h0))))
     assert np.isfinite(outs[0]).all() and not np.allclose(outs[0], np.asarray(h0))
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- FLOP counting
+def test_counted_flops_of_a_matmul_are_2mnk():
+    import jax
+    import jax.numpy as jnp
+
+    m, k, n = 3, 5, 7
+    c = flops.count_flops(jax.jit(lambda x, y: x @ y), jnp.ones((m, k)), jnp.ones((k, n)))
+    assert c["flops"] == 2 * m * n * k and c["loops"] == 0
+    assert c["xla_flops"] == pytest.approx(2 * m * n * k)
+
+
+def test_counted_flops_of_a_gradient_are_three_matmuls():
+    """d/dx and d/dw of sum(x @ w): forward, g w^T and x^T g, each 2 M N K (the 6N rule)."""
+    import jax
+    import jax.numpy as jnp
+
+    m, k, n = 4, 6, 3
+    grad = jax.jit(jax.grad(lambda x, w: (x @ w).sum(), argnums=(0, 1)))
+    assert flops.count_flops(grad, jnp.ones((m, k)), jnp.ones((k, n)))["flops"] == 3 * 2 * m * n * k
+
+
+def test_scan_bodies_count_per_iteration_but_xla_counts_them_once():
+    """Why the benchmarks count from the jaxpr: XLA's cost analysis counts a while body once."""
+    import jax
+    import jax.numpy as jnp
+
+    layers, b, d = 6, 8, 16
+
+    def stack(x, w):
+        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
+
+    c = flops.count_flops(jax.jit(stack), jnp.ones((b, d)), jnp.ones((layers, d, d)))
+    assert c["flops"] == layers * 2 * b * d * d
+    assert c["xla_flops"] < c["flops"] / 2
+
+
+def test_batched_dots_and_the_costlier_cond_branch():
+    import jax
+    import jax.numpy as jnp
+
+    bt, i, j, k = 2, 3, 4, 5
+
+    def f(p, a, b, c):
+        ab = jnp.einsum("bij,bjk->bik", a, b)
+        return jax.lax.cond(p, lambda: ab, lambda: ab @ c)
+
+    args = (True, jnp.ones((bt, i, j)), jnp.ones((bt, j, k)), jnp.ones((k, k)))
+    got = flops.count_flops(jax.jit(f), *args, with_xla=False)
+    assert got["flops"] == 2 * bt * i * j * k + 2 * bt * i * k * k and got["xla_flops"] is None
+
+
+def test_while_loops_are_reported():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ c[0], c[1] + 1), (x, 0))[0]
+
+    c = flops.count_flops(jax.jit(f), jnp.ones((4, 4)), with_xla=False)
+    assert c == {"flops": 2 * 4 ** 3, "loops": 1, "xla_flops": None}
+
+
+def test_signature_recorder_counts_each_call_after_the_fact():
+    import jax
+    import jax.numpy as jnp
+
+    rec = flops.SignatureRecorder(jax.jit(lambda x, y: x @ y))
+    a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
+    out = rec(a, b)
+    rec(jnp.ones((5, 3)), b)
+    rec(a, b)
+    assert out.shape == (2, 4) and float(out[0, 0]) == 3.0
+    assert [c["flops"] for c in rec.per_call(with_xla=False)] == [48, 120, 48]
+    assert len(rec.specs) == 2
+
+
+def test_torch_counter_splits_a_step_at_the_marker():
+    """bench/ppo_step_trl.py's counter on a tiny torch model: two nn.Linear phases around a
+    marker method (TRL: `compute_advantages`), and the CPU sdpa kernel torch's table lacks."""
+    import torch
+
+    m, k, n1, n2 = 3, 5, 7, 2
+
+    class Step:
+        def __init__(self):
+            self.a, self.b = torch.nn.Linear(k, n1), torch.nn.Linear(n1, n2)
+
+        def marker(self, h):
+            return h
+
+        def run(self, x):
+            return self.b(self.marker(self.a(x)))
+
+    step, x = Step(), torch.randn(m, k)
+    split = trl_step.count_split_flops(step, "marker", lambda: step.run(x))
+    assert split == {"before": 2 * m * k * n1, "after": 2 * m * n1 * n2,
+                     "total": 2 * m * k * n1 + 2 * m * n1 * n2}
+    assert "marker" not in vars(step)  # the method is restored
+
+    bt, h, t, d = 2, 3, 5, 4
+    q, kk, v = (torch.randn(bt, h, t, d) for _ in range(3))
+    counter = trl_step.flop_counter()
+    with counter:
+        torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True)
+    assert counter.get_total_flops() == 2 * 2 * bt * h * t * t * d  # q k^T and p v
+
+
+def test_cpu_info_reads_model_and_instruction_sets():
+    x86 = "processor\t: 0\nmodel name\t: Intel Xeon\nflags\t\t: fpu sse avx avx2 fma avx512f\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve\n"
+    assert common.cpu_info(x86)["model"] == "Intel Xeon"
+    assert common.cpu_info(x86)["isa"] == ["avx", "avx2", "fma", "avx512f"]
+    assert common.cpu_info(arm)["isa"] == ["asimd", "sve"]
+    assert "avx512f" in common.cpu_line(common.cpu_info(x86))
+
+
+def test_matmul_rate_counts_2n3():
+    roofline = _load("roofline")
+    r = roofline.matmul_rate(64, runs=2, warmup=1)
+    assert r["flops"] == 2 * 64 ** 3 and r["seconds"]["n"] == 2 and r["gflops_per_s"]["median"] > 0
+
+
+# --------------------------------------------------------------------------- report sections
+ROOFLINE = {
+    "bench": "roofline", "tiny": False, "date": "2026-01-01T00:00:00+00:00", "jax": "0.10.2",
+    "cpu": {"model": "AMD EPYC 7B13", "cores": 2, "isa": ["avx", "avx2", "fma"]},
+    "matmul": {"n": 2048, "flops": 2 * 2048 ** 3,
+               "seconds": {"median": 0.05, "min": 0.05, "max": 0.05, "n": 10},
+               "gflops_per_s": {"median": 400.0, "min": 390.0, "max": 410.0, "n": 10}},
+    "update": {"model": "SmolLM2", "mode": "shared", "epochs": 1, "batch": 8, "new_tokens": 48,
+               "flops": 500e9, "xla_flops": 30e9, "flops_6n": 520e9,
+               "flops_source": "jaxpr dot_general count (bench/flops.py)",
+               "seconds": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 3},
+               "gflops_per_s": {"median": 125.0, "min": 120.0, "max": 130.0, "n": 3},
+               "scoring_gflops_per_s": {"median": 90.0, "min": 90.0, "max": 90.0, "n": 3}},
+    "ratio": 125.0 / 400.0, "target": 0.5, "command": "python bench/roofline.py",
+    "load_average": 1.0,
+}
+
+
+def test_roofline_section_renders():
+    text = report.roofline_markdown(ROOFLINE)
+    assert "AMD EPYC 7B13, 2 logical cores, instruction sets avx avx2 fma" in text
+    assert "| matmul 2048x2048x2048 (jitted `x @ y`) | 400 (390–410) | 17.2 (2 N^3) |" in text
+    assert "| 125 (120–130) | 500 per step (XLA cost analysis 30, 6N model 520) |" in text
+    assert "Update / matmul rate: **0.31** (target ≥ 0.50)" in text
+    assert "DRY RUN" not in text
+    assert "DRY RUN" in report.roofline_markdown({**ROOFLINE, "tiny": True})
+
+
+def test_report_has_a_roofline_section(tmp_path):
+    assert "_not run (no roofline.json)_" in report.render(tmp_path)
+    (tmp_path / "roofline.json").write_text(json.dumps(ROOFLINE))
+    text = report.render(tmp_path)
+    assert "## Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)" in text
+    assert "python bench/roofline.py" in text and "roofline 1.00" in text
+
+
+def test_ppo_step_markdown_shows_counted_flops():
+    data = {"settings": {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48,
+                         "kl_coef": 0.05, "max_grad_norm": 1.0, "warmup": 1, "steps": 3},
+            "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
+    assert "Model FLOPs per step" not in report.ppo_step_markdown(data)
+    st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
+    ours, trl = data["results"]
+    ours["model_flops"] = {"source": "jaxpr dot_general count (bench/flops.py)",
+                           "scoring": {"flops": 20e9, "xla_flops": 1e9, "while_loops": 0},
+                           "update": {"flops": 60e9, "xla_flops": 3e9, "while_loops": 0}}
+    ours["stats"].update({"gflops_per_s/scoring": st(20.0), "gflops_per_s/update": st(30.0)})
+    trl["model_flops"] = {"source": "torch FlopCounterMode, one extra untimed step",
+                          "scoring": {"flops": 30e9}, "update": {"flops": 90e9}}
+    text = report.ppo_step_markdown(data)
+    assert "| trl | 30 | 90 | n/a | n/a | torch FlopCounterMode |" in text
+    assert ("| jax-shared | 20 | 60 | 20.0 | 30.0 | jaxpr dot_general count (bench/flops.py) |"
+            in text)
+
+
+@pytest.mark.slow
+def test_roofline_tiny_dry_run(tmp_path):
+    out = tmp_path / "roofline.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/roofline.py"), "--tiny", "--batch", "2",
+         "--new-tokens", "3", "--steps", "1", "--warmup", "1", "--max-prompt-length", "16",
+         "--matmul", "256", "--matmul-runs", "2", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    data = json.loads(out.read_text())
+    assert data["tiny"] and data["matmul"]["flops"] == 2 * 256 ** 3 and data["ratio"] > 0
+    u = data["update"]
+    assert u["flops"] > 0 and u["flops"] > u["xla_flops"]  # layers in a scan: XLA counts one
+    assert "Update / matmul rate" in proc.stdout
