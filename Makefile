@@ -4,12 +4,13 @@ ARGS ?=
 .PHONY: train test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
-# bench/generate.py, bench/ppo_step.py and bench/roofline.py (each writes JSON under
-# $(BENCH_RAW)), then bench/report.py writes bench/results.md (with a GPU section when
-# bench/gpu.sh --json left a gpu.json there). Takes 30-60 minutes on a 2-core machine; run it on
-# a quiet machine (other load inflates every figure). `make bench-quick` runs the same pipeline
-# with tiny sizes (a smoke check of the scripts, not figures to quote; ~5 minutes) and writes
-# bench/results_raw/quick/results.md instead.
+# bench/generate.py, bench/ppo_step.py, bench/roofline.py and bench/decode_floor.py (each writes
+# JSON under $(BENCH_RAW), with the git commit it measured), then bench/report.py writes
+# bench/results.md (with a GPU section when bench/gpu.sh --json left a gpu.json there; each
+# benchmark's wall time is in it). Run it on a quiet machine from a clean tree (other load
+# inflates every figure; results.md warns about a dirty tree or mixed commits).
+# `make bench-quick` runs the same pipeline with tiny sizes (a smoke check of the scripts, not
+# figures to quote; ~5 minutes) and writes bench/results_raw/quick/results.md instead.
 BENCH_RAW ?= bench/results_raw
 BENCH_QUICK_RAW ?= bench/results_raw/quick
 
@@ -39,19 +40,22 @@ bench:
 	.venv/bin/python bench/generate.py --json $(BENCH_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --json $(BENCH_RAW)/ppo_step.json
 	.venv/bin/python bench/roofline.py --json $(BENCH_RAW)/roofline.json
+	.venv/bin/python bench/decode_floor.py --json $(BENCH_RAW)/decode_floor.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
 bench-quick:
 	scripts/setup_venv.sh test
 	bench/setup_trl_env.sh
 	mkdir -p $(BENCH_QUICK_RAW)
-	.venv/bin/python bench/core.py --batch 16 --length 64 --runs 3 --jax-runs 10 --json $(BENCH_QUICK_RAW)/core.json
+	.venv/bin/python bench/core.py --batch 16 --length 64 --rounds 3 --torch-block 1 --jax-block 3 --json $(BENCH_QUICK_RAW)/core.json
 	.venv/bin/python bench/generate.py --new-tokens 4 --runs 1 --json $(BENCH_QUICK_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
 	.venv/bin/python bench/roofline.py --steps 1 --warmup 1 --new-tokens 4 --matmul 1024 --matmul-runs 3 --json $(BENCH_QUICK_RAW)/roofline.json
+	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
 
-# How far the sampler is from its weight-matmul floor (prints only; about 2 minutes).
+# How far the sampler is from its weight-matmul floor, alone (prints only; `make bench` runs it
+# too and puts its figures in bench/results.md).
 bench-floor:
 	scripts/setup_venv.sh test
 	.venv/bin/python bench/decode_floor.py

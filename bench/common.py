@@ -7,7 +7,12 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# generated output, not measured code: a tree whose only change is this file is not "dirty"
+GENERATED = ("bench/results.md",)
 
 
 def stats(values) -> dict:
@@ -52,6 +57,41 @@ def cpu_line(info: dict) -> str:
     """One line for a log or a table: model, cores and instruction sets."""
     isa = " ".join(info["isa"]) or "no SIMD flags read"
     return f"{info['model']}, {info['cores']} logical cores; {isa}"
+
+
+def git_state(root: Path = ROOT) -> dict:
+    """`{commit, dirty}` of the code being measured: `git rev-parse --short HEAD` and whether
+    `git status --porcelain` lists a changed tracked file (untracked files and `GENERATED` are
+    ignored). `$PPO_BENCH_COMMIT` stands in for the commit where there is no git checkout (a
+    tree copied to another machine); `dirty` is then None (unknown), as it is outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                     *(f":(exclude){p}" for p in GENERATED))
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": os.environ.get("PPO_BENCH_COMMIT") or None, "dirty": None}
+    return {"commit": commit, "dirty": bool(status)}
+
+
+def process_wall_s() -> float | None:
+    """Wall seconds since this process started (Linux: /proc/self/stat and /proc/uptime), None
+    where they cannot be read. A benchmark records it just before writing its JSON."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def run_record() -> dict:
+    """What every benchmark JSON carries about its run: `commit`, `dirty` (git_state), and
+    `wall_s` (process_wall_s), taken at measure time."""
+    return {**git_state(), "wall_s": process_wall_s()}
 
 
 def write_json(path: Path, data: dict) -> None:

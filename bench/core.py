@@ -5,17 +5,23 @@ reward shaping (k1 KL penalty + score on the last token), GAE, advantage whiteni
 clipped policy loss and the clipped value loss, forward and gradient w.r.t. the new log-probs
 and the new values.
 
-- JAX: one jitted function built from ``ppo_jax.core`` (compile time reported separately, then
-  the median of many runs with ``block_until_ready``).
+- JAX: one jitted function built from ``ppo_jax.core`` (compile time reported separately).
 - torch: a re-implementation of TRL 0.11 ``PPOTrainer`` semantics written for this bench:
   ``compute_rewards`` with a per-row loop, ``compute_advantages`` with a per-token reversed
   Python loop, ``masked_whiten``, the loss with autograd ``backward``.
 
-The two are checked to agree numerically before timing. Also times the GAE alone, reverse
+The two are checked to agree numerically before timing. Timing runs in ``--rounds`` interleaved
+rounds; each round times every JAX version and then torch, each as a block of calls
+(``--jax-block`` / ``--torch-block``, ``block_until_ready`` on the JAX side) right after a
+warm-up of untimed calls of the same function, under the same rule on both sides (at least
+``--warmup-calls`` calls and ``--warmup-s`` seconds). Per JAX version it quotes the ratio of
+medians, the ratio of minima, and the median of the per-round ratios (torch block median / JAX
+block median of the same round) with their min-max beside it. Also times the GAE alone, reverse
 ``lax.scan`` (several unrolls) against ``lax.associative_scan``.
 
-Usage: ``python bench/core.py [--batch 256] [--length 1024] [--runs 30] [--jax-runs 300]
-[--json PATH]``. `--json` writes the figures (the `core.json` that `bench/report.py` reads).
+Usage: ``python bench/core.py [--batch 256] [--length 1024] [--rounds 30] [--torch-block 3]
+[--jax-block 10] [--warmup-calls 1] [--warmup-s 0.1] [--json PATH]``. `--json` writes the
+figures (the `core.json` that `bench/report.py` reads), with the git commit they came from.
 torch is a benchmark-only dependency.
 """
 
@@ -36,11 +42,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_load, write_json  # noqa: E402
+from common import machine_load, run_record, stats, write_json  # noqa: E402
 from ppo_jax import core  # noqa: E402
 
 GAMMA, LAM, KL_COEF, CLIP, CLIP_V, VF_COEF = 1.0, 0.95, 0.05, 0.2, 0.2, 0.1
-WARMUP = 50  # untimed calls before each timed JAX block
 
 
 # --------------------------------------------------------------------------- inputs
@@ -154,6 +159,51 @@ def time_ms(fn, runs: int) -> tuple[float, float]:
     return 1e3 * statistics.median(times), 1e3 * min(times)
 
 
+def warm(fn, min_calls: int, min_s: float, clock=time.perf_counter) -> int:
+    """Untimed calls of ``fn`` until at least ``min_calls`` calls and ``min_s`` seconds have
+    passed (the same rule for both sides: a fast function gets more calls); returns the count."""
+    t0, calls = clock(), 0
+    while calls < min_calls or clock() - t0 < min_s:
+        fn()
+        calls += 1
+    return calls
+
+
+def interleaved(fns: dict, rounds: int, block: dict, warmup_calls: int, warmup_s: float,
+                clock=time.perf_counter) -> dict[str, list[list[float]]]:
+    """Time ``fns`` (name -> callable) in ``rounds`` rounds; each round, for each name in order,
+    warms that function (``warm``) and then times ``block[name]`` calls of it one by one.
+    Returns name -> one list of per-call times (ms) per round: ``[rounds][block[name]]``."""
+    out = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            warm(fn, warmup_calls, warmup_s, clock)
+            times = []
+            for _ in range(block[name]):
+                t0 = clock()
+                fn()
+                times.append(1e3 * (clock() - t0))
+            out[name].append(times)
+    return out
+
+
+def compare(ref_blocks: list[list[float]], ours_blocks: list[list[float]]) -> dict:
+    """How much faster ours is than the reference, from the blocks of the same rounds
+    (``interleaved``): ratio of medians and of minima over all calls, and ``paired_ratio``, the
+    stats (median, min, max) of the per-round ratios ref block median / ours block median."""
+    ref = [t for b in ref_blocks for t in b]
+    ours = [t for b in ours_blocks for t in b]
+    pairs = [statistics.median(r) / statistics.median(o) for r, o in zip(ref_blocks, ours_blocks)]
+    return {"ratio_of_medians": statistics.median(ref) / statistics.median(ours),
+            "ratio_of_minima": min(ref) / min(ours), "paired_ratio": stats(pairs)}
+
+
+def side_figures(blocks: list[list[float]]) -> dict:
+    """Median and min (ms per call) over every timed call of one side."""
+    calls = [t for b in blocks for t in b]
+    return {"median_ms": statistics.median(calls), "min_ms": min(calls), "calls": len(calls)}
+
+
 def check_agree(jax_out, torch_out, mask):
     valid = mask > 0
     names = ("loss", "grad logprobs", "grad values", "advantages", "returns")
@@ -173,10 +223,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--runs", type=int, default=30, help="timed runs of the torch version")
-    parser.add_argument("--jax-runs", type=int, default=300, help="timed runs of each JAX version")
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="interleaved rounds (each: every JAX version, then torch)")
+    parser.add_argument("--torch-block", type=int, default=3, help="timed torch calls per round")
+    parser.add_argument("--jax-block", type=int, default=10,
+                        help="timed calls of each JAX version per round (also: runs of each "
+                             "GAE-alone timing = rounds x this)")
+    parser.add_argument("--warmup-calls", type=int, default=1,
+                        help="untimed calls right before every timed block, both sides")
+    parser.add_argument("--warmup-s", type=float, default=0.1,
+                        help="... and at least this many seconds of them")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
+    if min(args.rounds, args.torch_block, args.jax_block) < 1:
+        parser.error("--rounds, --torch-block and --jax-block must be >= 1")
     inputs = make_inputs(args.batch, args.length)
     ja, ta = jax_args(inputs), torch_args(inputs)
 
@@ -197,25 +257,26 @@ def main() -> None:
         check_agree(jax.block_until_ready(compiled[label](*ja)), torch_out, inputs["mask"])
     print("numerics: JAX (every GAE method) == torch/TRL (loss, both gradients, advantages, returns)")
 
-    # torch first, then each JAX version in turn; the first WARMUP calls of each JAX block are
-    # untimed (right after the torch runs, XLA:CPU calls were measured up to 2x slower for a
-    # few tens of ms on a 2-core machine).
-    times = {"torch": [time_ms(lambda: torch_step(*ta), 1)[0] for _ in range(args.runs)]}
-    time.sleep(1.0)
-    for label, fn in compiled.items():
-        for _ in range(WARMUP):
-            jax.block_until_ready(fn(*ja))
-        times[label] = [time_ms(lambda: jax.block_until_ready(fn(*ja)), 1)[0] for _ in range(args.jax_runs)]
-    med = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
+    # interleaved rounds: every JAX version, then torch; each block right after its own warm-up
+    fns = {label: (lambda fn=fn: jax.block_until_ready(fn(*ja))) for label, fn in compiled.items()}
+    fns["torch"] = lambda: torch_step(*ta)
+    block = {name: args.jax_block for name in compiled} | {"torch": args.torch_block}
+    blocks = interleaved(fns, args.rounds, block, args.warmup_calls, args.warmup_s)
+    side = {name: side_figures(b) for name, b in blocks.items()}
+    vs = {label: compare(blocks["torch"], blocks[label]) for label in compiled}
 
-    print("\nfull pass (rewards + GAE + whiten + policy/value loss fwd+grad); median (min) per call:")
-    print(f"  torch, TRL 0.11 style            {med['torch']:8.3f} ms ({best['torch']:.3f})"
-          f"   [{args.runs} runs]")
+    print(f"\nfull pass (rewards + GAE + whiten + policy/value loss fwd+grad), {args.rounds} "
+          "interleaved rounds; median (min) ms per call; speed-up vs torch: ratio of medians, "
+          "of minima, and per-round ratios median (min-max):")
+    t = side["torch"]
+    print(f"  torch, TRL 0.11 style            {t['median_ms']:8.3f} ms ({t['min_ms']:.3f})"
+          f"   [{t['calls']} calls]")
     for label in compiled:
-        print(f"  jax jit, GAE {label:20s}{med[label]:8.3f} ms ({best[label]:.3f})"
-              f"   x{med['torch'] / med[label]:5.1f} (min/min x{best['torch'] / best[label]:5.1f})"
-              f"   compile {compile_s[label]:.2f} s   [{len(times[label])} runs]")
+        j, c, p = side[label], vs[label], vs[label]["paired_ratio"]
+        print(f"  jax jit, GAE {label:20s}{j['median_ms']:8.3f} ms ({j['min_ms']:.3f})"
+              f"   x{c['ratio_of_medians']:5.1f}  min/min x{c['ratio_of_minima']:5.1f}  paired "
+              f"x{p['median']:5.1f} (x{p['min']:.1f}-x{p['max']:.1f})"
+              f"   compile {compile_s[label]:.2f} s   [{j['calls']} calls]")
 
     gae_alone = {}
     print("\nGAE alone (jitted, [B, T]); median (min) per call:")
@@ -225,27 +286,33 @@ def main() -> None:
         gae = jax.jit(lambda v, r, m: core.compute_gae(v, r, m, gamma=GAMMA, lam=LAM, method=method,
                                                        unroll=unroll, chunk=chunk))
         jax.block_until_ready(gae(v, r, m))
-        gae_med, gae_min = time_ms(lambda: jax.block_until_ready(gae(v, r, m)), args.jax_runs)
+        gae_med, gae_min = time_ms(lambda: jax.block_until_ready(gae(v, r, m)),
+                                   args.rounds * args.jax_block)
         print(f"  {gae_label(method, unroll, chunk):22s}{gae_med:8.3f} ms ({gae_min:.3f})")
         gae_alone[gae_label(method, unroll, chunk)] = {"median_ms": gae_med, "min_ms": gae_min}
 
     label = gae_label(*default)
-    print(f"\nRESULT default GAE {label}: jax {med[label]:.3f} ms vs torch {med['torch']:.3f} ms (medians)"
-          f" -> x{med['torch'] / med[label]:.1f}; min/min x{best['torch'] / best[label]:.1f}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    c, p = vs[label], vs[label]["paired_ratio"]
+    print(f"\nRESULT default GAE {label}: jax {side[label]['median_ms']:.3f} ms vs torch "
+          f"{side['torch']['median_ms']:.3f} ms (medians) -> x{c['ratio_of_medians']:.1f}; "
+          f"min/min x{c['ratio_of_minima']:.1f}; per-round ratios x{p['median']:.1f} "
+          f"(x{p['min']:.1f}-x{p['max']:.1f}); load average {os.getloadavg()[0]:.2f}")
 
     if args.json:
         data = {
             "bench": "core", "batch": args.batch, "length": args.length, "dtype": "float32",
-            "runs": args.runs, "jax_runs": args.jax_runs, "default_gae": label,
-            "torch": {"median_ms": med["torch"], "min_ms": best["torch"]},
-            "jax": {k: {"median_ms": med[k], "min_ms": best[k], "compile_s": compile_s[k]}
-                    for k in compiled},
+            "rounds": args.rounds, "torch_block": args.torch_block, "jax_block": args.jax_block,
+            "warmup_calls": args.warmup_calls, "warmup_s": args.warmup_s,
+            "runs": side["torch"]["calls"], "jax_runs": args.rounds * args.jax_block,
+            "default_gae": label,
+            "torch": {k: side["torch"][k] for k in ("median_ms", "min_ms")},
+            "jax": {k: {"median_ms": side[k]["median_ms"], "min_ms": side[k]["min_ms"],
+                        "compile_s": compile_s[k], **vs[k]} for k in compiled},
             "gae_alone": gae_alone,
-            "speedup_default": med["torch"] / med[label],
+            "speedup_default": c["ratio_of_medians"],
             "versions": {"jax": jax.__version__, "torch": torch.__version__},
             "torch_threads": torch.get_num_threads(), "platform": jax.devices()[0].platform,
-            **machine_load(),
+            **machine_load(), **run_record(),
             "command": ".venv/bin/python bench/core.py " + shlex.join(sys.argv[1:]),
         }
         write_json(args.json, data)

@@ -16,13 +16,16 @@ Our prefill is timed as a `generate` call with one new token (the prefill pass, 
 and one sample: N tokens take the prefill and N - 1 one-token passes). Greedy, float32, no stop tokens, on the converted SmolLM2 by default.
 
 Usage: ``python bench/decode_floor.py [--batch 8] [--new-tokens 64] [--runs 5]
-[--torch-threads 2]``.
+[--torch-threads 2] [--model-dir DIR] [--json PATH]``. `--json` writes the figures (medians with min-max over the
+runs, the git commit they came from): the `decode_floor.json` that `bench/report.py` turns into
+results.md's "Decode floor" section.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -31,11 +34,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_load, run_record, stats, write_json  # noqa: E402
 from generate import chat_batch  # noqa: E402
 from ppo_jax.models import flat_params, load_model, load_tokenizer, split_model  # noqa: E402
 from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
@@ -97,19 +100,47 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def floor_figures(times: dict[str, list[float]], new_tokens: int, weight_bytes: int,
+                  weight_flops: float) -> dict:
+    """The derived figures of one run from its seconds per call (`prefill`, `generate`,
+    `transformers`, and one key per layer form of the weight-matmul loop, which ran
+    `new_tokens - 1` steps): medians, per-step times, the floor (fastest form), the ratio now and
+    the best-case ratio transformers / (prefill + (new_tokens - 1) * floor)."""
+    med, n = statistics.median, new_tokens
+    prefill, whole, hf = med(times["prefill"]), med(times["generate"]), med(times["transformers"])
+    step = (whole - prefill) / (n - 1)
+    forms = {}
+    for form in (k for k in times if k not in ("prefill", "generate", "transformers")):
+        t = med(times[form]) / (n - 1)
+        forms[form] = {"step_s": t, "gb_per_s": weight_bytes / t / 1e9,
+                       "gflops_per_s": weight_flops / t / 1e9, "fraction_of_decode_step": t / step}
+    best = min(forms, key=lambda f: forms[f]["step_s"])
+    floor = forms[best]["step_s"]
+    return {"prefill_s": stats(times["prefill"]), "generate_s": stats(times["generate"]),
+            "transformers_s": stats(times["transformers"]),
+            "floor_loop_s": {f: stats(times[f]) for f in forms},
+            "decode_step_s": step, "decode_gflops_per_s": weight_flops / step / 1e9,
+            "forms": forms, "floor_form": best, "floor_step_s": floor,
+            "ratio_now": hf / whole, "best_case_ratio": hf / (prefill + (n - 1) * floor),
+            "step_for_2x_s": (hf / 2 - prefill) / (n - 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="HF dir (default: ensure_smollm2())")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     if args.new_tokens < 2 or args.batch < 1:
         parser.error(f"--new-tokens {args.new_tokens} must be >= 2 (the floor is per decode step "
                      f"after the first token) and --batch {args.batch} >= 1")
-    n, runs, med = args.new_tokens, max(args.runs, 3), statistics.median
+    n, runs = args.new_tokens, max(args.runs, 3)
 
-    model_dir = ensure_smollm2()
+    model_dir = args.model_dir or ensure_smollm2()
     tok = load_tokenizer(model_dir)
     ids, mask = chat_batch(tok, args.batch)
     model, cfg = load_model(model_dir)
@@ -139,6 +170,8 @@ def main() -> None:
     # alternate the measurements so drifting load from other processes hits all alike
     fns = {"prefill": ours(1), "generate": ours(n), "transformers": theirs}
     nbytes = floors["scan"][2]
+    itemsize = flat_params(params)["backbone/embed_tokens/embedding"].dtype.itemsize
+    weight_flops = 2.0 * ids.shape[0] * nbytes / itemsize  # 2 x rows x weights read, per step
     for form, (fn, h0, _) in floors.items():
         fns[form] = partial(lambda fn, h0: jax.block_until_ready(fn(h0)), fn, h0)
     for fn in fns.values():
@@ -148,24 +181,36 @@ def main() -> None:
         for k, fn in fns.items():
             times[k].append(timed(fn))
 
-    prefill, whole, hf_s = med(times["prefill"]), med(times["generate"]), med(times["transformers"])
-    step = (whole - prefill) / (n - 1)
-    per_form = {form: med(times[form]) / (n - 1) for form in floors}
-    form = min(per_form, key=per_form.get)
-    floor = per_form[form]
+    fig = floor_figures(times, n, nbytes, weight_flops)
+    step, whole = fig["decode_step_s"], fig["generate_s"]["median"]
     print(f"model {model_dir.name}, float32, batch {ids.shape[0]}, prompt width {ids.shape[1]}, "
           f"{n} new tokens, greedy; jax {jax.__version__} ({jax.default_backend()}), torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), CPUs {os.cpu_count()}; "
           f"medians of {runs} alternating runs")
-    print(f"ppo_jax generate: {whole * 1e3:.0f} ms = prefill {prefill * 1e3:.0f} ms + "
-          f"{n - 1} decode steps of {step * 1e3:.1f} ms")
-    for f, t in per_form.items():
-        print(f"weight matmuls alone, layers {f}: {t * 1e3:.1f} ms per step ({nbytes / 1e6:.0f} MB "
-              f"of weights -> {nbytes / t / 1e9:.1f} GB/s); {t / step:.0%} of our decode step")
-    print(f"transformers generate: {hf_s * 1e3:.0f} ms; ratio now {hf_s / whole:.2f}x")
-    best = hf_s / (prefill + (n - 1) * floor)
-    print(f"best-case ratio (everything but the weight matmuls free, layers {form}): {best:.2f}x; "
-          f"a 2x sampler needs decode steps of {(hf_s / 2 - prefill) / (n - 1) * 1e3:.1f} ms")
+    print(f"ppo_jax generate: {whole * 1e3:.0f} ms = prefill {fig['prefill_s']['median'] * 1e3:.0f}"
+          f" ms + {n - 1} decode steps of {step * 1e3:.1f} ms ({weight_flops / 1e9:.2f} GFLOP of "
+          f"weight matmuls each -> {fig['decode_gflops_per_s']:.1f} GFLOP/s)")
+    for f, d in fig["forms"].items():
+        print(f"weight matmuls alone, layers {f}: {d['step_s'] * 1e3:.1f} ms per step "
+              f"({nbytes / 1e6:.0f} MB of weights -> {d['gb_per_s']:.1f} GB/s, "
+              f"{d['gflops_per_s']:.1f} GFLOP/s); {d['fraction_of_decode_step']:.0%} of our "
+              "decode step")
+    print(f"transformers generate: {fig['transformers_s']['median'] * 1e3:.0f} ms; ratio now "
+          f"{fig['ratio_now']:.2f}x")
+    print(f"best-case ratio (everything but the weight matmuls free, layers {fig['floor_form']}): "
+          f"{fig['best_case_ratio']:.2f}x; a 2x sampler needs decode steps of "
+          f"{fig['step_for_2x_s'] * 1e3:.1f} ms")
+
+    if args.json:
+        write_json(args.json, {
+            "bench": "decode_floor", "model": model_dir.name, "dtype": "float32",
+            "batch": int(ids.shape[0]), "prompt_width": int(ids.shape[1]), "new_tokens": n,
+            "runs": runs, "weight_bytes": nbytes, "weight_flops_per_step": weight_flops, **fig,
+            "versions": {"jax": jax.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "torch_threads": torch.get_num_threads(), **machine_load(), **run_record(),
+            "command": ".venv/bin/python bench/decode_floor.py " + shlex.join(sys.argv[1:]),
+        })
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_load, stats, write_json  # noqa: E402
+from common import machine_load, run_record, stats, write_json  # noqa: E402
 from ppo_jax.models import load_model, load_tokenizer, split_model  # noqa: E402
 from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
 from ppo_jax.rollout.sampler import generate  # noqa: E402
@@ -226,13 +226,15 @@ def main() -> None:
             "transformers_by_threads": {str(th): {**hf_figs[th], "first_call_s": hf_first[th]}
                                         for th in settings},
             "ratio": ratios[best], "paired_ratio": stats(paired[best]),
-            "ratio_by_threads": {str(th): ratios[th] for th in settings}, "target_ratio": 2.0,
+            "ratio_by_threads": {str(th): ratios[th] for th in settings},
+            "paired_ratio_by_threads": {str(th): stats(paired[th]) for th in settings},
+            "target_ratio": 2.0,
             "compile_s": compile_s, "xla_compile_s": xla_s,
             "identical_rows": int(same[best].sum()), "first_divergence_steps": first_diff[best],
             "versions": {"jax": jax.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__},
             "torch_default_threads": default_threads,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), **machine_load(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), **machine_load(), **run_record(),
             "command": ".venv/bin/python bench/generate.py " + shlex.join(sys.argv[1:]),
         }
         write_json(args.json, data)

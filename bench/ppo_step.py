@@ -29,8 +29,10 @@ Both sides load the same HF directory (default: SmolLM2-135M-Instruct converted 
 this script tokenises the project's prompt set with ppo_jax's own code (chat template, left
 truncation to `--max-prompt-length`) and hands the token ids to the TRL script; ppo_jax reads
 them unshuffled (`data.shuffle=false`), so step k of both sides sees rows k*B .. k*B+B-1. (ppo_jax
-pads every prompt to the widest prompt of the set, TRL to the widest of the batch; token counts
-below count real tokens only, so both sides are credited with the same tokens.)
+pads each batch's prompts to its widest prompt rounded up to one of `data.prompt_buckets` widths
+and cuts responses likewise, TRL pads to the widest of the batch; token counts below count real
+tokens only, so both sides are credited with the same tokens, and `padded_seq_len_mean` gives
+the columns each side computed over.)
 
 Tokens/s: generation = B * new_tokens / t; scoring and step = (real prompt + response tokens) /
 t; update = epochs * (real prompt + response tokens) / t. With the same tokens on both sides,
@@ -73,7 +75,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
-from common import stats, write_json  # noqa: E402
+from common import run_record, stats, write_json  # noqa: E402
 
 JSON_TAG = "BENCH_JSON "
 PROMPTS = ROOT / "configs/prompts/reviews.jsonl"
@@ -175,6 +177,7 @@ def run_jax_worker(args) -> dict:
             rec = {k: m[k] for k in ("time/generation", "time/scoring", "time/update", "time/step")}
             rec.update({
                 "gen_tokens": gen_tokens, "seq_tokens": seq_tokens, "prompt_tokens": prompt_tokens,
+                "padded_seq_len": m["prompt_width"] + m["response_width"],
                 "tokens_per_s/generation": gen_tokens / rec["time/generation"],
                 "tokens_per_s/scoring": seq_tokens / rec["time/scoring"],
                 "tokens_per_s/update": args.epochs * seq_tokens / rec["time/update"],
@@ -214,6 +217,7 @@ def run_jax_worker(args) -> dict:
         "gen_tokens": measured[0]["gen_tokens"],
         "seq_tokens_mean": statistics.mean(r["seq_tokens"] for r in measured),
         "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in measured),
+        "padded_seq_len_mean": statistics.mean(r["padded_seq_len"] for r in measured),
         "stats": {k: stats(r[k] for r in measured) for k in keys},
         "model_flops": model_flops,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -383,7 +387,7 @@ def main() -> None:
                      "configs": configs},
         "results": results,
         "command": command_line(),
-        "load_average": os.getloadavg()[0],
+        "load_average": os.getloadavg()[0], **run_record(),
     }
     print(ppo_step_markdown(data))
     if args.json:

@@ -1,11 +1,14 @@
 """Assemble `bench/results.md` from the JSON files the benchmark scripts write with `--json`.
 
 Reads `core.json` (bench/core.py), `generate.json` (bench/generate.py), `ppo_step.json`
-(bench/ppo_step.py) and `roofline.json` (bench/roofline.py) from a directory (any of them may be missing; its section then says so),
+(bench/ppo_step.py), `roofline.json` (bench/roofline.py) and `decode_floor.json`
+(bench/decode_floor.py) from a directory (any of them may be missing; its section then says so),
 plus `gpu.json` (bench/gpu.sh --json) when present,
-and writes one markdown file: the date, the machine (CPU model, cores, memory, load average
-when each benchmark ran), the software versions, the commands to reproduce, and one section of
-tables per benchmark with the figures as measured (median, with min-max over the runs).
+and writes one markdown file: the date, the git commit(s) the figures came from (with a warning
+when the raw files come from different commits, a dirty tree, or record none), the machine (CPU
+model, cores, memory, load average and wall time of each benchmark), the software versions,
+the commands to reproduce, and one section of tables per benchmark with the figures as measured
+(median, with min-max over the runs).
 
 Usage: python bench/report.py [RAW_DIR (default bench/results_raw)] [--out bench/results.md]
        python bench/report.py --gpu-only GPU_JSON [--out bench/results.md]   (that section only)
@@ -19,10 +22,13 @@ import datetime
 import json
 import os
 import platform
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from provenance import provenance_lines  # noqa: E402
 PHASES = (("generation", "generation"), ("scoring", "scoring"), ("update", "update"),
           ("step", "whole step"))
 
@@ -143,13 +149,45 @@ def ppo_step_markdown(data: dict) -> str:
                        "step; ppo_jax applies the LM head to response positions only, TRL to "
                        "every position; GFLOP/s = those FLOPs / the phase's median time):\n")
             out.append(flops)
-        comp_rows = [[r["label"], _f(r.get("load_s")), _f(r.get("first_step_s"))]
+        comp_rows = [[r["label"], _f(r.get("load_s")), _f(r.get("first_step_s")),
+                      _f(_sum(r.get("load_s"), r.get("first_step_s"))),
+                      _f(r["stats"]["time/step"]["median"])]
                      + [_f((r.get("compile_s") or {}).get(f"time/{k}")) for k, _ in PHASES]
                      for r in rs]
-        out.append("\nLoad and first step (compile = first step minus the steady-state median):\n")
-        out.append(table(["configuration", "load s", "first step s"]
+        out.append("\nLoad and first step, beside the steady-state median step (compile = first "
+                   "step minus the steady-state median; TRL runs eagerly, so its first step "
+                   "holds no compilation):\n")
+        out.append(table(["configuration", "load s", "first step s", "load + first step s",
+                          "steady step s (median)"]
                          + [f"compile {n} s" for _, n in PHASES], comp_rows))
+        cols = columns_table(rs, s["batch"])
+        if cols:
+            out.append("\nColumns per step (means over the measured steps): real tokens against "
+                       "the padded prompt + response width each side computes over:\n")
+            out.append(cols)
     return "\n".join(out)
+
+
+def _sum(a, b):
+    return None if a is None or b is None else a + b
+
+
+def columns_table(rs: list[dict], batch: int) -> str | None:
+    """Real prompt + response tokens per step against `padded_seq_len_mean` (the prompt +
+    response columns each side's passes run over) x `batch` rows, per result that has it."""
+    rows = []
+    for r in rs:
+        width = r.get("padded_seq_len_mean")
+        if width is None:
+            continue
+        real = r.get("seq_tokens_mean")
+        padded = batch * width
+        rows.append([r["label"], _f(real, 1), _f(width, 1), _f(padded, 0),
+                     "n/a" if not real else f"{padded / real - 1:.1%}"])
+    if not rows:
+        return None
+    return table(["configuration", "real tokens / step", "padded width (prompt + response)",
+                  "padded tokens / step", "padding overhead"], rows)
 
 
 def flops_table(rs: list[dict]) -> str | None:
@@ -195,18 +233,43 @@ def roofline_markdown(data: dict) -> str:
 
 
 # --------------------------------------------------------------------------- core / generate
+def _ratio(x) -> str:
+    return "n/a" if x is None else f"×{x:.1f}"
+
+
+def _paired(p: dict | None) -> str:
+    """`×median (×min–×max)` of per-round ratios (bench/core.py's `paired_ratio`)."""
+    if not p:
+        return "n/a"
+    return f"×{p['median']:.1f} (×{p['min']:.1f}–×{p['max']:.1f}, {p['n']} rounds)"
+
+
 def core_markdown(data: dict) -> str:
+    if "rounds" in data:
+        how = (f"{data['rounds']} interleaved rounds, each timing every JAX version and then "
+               f"torch, in blocks of {data['jax_block']} (JAX) and {data['torch_block']} (torch) "
+               "timed calls, every block right after its own warm-up (untimed calls of the same "
+               f"function: at least {data['warmup_calls']}, and for at least "
+               f"{data['warmup_s']:g} s, both sides)")
+    else:  # a core.json from before the interleaved timing
+        how = f"torch {data['runs']} runs, then JAX {data['jax_runs']} runs each (not interleaved)"
     out = [f"B={data['batch']}, T={data['length']}, float32. One pass of reward shaping + GAE + "
            "advantage whitening + clipped policy/value loss forward and gradient; torch: TRL 0.11 "
-           f"semantics written for the bench (Python loops as TRL has them). Median (min) per call; "
-           f"torch {data['runs']} runs, JAX {data['jax_runs']} runs each."]
-    rows = [["torch, TRL 0.11 style", f"{data['torch']['median_ms']:.3f} ({data['torch']['min_ms']:.3f})",
-             "×1.0", "—"]]
+           "semantics written for the bench (Python loops as TRL has them). Median (min) ms per "
+           f"call over every timed call; {how}. Speed-up vs torch: ratio of medians, ratio of "
+           "minima, and the median of the per-round ratios (torch block median / JAX block "
+           "median of the same round) with their min–max."]
+    t = data["torch"]
+    rows = [["torch, TRL 0.11 style", f"{t['median_ms']:.3f} ({t['min_ms']:.3f})", "×1.0", "×1.0",
+             "—", "—"]]
     for label, r in data["jax"].items():
         default = " (default)" if label == data.get("default_gae") else ""
+        minima = r.get("ratio_of_minima")
         rows.append([f"jax jit, GAE {label}{default}", f"{r['median_ms']:.3f} ({r['min_ms']:.3f})",
-                     f"×{data['torch']['median_ms'] / r['median_ms']:.1f}", f"{r['compile_s']:.2f}"])
-    out.append("\n" + table(["implementation", "ms per call", "speed-up vs torch", "compile s"], rows))
+                     _ratio(t["median_ms"] / r["median_ms"]), _ratio(minima),
+                     _paired(r.get("paired_ratio")), f"{r['compile_s']:.2f}"])
+    out.append("\n" + table(["implementation", "ms per call", "median / median", "min / min",
+                              "per-round ratios", "compile s"], rows))
     if data.get("gae_alone"):
         out.append("\nGAE alone (jitted, [B, T]):\n")
         out.append(table(["method", "ms per call (min)"],
@@ -221,18 +284,23 @@ def generate_markdown(data: dict) -> str:
            f"stop; tokens/s = batch x new tokens / wall time of one whole generate call; median "
            f"(min–max) over {data.get('runs')} calls after one warm-up call."]
     rows = []
-    for key, name in (("ppo_jax", "ppo_jax jitted KV-cache sampler"),
-                      ("transformers", "transformers `generate` (PyTorch CPU)")):
-        r = data.get(key)
-        if r:
-            rows.append([name, _spread(r.get("tokens_per_s"), 1), _spread(r.get("seconds"), 3),
-                         _f(r.get("first_call_s"))])
-    out.append("\n" + table(["implementation", "tokens/s", "s per call", "first call s"], rows))
+    if data.get("ppo_jax"):
+        r = data["ppo_jax"]
+        rows.append(["ppo_jax jitted KV-cache sampler", _spread(r.get("tokens_per_s"), 1),
+                     _spread(r.get("seconds"), 3), _f(r.get("first_call_s")), "—"])
+    for name, r, ratio, paired in transformers_rows(data):
+        cell = "n/a" if ratio is None else f"×{ratio:.2f}"
+        if paired:
+            cell += f" (paired runs ×{paired['min']:.2f}–×{paired['max']:.2f})"
+        rows.append([name, _spread(r.get("tokens_per_s"), 1), _spread(r.get("seconds"), 3),
+                     _f(r.get("first_call_s")), cell])
+    out.append("\n" + table(["implementation", "tokens/s", "s per call", "first call s",
+                              "ppo_jax / this (medians)"], rows))
     extras = []
     if data.get("ratio") is not None:
-        paired = data.get("paired_ratio")
-        extras.append(f"ratio ppo_jax / transformers (medians): ×{data['ratio']:.2f}"
-                      + (f" (paired runs ×{paired['min']:.2f}–×{paired['max']:.2f})" if paired else ""))
+        best = (data.get("transformers") or {}).get("torch_threads")
+        vs = f" at its fastest thread setting ({best} threads)" if best is not None else ""
+        extras.append(f"headline ratio ppo_jax / transformers{vs} (medians): ×{data['ratio']:.2f}")
     if data.get("compile_s") is not None:
         extras.append(f"ppo_jax compile: {data['compile_s']:.1f} s")
     if data.get("identical_rows") is not None:
@@ -240,6 +308,64 @@ def generate_markdown(data: dict) -> str:
     if extras:
         out.append("\n" + "; ".join(extras) + ".")
     return "\n".join(out)
+
+
+def transformers_rows(data: dict) -> list[tuple[str, dict, float | None, dict | None]]:
+    """(name, figures, ppo_jax / it, paired-run ratio stats) of each torch thread setting
+    bench/generate.py timed, the fastest (the one the headline ratio is taken against) first and
+    marked; one row from a generate.json that has no per-setting figures."""
+    base = "transformers `generate` (PyTorch CPU)"
+    by = data.get("transformers_by_threads") or {}
+    best = (data.get("transformers") or {}).get("torch_threads")
+    if not by or best is None:
+        r = data.get("transformers")
+        return [(base, r, data.get("ratio"), data.get("paired_ratio"))] if r else []
+    ratios = data.get("ratio_by_threads") or {}
+    paired = data.get("paired_ratio_by_threads") or {str(best): data.get("paired_ratio")}
+    order = sorted(by, key=lambda th: (th != str(best), int(th)))
+    return [(f"{base}, {th} thread{'' if th == '1' else 's'}"
+             + (" (fastest)" if th == str(best) else ""), by[th],
+             ratios.get(th), paired.get(th)) for th in order]
+
+
+# --------------------------------------------------------------------------- decode floor
+def decode_floor_markdown(data: dict) -> str:
+    """bench/decode_floor.py's JSON: our decode step against the weight matmuls alone."""
+    n, ms = data["new_tokens"], lambda x: _f(x * 1e3, 1)
+    mb, gflop = data["weight_bytes"] / 1e6, data["weight_flops_per_step"] / 1e9
+    out = [f"Model `{data['model']}`, {data['dtype']}, batch {data['batch']}, prompt width "
+           f"{data['prompt_width']}, {n} new tokens, greedy, no stop tokens; ms per call: median "
+           f"(min–max) of {data['runs']} alternating runs (after one warm-up call each). Weight "
+           f"matmuls: q/k/v/o/gate/up/down in every layer plus the LM head with the model's own "
+           f"weights ({mb:.0f} MB read per step, {gflop:.2f} GFLOP = 2 x rows x weights), in a "
+           f"jitted loop of {n - 1} steps with nothing else but an RMS norm per layer; ours: "
+           f"decode step = (generate - prefill) / {n - 1}; torch {data['torch_threads']} threads.",
+           ""]
+    rows = [["ppo_jax `generate`, whole call", _spread_ms(data["generate_s"]), "—", "—", "—", "—"],
+            ["ppo_jax prefill (`generate` with 1 new token)", _spread_ms(data["prefill_s"]), "—",
+             "—", "—", "—"],
+            ["ppo_jax decode step", "—", ms(data["decode_step_s"]), "—",
+             _f(data["decode_gflops_per_s"], 1), "100%"]]
+    for form, d in data["forms"].items():
+        floor = " (floor)" if form == data["floor_form"] else ""
+        rows.append([f"weight matmuls alone, layers {form}{floor}",
+                     _spread_ms(data["floor_loop_s"][form]), ms(d["step_s"]),
+                     _f(d["gb_per_s"], 1), _f(d["gflops_per_s"], 1),
+                     f"{d['fraction_of_decode_step']:.0%}"])
+    rows.append(["transformers `generate`, whole call", _spread_ms(data["transformers_s"]), "—",
+                 "—", "—", "—"])
+    out.append(table(["what", "ms per call", "ms per decode step", "weights GB/s",
+                      "weight-matmul GFLOP/s", "of our decode step"], rows))
+    out.append(f"\nRatio transformers / ppo_jax (medians of whole calls): ×{data['ratio_now']:.2f}; "
+               f"best case, everything but the weight matmuls free (prefill + {n - 1} floor "
+               f"steps): **×{data['best_case_ratio']:.2f}**; a ×2 sampler needs decode steps of "
+               f"{ms(data['step_for_2x_s'])} ms.")
+    return "\n".join(out)
+
+
+def _spread_ms(st: dict) -> str:
+    """A seconds stats dict as `median (min–max)` in ms."""
+    return _spread({k: (v * 1e3 if k != "n" else v) for k, v in st.items()}, 1)
 
 
 # --------------------------------------------------------------------------- gpu
@@ -280,20 +406,28 @@ def load(raw: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def render(raw: Path) -> str:
-    core, gen, step = load(raw, "core"), load(raw, "generate"), load(raw, "ppo_step")
-    roof = load(raw, "roofline")
-    m = machine_info()
-    rel = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
-    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    trl = next((r for r in (step or {}).get("results", []) if r["config"] == "trl"), None)
-    ours = next((r for r in (step or {}).get("results", []) if r["config"] != "trl"), None)
-    out = ["# Benchmark results", "",
-           f"Generated {now} by `bench/report.py` from `{rel}`. "
-           "All figures are wall-clock times on the machine below; other load on the machine "
-           "inflates them (the load average at the end of each benchmark is given).", "",
-           "## Machine and software", "",
-           f"- CPU: {m['cpu']}, {m['cores']} logical cores"
+# the benchmarks `make bench` runs, in its order, with their results.md sections
+BENCHES = ("core", "generate", "ppo_step", "roofline", "decode_floor")
+SECTIONS = (
+    ("ppo_step", "PPO step: ppo_jax vs TRL 0.11 `PPOTrainer` (bench/ppo_step.py)",
+     ppo_step_markdown),
+    ("roofline", "Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)",
+     roofline_markdown),
+    ("generate", "Generation: ppo_jax sampler vs transformers `generate` (bench/generate.py)",
+     generate_markdown),
+    ("decode_floor", "Decode floor: the sampler's decode step vs its weight matmuls alone "
+     "(bench/decode_floor.py)", decode_floor_markdown),
+    ("core", "PPO math: ppo_jax.core vs TRL 0.11-style torch (bench/core.py)", core_markdown),
+)
+
+
+def machine_lines(raws: dict[str, dict | None]) -> list[str]:
+    """The machine / software bullet list (read now), with each benchmark's load and wall time."""
+    m, step = machine_info(), raws.get("ppo_step")
+    results = (step or {}).get("results", [])
+    trl = next((r for r in results if r["config"] == "trl"), None)
+    ours = next((r for r in results if r["config"] != "trl"), None)
+    out = [f"- CPU: {m['cpu']}, {m['cores']} logical cores"
            + (f", {m['memory_gib']:.0f} GiB memory" if m["memory_gib"] else ""),
            f"- OS: {m['os']}; Python {m['python']}"]
     v = package_versions()
@@ -307,32 +441,44 @@ def render(raw: Path) -> str:
         tv = trl["versions"]
         out.append(f"- TRL environment (.venv-bench): trl {tv['trl']}, transformers "
                    f"{tv['transformers']}, torch {tv['torch']} ({tv['torch_threads']} threads)")
-    loads = [(n, d.get("load_average")) for n, d in (("core", core), ("generate", gen),
-                                                     ("ppo_step", step), ("roofline", roof)) if d]
-    if loads:
+    loads = [(n, d.get("load_average")) for n, d in raws.items() if d]
+    if any(la is not None for _, la in loads):
         out.append("- load average (1 min) at the end of each benchmark: "
                    + ", ".join(f"{n} {la:.2f}" for n, la in loads if la is not None))
+    walls = [(n, d["wall_s"]) for n, d in raws.items() if d and d.get("wall_s") is not None]
+    if walls:
+        out.append("- wall time of each benchmark (its whole process): "
+                   + ", ".join(f"{n} {w / 60:.1f} min" for n, w in walls)
+                   + f"; {sum(w for _, w in walls) / 60:.1f} min in all")
+    return out
+
+
+def render(raw: Path) -> str:
+    raws = {name: load(raw, name) for name in BENCHES}
+    gpu = load(raw, "gpu")  # optional: bench/gpu.sh --json <raw>/gpu.json on an accelerator
+    rel = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    out = ["# Benchmark results", "",
+           f"Generated {now} by `bench/report.py` from `{rel}`. "
+           "All figures are wall-clock times on the machine below; other load on the machine "
+           "inflates them (the load average at the end of each benchmark is given).", ""]
+    prov = provenance_lines({**raws, "gpu": gpu})
+    if prov:
+        out += ["\n\n".join(prov), ""]
+    out += ["## Machine and software", ""] + machine_lines(raws)
     out += ["", "## Reproduce", "", "```bash",
-            "make bench   # sets up .venv and .venv-bench, runs the four benchmarks, writes bench/results.md",
-            "# or one at a time:"]
-    for name, d in (("core", core), ("generate", gen), ("ppo_step", step), ("roofline", roof)):
+            "make bench   # sets up .venv and .venv-bench, runs the five benchmarks, writes "
+            "bench/results.md", "# or one at a time:"]
+    for name, d in raws.items():
         if d and d.get("command"):
             out.append(d["command"])
         elif name not in ("ppo_step", "roofline"):
-            out.append(f".venv/bin/python bench/{name}.py")
-    out += [f".venv/bin/python bench/report.py {rel}",
-            "```", ""]
-
-    out += ["## PPO step: ppo_jax vs TRL 0.11 `PPOTrainer` (bench/ppo_step.py)", ""]
-    out.append(ppo_step_markdown(step) if step else "_not run (no ppo_step.json)_")
-    out += ["", "## Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)", ""]
-    out.append(roofline_markdown(roof) if roof else "_not run (no roofline.json)_")
-    out += ["", "## Generation: ppo_jax sampler vs transformers `generate` (bench/generate.py)", ""]
-    out.append(generate_markdown(gen) if gen else "_not run (no generate.json)_")
-    out += ["", "## PPO math: ppo_jax.core vs TRL 0.11-style torch (bench/core.py)", ""]
-    out.append(core_markdown(core) if core else "_not run (no core.json)_")
-    gpu = load(raw, "gpu")
-    if gpu:  # optional: bench/gpu.sh --json <raw>/gpu.json on an accelerator machine
+            out.append(f".venv/bin/python bench/{name}.py --json {rel}/{name}.json")
+    out += [f".venv/bin/python bench/report.py {rel}", "```"]
+    for name, heading, markdown in SECTIONS:
+        d = raws[name]
+        out += ["", f"## {heading}", "", markdown(d) if d else f"_not run (no {name}.json)_"]
+    if gpu:
         out += ["", gpu_section(gpu)]
     return "\n".join(out) + "\n"
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu  # noqa: E402  (bench/gpu.py: the 6N-per-token model)
 import ppo_step  # noqa: E402  (bench/ppo_step.py: the jax worker)
-from common import cpu_info, cpu_line, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, run_record, stats, write_json  # noqa: E402
 
 TARGET = 0.5  # issue 13: the update at >= 50% of the matmul rate
 
@@ -134,7 +134,7 @@ def main() -> None:
         "cpu": cpu, "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
         "matmul": mm, "update": upd,
         "ratio": upd["gflops_per_s"]["median"] / mm["gflops_per_s"]["median"], "target": TARGET,
-        "command": ppo_step.command_line(), "load_average": os.getloadavg()[0],
+        "command": ppo_step.command_line(), "load_average": os.getloadavg()[0], **run_record(),
     }
     from report import roofline_markdown
 

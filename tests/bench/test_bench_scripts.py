@@ -30,7 +30,9 @@ def _load(name: str):
 
 
 ppo_step, gpu, report = _load("ppo_step"), _load("gpu"), _load("report")
+core_bench = _load("core")
 flops, common, trl_step = _load("flops"), _load("common"), _load("ppo_step_trl")
+provenance = _load("provenance")
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])
@@ -210,9 +212,11 @@ def test_report_renders_missing_sections(tmp_path):
         "torch": {"median_ms": 2.0, "min_ms": 1.5},
         "jax": {"scan(unroll=1)": {"median_ms": 0.5, "min_ms": 0.4, "compile_s": 0.3}},
         "gae_alone": {}, "load_average": 0.5, "command": ".venv/bin/python bench/core.py"}))
-    text = report.render(tmp_path)
-    assert "| jax jit, GAE scan(unroll=1) (default) | 0.500 (0.400) | ×4.0 | 0.30 |" in text
+    text = report.render(tmp_path)  # a core.json from before interleaving and commits
+    assert "| jax jit, GAE scan(unroll=1) (default) | 0.500 (0.400) | ×4.0 | n/a | n/a | 0.30 |" in text
     assert "_not run (no ppo_step.json)_" in text and "_not run (no generate.json)_" in text
+    assert "_not run (no decode_floor.json)_" in text
+    assert "no commit recorded for core" in text and "(not interleaved)" in text
 
 
 @pytest.mark.slow
@@ -461,3 +465,224 @@ def test_roofline_tiny_dry_run(tmp_path):
     u = data["update"]
     assert u["flops"] > 0 and u["flops"] > u["xla_flops"]  # layers in a scan: XLA counts one
     assert "Update / matmul rate" in proc.stdout
+
+
+# --------------------------------------------------------------------------- bench/core.py timing
+class FakeClock:
+    """A clock that advances by `step` seconds per reading; `log` records the calls made."""
+
+    def __init__(self, step: float = 1.0):
+        self.t, self.step, self.log = 0.0, step, []
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+    def fn(self, name: str):
+        return lambda: self.log.append(name)
+
+
+def test_warm_runs_until_both_the_calls_and_the_seconds_are_reached():
+    clock = FakeClock(step=1.0)  # every reading 1 s later: the k-th check sees k seconds passed
+    assert core_bench.warm(clock.fn("f"), min_calls=2, min_s=0.0, clock=clock) == 2
+    clock = FakeClock(step=1.0)
+    assert core_bench.warm(clock.fn("f"), min_calls=1, min_s=3.5, clock=clock) == 4
+    assert clock.log == ["f"] * 4
+
+
+def test_interleaved_warms_each_block_right_before_it_and_alternates_sides():
+    clock = FakeClock(step=0.5)
+    fns = {"ours": clock.fn("ours"), "torch": clock.fn("torch")}
+    blocks = core_bench.interleaved(fns, rounds=2, block={"ours": 3, "torch": 1}, warmup_calls=2,
+                                    warmup_s=0.0, clock=clock)
+    one_round = ["ours"] * (2 + 3) + ["torch"] * (2 + 1)  # warm-up calls, then the timed block
+    assert clock.log == one_round * 2
+    assert [len(b) for b in blocks["ours"]] == [3, 3] and [len(b) for b in blocks["torch"]] == [1, 1]
+    assert all(t == 500.0 for b in blocks["ours"] for t in b)  # one clock step, in ms
+
+
+def test_compare_quotes_ratio_of_minima_and_per_round_ratios():
+    torch_blocks = [[10.0, 12.0, 30.0], [20.0, 8.0, 40.0]]  # block medians 12, 20; min 8
+    ours_blocks = [[1.0, 2.0, 3.0], [4.0, 5.0, 2.0]]        # block medians 2, 4; min 1
+    c = core_bench.compare(torch_blocks, ours_blocks)
+    assert c["ratio_of_minima"] == pytest.approx(8.0)
+    assert c["ratio_of_medians"] == pytest.approx(16.0 / 2.5)  # medians of all six calls
+    assert c["paired_ratio"] == {"median": 5.5, "min": 5.0, "max": 6.0, "n": 2}  # 12/2, 20/4
+    assert core_bench.side_figures(ours_blocks) == {"median_ms": 2.5, "min_ms": 1.0, "calls": 6}
+
+
+CORE = {
+    "bench": "core", "batch": 4, "length": 8, "rounds": 2, "torch_block": 3, "jax_block": 3,
+    "warmup_calls": 1, "warmup_s": 0.1, "runs": 6, "jax_runs": 6, "default_gae": "scan(unroll=1)",
+    "torch": {"median_ms": 16.0, "min_ms": 8.0},
+    "jax": {"scan(unroll=1)": {"median_ms": 2.5, "min_ms": 1.0, "compile_s": 0.3,
+                               "ratio_of_medians": 6.4, "ratio_of_minima": 8.0,
+                               "paired_ratio": {"median": 5.5, "min": 5.0, "max": 6.0, "n": 2}}},
+    "gae_alone": {}, "speedup_default": 6.4, "commit": "abc1234", "dirty": False,
+    "wall_s": 90.0, "load_average": 0.5, "command": ".venv/bin/python bench/core.py",
+}
+
+
+def test_core_section_shows_minima_and_per_round_ratios_with_their_spread():
+    text = report.core_markdown(CORE)
+    assert ("| jax jit, GAE scan(unroll=1) (default) | 2.500 (1.000) | ×6.4 | ×8.0 | "
+            "×5.5 (×5.0–×6.0, 2 rounds) | 0.30 |") in text
+    assert "2 interleaved rounds" in text and "blocks of 3 (JAX) and 3 (torch)" in text
+
+
+# --------------------------------------------------------------------------- commits
+def _git(repo, *args):
+    subprocess.run(["git", "-c", "user.email=b@x", "-c", "user.name=b", *args], cwd=repo,
+                   check=True, capture_output=True)
+
+
+def test_git_state_reads_the_commit_and_whether_tracked_files_changed(tmp_path, monkeypatch):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "bench").mkdir()
+    for name in ("a.py", "bench/results.md"):
+        (tmp_path / name).write_text("x\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "c")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, text=True,
+                          capture_output=True, check=True).stdout.strip()
+    assert common.git_state(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "new.py").write_text("untracked\n")  # untracked: not dirty
+    (tmp_path / "bench/results.md").write_text("regenerated\n")  # generated: not dirty
+    assert common.git_state(tmp_path)["dirty"] is False
+    (tmp_path / "a.py").write_text("changed\n")
+    assert common.git_state(tmp_path) == {"commit": head, "dirty": True}
+    monkeypatch.setenv("PPO_BENCH_COMMIT", "feed123")  # a copied tree without .git
+    assert common.git_state(tmp_path / "bench")["commit"] == head  # still inside the checkout
+    outside = tmp_path.parent / f"{tmp_path.name}-nogit"
+    outside.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert common.git_state(outside) == {"commit": "feed123", "dirty": None}
+
+
+def test_run_record_carries_commit_dirty_and_wall_time():
+    r = common.run_record()
+    assert set(r) == {"commit", "dirty", "wall_s"}
+    assert r["wall_s"] is None or r["wall_s"] > 0
+
+
+def test_provenance_one_commit_no_warning():
+    lines = provenance.provenance_lines({"core": CORE, "generate": {**CORE, "commit": "abc1234"},
+                                     "ppo_step": None})
+    assert lines == ["Code: commit `abc1234` (every raw file)."]
+
+
+def test_provenance_warns_on_mixed_commits_dirty_trees_and_missing_commits():
+    gpu_json = {"commit": "abc1234" + "0" * 33 + "-dirty"}  # bench/gpu.py: full hash + -dirty
+    lines = provenance.provenance_lines({"core": CORE, "generate": {**CORE, "commit": "def5678"},
+                                     "ppo_step": {"results": []}, "gpu": gpu_json})
+    text = "\n".join(lines)
+    assert lines[0].startswith("Code: core `abc1234`, generate `def5678`, ppo_step not recorded, gpu")
+    assert "2 different commits (`abc1234`, `def5678`)" in text  # gpu's full hash is abc1234
+    assert "dirty tree" in text and "): gpu;" in text
+    assert "no commit recorded for ppo_step" in text
+    clean = provenance.provenance_lines({"core": CORE, "gpu": {"commit": "abc1234"}})
+    assert len(clean) == 1
+
+
+def test_report_header_names_the_commit_and_the_wall_times(tmp_path):
+    (tmp_path / "core.json").write_text(json.dumps({**CORE, "dirty": True}))
+    text = report.render(tmp_path)
+    assert "Code: commit `abc1234` (every raw file)." in text
+    assert "**Warning:** measured on a dirty tree" in text and "): core;" in text
+    assert "wall time of each benchmark (its whole process): core 1.5 min; 1.5 min in all" in text
+
+
+# --------------------------------------------------------------------------- generate / ppo_step
+def test_generate_section_shows_every_thread_setting_fastest_first():
+    st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
+    data = {"model": "m", "batch": 8, "prompt_width": 47, "new_tokens": 64, "runs": 3,
+            "ppo_jax": {"tokens_per_s": st(140.0), "seconds": st(3.7), "first_call_s": 4.4},
+            "transformers": {"tokens_per_s": st(85.0), "seconds": st(6.0), "first_call_s": 6.1,
+                             "torch_threads": 2},
+            "transformers_by_threads": {
+                "1": {"tokens_per_s": st(70.0), "seconds": st(7.3), "first_call_s": 7.5},
+                "2": {"tokens_per_s": st(85.0), "seconds": st(6.0), "first_call_s": 6.1}},
+            "ratio": 140 / 85, "ratio_by_threads": {"1": 2.0, "2": 140 / 85},
+            "paired_ratio": st(1.6), "paired_ratio_by_threads": {"1": st(2.0), "2": st(1.6)}}
+    text = report.generate_markdown(data)
+    fast = ("| transformers `generate` (PyTorch CPU), 2 threads (fastest) | 85.0 | 6.000 | 6.10 | "
+            "×1.65 (paired runs ×1.60–×1.60) |")
+    slow = "| transformers `generate` (PyTorch CPU), 1 thread | 70.0 | 7.300 | 7.50 | ×2.00 ("
+    assert fast in text and slow in text and text.index(fast) < text.index(slow)
+    assert "fastest thread setting (2 threads) (medians): ×1.65" in text
+    old = {k: v for k, v in data.items() if k not in ("transformers_by_threads",)}
+    assert "| transformers `generate` (PyTorch CPU) | 85.0 |" in report.generate_markdown(old)
+
+
+def test_ppo_step_section_puts_first_step_beside_the_steady_median_and_counts_columns():
+    data = {"settings": {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48,
+                         "kl_coef": 0.05, "max_grad_norm": 1.0, "warmup": 1, "steps": 3},
+            "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
+    ours, trl = data["results"]
+    ours.update(seq_tokens_mean=400.0, padded_seq_len_mean=55.0)
+    trl.update(seq_tokens_mean=400.0, padded_seq_len_mean=50.0, first_step_s=17.9)
+    text = report.ppo_step_markdown(data)
+    assert "| trl | 1.00 | 17.9 | 18.9 | 13.0 | n/a | n/a | n/a | n/a |" in text
+    assert "| jax-shared | 1.00 | 2.00 | 3.00 | 4.00 | 1.00 | 1.00 | 1.00 | 1.00 |" in text
+    assert "| jax-shared | 400 | 55.0 | 440 | 10.0% |" in text  # 8 x 55 columns vs 400 tokens
+    assert "| trl | 400 | 50.0 | 400 | 0.0% |" in text
+
+
+# --------------------------------------------------------------------------- decode floor
+def test_floor_figures_from_hand_numbers():
+    floor = _load("decode_floor")
+    times = {"prefill": [0.1, 0.2, 0.1], "generate": [0.7, 0.8, 0.7], "transformers": [1.5] * 3,
+             "scan": [0.4, 0.4, 0.5], "unrolled": [0.3, 0.3, 0.3]}
+    f = floor.floor_figures(times, new_tokens=4, weight_bytes=6e9, weight_flops=3e9)
+    assert f["decode_step_s"] == pytest.approx(0.2)  # (0.7 - 0.1) / 3
+    assert f["floor_form"] == "unrolled" and f["floor_step_s"] == pytest.approx(0.1)
+    assert f["forms"]["scan"]["fraction_of_decode_step"] == pytest.approx(0.4 / 3 / 0.2)
+    assert f["forms"]["unrolled"]["gb_per_s"] == pytest.approx(60.0)
+    assert f["forms"]["unrolled"]["gflops_per_s"] == pytest.approx(30.0)
+    assert f["decode_gflops_per_s"] == pytest.approx(15.0)
+    assert f["ratio_now"] == pytest.approx(1.5 / 0.7)
+    assert f["best_case_ratio"] == pytest.approx(1.5 / (0.1 + 3 * 0.1))
+    assert f["step_for_2x_s"] == pytest.approx((0.75 - 0.1) / 3)
+    assert f["prefill_s"] == {"median": 0.1, "min": 0.1, "max": 0.2, "n": 3}
+
+
+def test_decode_floor_section_renders(tmp_path):
+    floor = _load("decode_floor")
+    times = {"prefill": [0.1] * 3, "generate": [1.3] * 3, "transformers": [1.5] * 3,
+             "scan": [0.9] * 3, "unrolled": [0.6] * 3}  # steps: ours 0.4 s, floor 0.2 s
+    fig = floor.floor_figures(times, new_tokens=4, weight_bytes=538e6, weight_flops=2.2e9)
+    data = {"bench": "decode_floor", "model": "m", "dtype": "float32", "batch": 8,
+            "prompt_width": 47, "new_tokens": 4, "runs": 3, "weight_bytes": 538e6,
+            "weight_flops_per_step": 2.2e9, "torch_threads": 2, **fig, "commit": "abc1234",
+            "dirty": False, "command": ".venv/bin/python bench/decode_floor.py --json x"}
+    text = report.decode_floor_markdown(data)
+    assert "538 MB read per step, 2.20 GFLOP" in text
+    assert "| ppo_jax decode step | — | 400 | — | 5.5 | 100% |" in text
+    assert "| weight matmuls alone, layers unrolled (floor) | 600 | 200 | 2.7 | 11.0 | 50% |" in text
+    assert "**×2.14**" in text  # 1.5 / (0.1 + 3 x 0.2)
+    (tmp_path / "decode_floor.json").write_text(json.dumps(data))
+    full = report.render(tmp_path)
+    assert "## Decode floor: the sampler's decode step vs its weight matmuls alone" in full
+    assert ".venv/bin/python bench/decode_floor.py --json x" in full
+
+
+@pytest.mark.slow
+def test_core_and_decode_floor_write_json_report_reads(tmp_path, tiny_checkpoint):
+    """bench/core.py (tiny sizes) and bench/decode_floor.py (tiny model) end to end: their JSON
+    carries the commit and the figures, and bench/report.py turns both into sections."""
+    runs = [[str(ROOT / "bench/core.py"), "--batch", "4", "--length", "16", "--rounds", "2",
+             "--torch-block", "1", "--jax-block", "2", "--warmup-s", "0", "--json",
+             str(tmp_path / "core.json")],
+            [str(ROOT / "bench/decode_floor.py"), "--model-dir", str(tiny_checkpoint), "--batch",
+             "2", "--new-tokens", "3", "--runs", "3", "--json", str(tmp_path / "decode_floor.json")]]
+    for cmd in runs:
+        proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+    core = json.loads((tmp_path / "core.json").read_text())
+    assert core["commit"] and core["jax"][core["default_gae"]]["paired_ratio"]["n"] == 2
+    floor = json.loads((tmp_path / "decode_floor.json").read_text())
+    assert floor["commit"] == core["commit"] and floor["floor_form"] in ("scan", "unrolled")
+    text = report.render(tmp_path)
+    assert f"`{core['commit']}`" in text and "per-round ratios" in text
+    assert "| ppo_jax decode step |" in text

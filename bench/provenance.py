@@ -1,0 +1,56 @@
+"""Which code the benchmark figures came from: the commit and dirty flag each raw JSON records
+(bench/common.py `run_record`; bench/gpu.py's `commit` string), and the lines bench/report.py
+puts under results.md's title: the commit(s), and a warning when the raw files come from
+different commits, from a dirty tree, or record no commit (standard library only)."""
+
+from __future__ import annotations
+
+
+def commit_of(data: dict) -> tuple[str | None, bool | None]:
+    """(commit, dirty) a raw JSON records: `commit` and `dirty` (bench/common.py `run_record`),
+    or gpu.json's `commit` string (bench/gpu.py), "-dirty" appended when its tree had changes.
+    None where not recorded."""
+    commit = data.get("commit")
+    if commit is None:
+        return None, None
+    if "dirty" in data:
+        return commit, data["dirty"]
+    if commit.endswith("-dirty"):
+        return commit[: -len("-dirty")], True
+    return commit, None
+
+
+def same_commit(a: str, b: str) -> bool:
+    """One hash is a prefix of the other (a short hash against a full one)."""
+    return a.startswith(b) or b.startswith(a)
+
+
+def provenance_lines(raws: dict[str, dict | None]) -> list[str]:
+    """The commit(s) the raw files came from, and a warning each when they come from different
+    commits, from a dirty tree, or record no commit."""
+    recs = {name: commit_of(d) for name, d in raws.items() if d}
+    if not recs:
+        return []
+    distinct: list[str] = []
+    for commit, _ in recs.values():
+        if commit and not any(same_commit(commit, c) for c in distinct):
+            distinct.append(commit)
+    missing = [n for n, (c, _) in recs.items() if c is None]
+    dirty = [n for n, (_, d) in recs.items() if d]
+    if len(distinct) == 1 and not missing:
+        lines = [f"Code: commit `{distinct[0]}` (every raw file)."]
+    else:
+        lines = ["Code: " + ", ".join(f"{n} `{c}`" if c else f"{n} not recorded"
+                                      for n, (c, _) in recs.items()) + "."]
+    if len(distinct) > 1:
+        lines.append(f"> **Warning:** the raw files come from {len(distinct)} different commits "
+                     f"({', '.join(f'`{c}`' for c in distinct)}): these figures were not all "
+                     "measured on the same code.")
+    if dirty:
+        lines.append("> **Warning:** measured on a dirty tree (uncommitted changes to tracked "
+                     f"files): {', '.join(dirty)}; the commit does not hold the code measured.")
+    if missing:
+        lines.append(f"> **Warning:** no commit recorded for {', '.join(missing)} (a file from "
+                     "before the benchmarks recorded it, or from a tree outside git without "
+                     "$PPO_BENCH_COMMIT): which code these figures came from is unknown.")
+    return lines
