@@ -16,7 +16,6 @@ Param paths (layer axis first in every `layers/...` leaf):
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from ppo_jax.models.config import ModelConfig

@@ -71,7 +71,8 @@ class ModelsConfig:
                              "jax.checkpoint_policies name")
     offload_frozen: bool = opt(False, "keep the reference / reward-model params in host memory "
                                "between the phases that use them")
-    logprob_chunk_size: int = opt(0, "PPO log-probs and entropies (scoring, update, eval) from the "
+    logprob_chunk_size: int = opt(0, "log-probs and entropies (PPO scoring, update, eval; the SFT "
+                                  "loss) from the "
                                   "LM head in blocks of this many vocabulary columns (per "
                                   "mesh.tensor shard), forward and backward, never forming the "
                                   "[B, N, V] logits; same values to float32 rounding; 0: full "

@@ -3,7 +3,6 @@ invariance of our logits."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

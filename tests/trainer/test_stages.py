@@ -100,6 +100,30 @@ def test_sft_loss_equals_transformers_cross_entropy_with_masked_labels(tiny_chec
     np.testing.assert_allclose(np.asarray(logits)[real], hf_logits[real], atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk_size", [5, 64])
+def test_sft_loss_in_vocabulary_chunks_equals_the_full_logits(chunk_size, tiny_checkpoint, data_dir, tmp_path):
+    # model.logprob_chunk_size: the loss and its gradient from blocks of the LM head (5 does not
+    # divide the tiny vocabulary) equal those of the full [B, L, V] logits
+    from ppo_jax.trainer.stages.sft import SFTTrainer
+
+    full = SFTTrainer(sft_cfg(tiny_checkpoint, data_dir, tmp_path / "a"))
+    chunked = SFTTrainer(sft_cfg(tiny_checkpoint, data_dir, tmp_path / "b",
+                                 f"model.logprob_chunk_size={chunk_size}"))
+    assert full.model.cfg.vocab_size % 5
+    params = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, full.state["model"].params)
+    batch = jax.tree.map(jnp.asarray, {k: v[:6] for k, v in full.train_data.items()})
+    n = full.normalizer(batch)
+
+    def grad_of(trainer):
+        return jax.value_and_grad(lambda p: trainer.loss(full.model.graphdef, p, batch, n)[0])(params)
+
+    (lf, gf), (lc, gc) = grad_of(full), grad_of(chunked)
+    assert float(lf) > 1.0 and abs(float(lf) - float(lc)) < 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), gf, gc)
+    ef, ec = (t.eval_sums(full.model.graphdef, params, batch) for t in (full, chunked))
+    np.testing.assert_allclose(float(ef["nll"]), float(ec["nll"]), rtol=1e-6)
+
+
 def test_sft_micro_batched_step_equals_whole_minibatch_step(tiny_checkpoint, data_dir, tmp_path):
     from ppo_jax.trainer.stages.sft import SFTTrainer
 

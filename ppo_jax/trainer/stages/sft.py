@@ -14,18 +14,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ppo_jax.core import logprobs_from_logits, masked_sum, nll_loss, shift_for_next_token
+from ppo_jax.core import masked_sum, nll_loss, shift_for_next_token
+from ppo_jax.rollout.scoring import head_logprobs
 from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
 from ppo_jax.trainer.text_data import read_records, sft_examples, tokenize_sft
 
 
-def sft_logprobs(graphdef, params, batch: dict):
-    """`(logprobs [B, L-1], mask [B, L-1])` of each next token under the CausalLM; the mask is
-    the response (loss) mask of the targets, zero on weight-0 (padding) rows."""
-    logits, _ = nnx.merge(graphdef, params)(batch["ids"], batch["attention_mask"])
+def sft_logprobs(graphdef, params, batch: dict, *, chunk_size: int = 0, mesh=None):
+    """`(logprobs [B, L-1], mask [B, L-1])` float32 of each next token under the CausalLM; the
+    mask is the response (loss) mask of the targets, zero on weight-0 (padding) rows.
+
+    `chunk_size` (`model.logprob_chunk_size`, static) > 0: the LM head and log-softmax in blocks
+    of that many vocabulary columns (`rollout.scoring.head_logprobs`), so no `[B, L, V]` float32
+    logits are formed, forward or backward; 0: the full logits. Same values and gradients to
+    float32 rounding.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model.backbone(batch["ids"], batch["attention_mask"])
     keep = (batch["loss_mask"] > 0) & (batch["weight"] > 0)[:, None]
     targets, mask = shift_for_next_token(batch["ids"], keep)
-    return logprobs_from_logits(logits[:, :-1], targets), mask
+    logprobs = head_logprobs(model, hidden[:, :-1], targets, with_entropy=False,
+                             chunk_size=chunk_size, mesh=mesh)
+    return logprobs, mask
 
 
 def _as_arrays(seqs) -> dict:
@@ -52,13 +62,17 @@ class SFTTrainer(SupervisedTrainer):
         _, mask = shift_for_next_token(batch["ids"], batch["loss_mask"])
         return jnp.maximum(jnp.sum(mask * (batch["weight"] > 0)[:, None]).astype(jnp.float32), 1.0)
 
+    def _logprobs(self, graphdef, params, batch: dict):
+        return sft_logprobs(graphdef, params, batch, chunk_size=self.cfg.model.logprob_chunk_size,
+                            mesh=self.place.constraint_mesh)
+
     def loss(self, graphdef, params, micro: dict, normalizer):
-        logprobs, mask = sft_logprobs(graphdef, params, micro)
+        logprobs, mask = self._logprobs(graphdef, params, micro)
         loss, stats = nll_loss(logprobs, mask, loss_normalizer=normalizer)
         return loss, {"loss": stats["nll"], "tokens": stats["tokens"] * normalizer}
 
     def eval_sums(self, graphdef, params, batch: dict) -> dict:
-        logprobs, mask = sft_logprobs(graphdef, params, batch)
+        logprobs, mask = self._logprobs(graphdef, params, batch)
         return {"nll": -masked_sum(logprobs, mask), "tokens": jnp.sum(mask).astype(jnp.float32)}
 
     def finish_eval(self, sums: dict) -> dict:
