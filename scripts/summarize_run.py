@@ -42,7 +42,7 @@ def summarize_training(rows: list[dict], window: int) -> None:
 
     print(f"{len(rows)} steps; windows of {w} steps (steps {first[0]['step']}-{first[-1]['step']} "
           f"and {last[0]['step']}-{last[-1]['step']})")
-    for key in ("score_mean", "kl", "non_score_reward", "entropy", "response_length", "approxkl"):
+    for key in ("score_mean", "kl", "non_score_reward", "entropy_per_token", "response_length", "approxkl"):
         if key in rows[0]:
             print(f"  {key:18s} start {mean(first, key):8.3f}   end {mean(last, key):8.3f}")
     print(f"  {'max kl':18s} {max(r['kl'] for r in rows):8.3f}")

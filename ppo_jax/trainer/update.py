@@ -110,7 +110,9 @@ def policy_objective(batch: LossInputs, norms, s: UpdateSettings):
     loss, out = reduce_loss(terms, stats, batch.mask, s.loss_aggregation, norms)
     zero = jnp.zeros((), loss.dtype)
     out = {"entropy_loss": zero, "kl_loss": zero, **out}
-    out["entropy"] = aggregate(jax.lax.stop_gradient(batch.entropy), batch.mask, "token-mean", norms)
+    # token mean over the minibatch (TRL's ppo/policy/entropy); the experience's `entropy` is
+    # the mean per-response sum (TRL's objective/entropy) and must not be overwritten by it
+    out["policy_entropy"] = aggregate(jax.lax.stop_gradient(batch.entropy), batch.mask, "token-mean", norms)
     return loss, out
 
 

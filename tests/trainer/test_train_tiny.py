@@ -46,6 +46,9 @@ def test_tiny_run_writes_finite_metrics(run_dir):
                     "advantages_mean", "returns_std", "response_length", "time/generation",
                     "time/scoring", "time/update", "tokens_per_s/step", "non_score_reward"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), key
+    for r in records:  # `entropy`: mean per-response sum; the update's token mean has its own name
+        assert r["entropy"] == pytest.approx(r["entropy_per_token"] * r["response_length"], rel=1e-4)
+        assert math.isfinite(r["policy_entropy"])
     assert records[0]["ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-6)
     assert records[1]["data_position"] == 8
     samples = [json.loads(s) for s in (out / "samples.jsonl").read_text().splitlines()]

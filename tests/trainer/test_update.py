@@ -105,7 +105,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(models):
     sgd = optax.sgd(1.0)  # params move by exactly the (accumulated) gradient
     a1, c1, s1 = run_update(models, exp, one, sgd)
     a4, c4, s4 = run_update(models, exp, four, sgd)
-    for key in ("pg_loss", "vf_loss", "entropy", "actor_grad_norm", "critic_grad_norm"):
+    for key in ("pg_loss", "vf_loss", "policy_entropy", "actor_grad_norm", "critic_grad_norm"):
         np.testing.assert_allclose(s1[key], s4[key], rtol=2e-5, atol=1e-7)
     for s1_params, s4_params in ((a1.params, a4.params), (c1.params, c4.params)):
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
@@ -209,7 +209,7 @@ def test_entropy_and_kl_loss_terms_have_their_exact_values(models):
     settings = UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=2,
                               entropy_coef=0.05, kl_loss_coef=0.2)
     _, _, stats = run_update(models, exp, settings)
-    np.testing.assert_allclose(stats["entropy_loss"][0, 0], -0.05 * stats["entropy"][0, 0], rtol=1e-6)
+    np.testing.assert_allclose(stats["entropy_loss"][0, 0], -0.05 * stats["policy_entropy"][0, 0], rtol=1e-6)
     d = np.asarray(exp.logprobs, np.float64) - np.asarray(exp.ref_logprobs, np.float64)
     valid = np.asarray(exp.response_mask) > 0
     k3 = (np.exp(-d) + d - 1)[valid].mean()
