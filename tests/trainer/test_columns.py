@@ -115,6 +115,7 @@ def cache(tmp_path_factory):
     mp.undo()
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_early_stopping_responses_give_the_same_run_with_buckets_on_and_off(cache, tmp_path):
     """Responses that stop early: scoring and the update run on fewer columns (the logged
     widths, the arrays kept for the samples, one compiled update per width pair), and every

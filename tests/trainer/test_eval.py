@@ -128,6 +128,7 @@ def test_evaluating_the_same_params_twice_gives_identical_figures(four_steps):
     assert first == second and len(first) == 5
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_a_second_run_and_a_resumed_run_give_identical_eval_rows(four_steps, tmp_path):
     """The same config in another directory, stopped at step 2 and resumed to 4: the same eval
     figures at steps 0, 2, 4, and the resume does not evaluate step 0 again."""

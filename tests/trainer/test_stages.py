@@ -100,7 +100,7 @@ def test_sft_loss_equals_transformers_cross_entropy_with_masked_labels(tiny_chec
     np.testing.assert_allclose(np.asarray(logits)[real], hf_logits[real], atol=1e-4)
 
 
-@pytest.mark.parametrize("chunk_size", [5, 64])
+@pytest.mark.parametrize("chunk_size", [5, pytest.param(64, marks=pytest.mark.slow)])
 def test_sft_loss_in_vocabulary_chunks_equals_the_full_logits(chunk_size, tiny_checkpoint, data_dir, tmp_path):
     # model.logprob_chunk_size: the loss and its gradient from blocks of the LM head (5 does not
     # divide the tiny vocabulary) equal those of the full [B, L, V] logits
@@ -271,6 +271,7 @@ def test_three_stage_pipeline_through_train_py(tiny_checkpoint, data_dir, tmp_pa
         assert (stage_out / "metrics.jsonl").is_file() and list((stage_out / "checkpoints").iterdir())
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_critic_warmup_leaves_the_actor_unchanged(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     from ppo_jax.trainer.stages.ppo import PPOTrainer

@@ -145,6 +145,7 @@ def test_missing_eos_penalty_and_score_scale(models):
     assert float(stats["score_mean"]) == 1.0  # raw scores are logged
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_actor(models):
     from ppo_jax.rollout.scoring import init_value_head
 
@@ -186,6 +187,7 @@ def _with_ref_noise(exp, seed=1):
     return exp.replace(ref_logprobs=exp.ref_logprobs + jnp.asarray(noise))
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
 def test_gradient_accumulation_is_exact_in_every_aggregation_mode_with_both_loss_terms(models, mode):
     exp = _with_ref_noise(experience(models)[0])
@@ -266,6 +268,7 @@ def _assert_trees_close(x, y, rtol=1e-5, atol=1e-6):
 CHUNK = 64  # the tiny vocabulary is not a multiple: a ragged last block
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_chunked_logprobs_give_the_same_experience_and_update(models):
     """model.logprob_chunk_size: rollout / reference log-probs and entropies, then a PPO update
     with an entropy bonus, equal the full-logits path's to float32 rounding."""
@@ -284,6 +287,7 @@ def test_chunked_logprobs_give_the_same_experience_and_update(models):
     assert float(jnp.abs(s0["entropy_loss"]).min()) > 0.0
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_chunked_logprobs_in_the_shared_critic_update(models):
     from ppo_jax.rollout.scoring import init_value_head
 
@@ -320,6 +324,7 @@ def _padded_rollout(wide_p: int, wide_n: int):
     return np.where(qm > 0, q, 0), qm, np.where(rm > 0, r, 0), rm
 
 
+@pytest.mark.slow  # default-run budget (15 min on 2 cores)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
     """`trainer.columns` drops columns that are padding in every row (leading prompt columns,
