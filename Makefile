@@ -23,7 +23,7 @@ test:
 	.venv/bin/python -m pytest -q $(ARGS)
 
 # The three stages of RLHF on SmolLM2 (README "The three stages"): preference data, SFT, reward
-# model, PPO with four models, held-out evaluation; writes runs/pipeline (about 32 minutes).
+# model, PPO with four models, held-out evaluation; writes runs/pipeline (about 30 minutes).
 pipeline:
 	scripts/setup_venv.sh gguf
 	scripts/rlhf_pipeline.sh

@@ -24,7 +24,8 @@ run() {  # run NAME SETTINGS...
     "$py" train.py "${common[@]}" --set "train.output_dir=$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   cat "$OUT/$name.time"
 }
-declare -A settings=([default]="" [kl_0.1]="--set ppo.kl_coef=0.1" [batch_16]="--set ppo.batch_size=16")
+declare -A settings=([default]="" [kl_0.1]="--set ppo.kl_coef=0.1" [batch_16]="--set ppo.batch_size=16"
+                  [lr_1e-5]="--set optim.actor_lr=1e-5")
 read -r -a names <<< "${RUNS:-default kl_0.1}"
 for name in "${names[@]}"; do
   # shellcheck disable=SC2086
