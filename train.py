@@ -6,8 +6,8 @@ The config's `stage` picks what runs: `sft` (stage 1), `reward_model` (stage 2) 
 
 Examples:
   python train.py                                   # configs/default.yaml (SmolLM2-135M, VADER)
-  python train.py --config configs/sft.yaml         # stage 1: SFT -> runs/sft/actor_hf
-  python train.py --config configs/reward_model.yaml  # stage 2 -> runs/reward_model/reward_model_hf
+  python train.py --config configs/sft.yaml         # stage 1: SFT -> runs/pipeline/sft/actor_hf
+  python train.py --config configs/reward_model.yaml  # stage 2 -> runs/pipeline/reward_model/reward_model_hf
   python train.py --config configs/ppo_rlhf.yaml    # stage 3 with the two above (four models)
   python train.py --config configs/tiny.yaml        # a tiny random model, seconds
   python train.py --set ppo.kl_coef=0.05 --set train.steps=100
@@ -75,7 +75,8 @@ def main(argv=None) -> int:
         return 2
     history = trainer.train()
     if history and trainer.process_index == 0:
-        print(f"done: {trainer.step_count} steps in {time.perf_counter() - start:.0f} s; "
+        print(f"done: step {trainer.step_count} ({len(history)} run now) in "
+              f"{time.perf_counter() - start:.0f} s; "
               f"{summary(cfg.stage, history)}; outputs in {trainer.out}")
     return 0
 

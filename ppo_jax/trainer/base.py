@@ -57,8 +57,9 @@ class StageTrainer:
     """Owns the state, jitted update and outputs of one run of one stage (see module doc).
 
     `Trainer(cfg, resume=False, devices=None)` checks and loads everything (raising
-    ConfigError / FileNotFoundError / ValueError before any compile and before anything but the
-    run directory and its lock is written); `train()` runs the remaining steps.
+    ConfigError / FileNotFoundError / ValueError before any compile; an error raised after the
+    run directory and its lock were made removes them again when nothing else is in it);
+    `train()` runs the remaining steps.
     """
 
     name = "stage"  # progress-bar label
@@ -71,16 +72,22 @@ class StageTrainer:
         check_run_dir(self.out, "train.output_dir", resume)
         self.process_index = jax.process_index()
         self._lock = None
+        created = not self.out.exists()
         if self.process_index == 0:
             check_writable(self.out)
             self._lock = RunLock(self.out)
         try:
-            self.place = Placement.from_config(cfg.mesh, devices)
-        except ValueError as e:
-            raise ConfigError(f"mesh: {e}") from None
-        self.step_count = 0
-        self._build()
-        self._open_outputs(resume)
+            try:
+                self.place = Placement.from_config(cfg.mesh, devices)
+            except ValueError as e:
+                raise ConfigError(f"mesh: {e}") from None
+            self.step_count = 0
+            self._build()
+            self._open_outputs(resume)
+        except BaseException:  # refused at start-up: leave no lock file or empty directory
+            if self._lock is not None:
+                self._lock.abandon(remove_dir=created)
+            raise
 
     # --- the four steps of a stage --------------------------------------------------------
     def _check_inputs(self) -> None:

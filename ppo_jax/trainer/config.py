@@ -43,9 +43,9 @@ def opt(default: Any = None, help: str = "", *, factory=None):
     return field(default=default, metadata={"help": help})
 
 
-def section(cls):
-    """A nested config section (its help text is the class docstring)."""
-    return field(default_factory=cls, metadata={"help": (cls.__doc__ or "").strip()})
+def section(cls, help: str | None = None):
+    """A nested config section; its help text is `help` or the class docstring."""
+    return field(default_factory=cls, metadata={"help": (help or cls.__doc__ or "").strip()})
 
 
 @dataclass
@@ -81,7 +81,8 @@ class ModelsConfig:
 
 @dataclass
 class DataConfig:
-    """The prompt set."""
+    """The prompt set of PPO, and the chat template, prompt length and truncation every stage
+    applies to its prompts."""
 
     prompts: str = opt("configs/prompts/reviews.jsonl", "prompt file: .jsonl / .json / .txt / "
                        ".parquet")
@@ -302,8 +303,10 @@ class Config:
     ppo: PPOConfig = section(PPOConfig)
     optim: OptimConfig = section(OptimConfig)
     reward: RewardConfig = section(RewardConfig)
-    sft: SupervisedConfig = section(SupervisedConfig)
-    reward_model: SupervisedConfig = section(SupervisedConfig)
+    sft: SupervisedConfig = section(SupervisedConfig, "Stage 1, stage=sft: prompt / response "
+                                    "rows (backbone_lr_scale must stay 1)")
+    reward_model: SupervisedConfig = section(SupervisedConfig, "Stage 2, stage=reward_model: "
+                                             "preference pairs (prompt, chosen, rejected)")
     eval: EvalConfig = section(EvalConfig)
     mesh: MeshConfig = section(MeshConfig)
     distributed: DistributedConfig = section(DistributedConfig)
@@ -438,6 +441,11 @@ def validate(cfg: Config) -> None:
     _validate_optim_train(o, cfg.train)
     if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
         raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
+    if cfg.stage == "ppo" and cfg.model.reward_model and cfg.reward.kind != "model":
+        raise ConfigError(f"model.reward_model={cfg.model.reward_model!r} is read only with "
+                          f"reward.kind='model' (reward.kind={cfg.reward.kind!r}): set "
+                          "reward.kind=model to score with it, or model.critic to start the "
+                          "critic from it")
     if cfg.reward.normalize and cfg.reward.kind != "model":
         raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
     if cfg.reward.eos_at_end and cfg.reward.kind != "model":

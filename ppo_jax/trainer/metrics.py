@@ -35,7 +35,7 @@ class MetricsWriter:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
-        self._samples = open(self.dir / "samples.jsonl", "a", encoding="utf-8")
+        self._samples = None  # opened at the first samples: a stage without any writes none
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -59,6 +59,8 @@ class MetricsWriter:
         TensorBoard shows them as text under `tag`."""
         if not self.enabled:
             return
+        if self._samples is None:
+            self._samples = open(self.dir / "samples.jsonl", "a", encoding="utf-8")
         for sample in samples:
             self._samples.write(json.dumps({"step": int(step), **{k: _plain(v) for k, v in sample.items()}}) + "\n")
         self._samples.flush()
@@ -70,6 +72,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._metrics.close()
-        self._samples.close()
+        if self._samples is not None:
+            self._samples.close()
         if self._tb is not None:
             self._tb.close()

@@ -41,6 +41,7 @@ class RunLock:
     def __init__(self, out: Path):
         self.path = out / LOCK
         self._fd = None
+        self._made = not self.path.exists()  # this run made the lock file: abandon() removes it
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -58,6 +59,19 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+    def abandon(self, remove_dir: bool) -> None:
+        """Release the lock after a start-up error and remove the lock file if this run made
+        it, and the directory too when `remove_dir` (this run created it) and it is empty, so a
+        run refused at start-up leaves nothing behind."""
+        if self._fd is not None and self._made:
+            self.path.unlink(missing_ok=True)  # still held: no other run can have taken it
+        self.release()
+        if remove_dir:
+            try:
+                self.path.parent.rmdir()
+            except OSError:  # not empty: keep what is in it
+                pass
 
     def __del__(self):  # a trainer dropped without train() (e.g. an error while loading)
         self.release()

@@ -7,6 +7,8 @@ random Llama with a word-level tokenizer, for tests). Nothing is downloaded.
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -167,6 +169,7 @@ def check_reward_model(path: Path, key: str, tokenizer, actor_path: Path) -> Non
 
 
 SCORE_STATS = ("score_mean", "score_std")  # config.json keys written by stage reward_model
+MIN_SCORE_PAIRS = 16  # fewer held-out pairs behind the statistics: a warning
 
 
 def score_normalizer(path: Path) -> tuple[float, float]:
@@ -187,6 +190,11 @@ def score_normalizer(path: Path) -> tuple[float, float]:
     if not std > 0:
         raise ConfigError(f"reward.normalize=true: score_std={std} in {path / 'config.json'} "
                           "must be > 0")
+    pairs = d.get("score_pairs")
+    if pairs is not None and pairs < MIN_SCORE_PAIRS:
+        warnings.warn(f"reward.normalize=true: score_mean / score_std of {path} come from "
+                      f"{pairs} pair(s) only (score_std={std:.3g}); normalised rewards may be "
+                      "far from unit scale: hold out more pairs in stage 2", stacklevel=2)
     return mean, std
 
 

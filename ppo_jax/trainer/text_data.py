@@ -10,6 +10,7 @@ the sampler ends on; each row is prompt + response, right-padded (DeepSpeed-Chat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -121,7 +122,10 @@ def _messages(value, field: str, at: str) -> Messages:
 def _prompt(value, field: str, at: str) -> Messages:
     if isinstance(value, str):
         return [{"role": "user", "content": _string(value, field, at)}]
-    return _messages(value, field, at)
+    msgs = _messages(value, field, at)
+    if not any(m["content"].strip() for m in msgs):
+        raise _bad(at, field, "has no text: every message's content is empty")
+    return msgs
 
 
 def _split_last(value, field: str, at: str) -> tuple[Messages, str]:
@@ -145,6 +149,7 @@ class SFTExample:
     prompt: Messages
     response: str
     truncated: bool = False  # cut at a length limit: no stop token follows it
+    record: int = -1  # index of its record in the data file (from 0), for error messages
 
 
 def _flag(record: dict, field: str, at: str) -> bool:
@@ -185,7 +190,7 @@ def sft_examples(records: list[dict], path, key: str) -> list[SFTExample]:
         else:
             prompt = _prompt(_require(r, "prompt", at), "prompt", at)
             response = _string(_require(r, "response", at), "response", at)
-        out.append(SFTExample(prompt, response, _flag(r, "truncated", at)))
+        out.append(SFTExample(prompt, response, _flag(r, "truncated", at), record=i))
     return out
 
 
@@ -200,6 +205,7 @@ class PreferencePair:
     margin: float
     chosen_truncated: bool = False  # cut at a length limit: no stop token follows it
     rejected_truncated: bool = False
+    record: int = -1  # index of its record in the data file (from 0), for error messages
 
 
 def _response(value, field: str, at: str) -> str:
@@ -259,7 +265,8 @@ def preference_pairs(records: list[dict], path, key: str) -> tuple[list[Preferen
     """
     if not records:
         raise ValueError(f"{key}: no records in {path}")
-    pairs = [_pair(r, f"{key}: record {i} of {path}") for i, r in enumerate(records)]
+    pairs = [dataclasses.replace(_pair(r, f"{key}: record {i} of {path}"), record=i)
+             for i, r in enumerate(records)]
     kept = [p for p in pairs if (p.chosen, p.chosen_truncated) != (p.rejected, p.rejected_truncated)]
     skipped = len(pairs) - len(kept)
     if skipped:
@@ -320,25 +327,34 @@ Row = tuple[list[int], list[int]]
 
 
 def truncate_rows(rows: list[Row], *, max_prompt_length: int, max_length: int,
-                  what: str = "example") -> tuple[list[Row], dict]:
+                  what: str = "example", truncation: str = "left",
+                  records: list[int] | None = None) -> tuple[list[Row], dict]:
     """Fit (prompt_ids, response_ids) rows: a prompt keeps its LAST `max_prompt_length` tokens
     (left truncation, as PPO's prompts), then a row longer than `max_length` loses response
     tokens from the right (DeepSpeed-Chat steps 1-2 also cut the joined sequence on the right).
+    `truncation="error"` (`data.truncation`) refuses a longer prompt instead. `records[i]` is row
+    i's record index in its file (default i), the number error messages give.
 
     Returns:
       (rows, {"prompts_truncated": n, "responses_truncated": n}); no warnings.
     Raises:
-      ValueError: max_prompt_length >= max_length (no room for a response), or a row with an
-        empty prompt or response (names `what` and the index).
+      ValueError: max_prompt_length >= max_length (no room for a response), a row with an
+        empty prompt or response, or a longer prompt under truncation="error" (names `what`
+        and the record).
     """
     if not 0 < max_prompt_length < max_length:
         raise ValueError(f"max_prompt_length={max_prompt_length} must be in [1, max_length="
                          f"{max_length}): a row needs room for a response")
     out, counts = [], {"prompts_truncated": 0, "responses_truncated": 0}
     for i, (p, r) in enumerate(rows):
+        name = f"{what} of record {records[i] if records is not None else i}"
         if not p or not r:
-            raise ValueError(f"{what} {i} has an empty {'prompt' if not p else 'response'}")
+            raise ValueError(f"{name} has an empty {'prompt' if not p else 'response'}")
         if len(p) > max_prompt_length:
+            if truncation == "error":
+                raise ValueError(f"{name}: its prompt of {len(p)} tokens is longer than "
+                                 f"data.max_prompt_length={max_prompt_length} "
+                                 "(data.truncation='error')")
             p = p[-max_prompt_length:]
             counts["prompts_truncated"] += 1
         if len(p) + len(r) > max_length:
@@ -373,7 +389,8 @@ def _warn_truncation(counts: dict, what: str, max_prompt_length: int, max_length
 
 
 def pack(pairs_of_ids: list[Row], *, max_prompt_length: int, max_length: int, pad_id: int,
-         width: int | None = None, what: str = "example") -> tuple[SequenceBatch, dict]:
+         width: int | None = None, what: str = "example", truncation: str = "left",
+         records: list[int] | None = None) -> tuple[SequenceBatch, dict]:
     """(prompt_ids, response_ids) rows -> a right-padded `SequenceBatch` of width
     `L = width or min(max_length, longest row)`, truncated as in `truncate_rows` with one
     warning per kind of truncation that happened.
@@ -384,7 +401,8 @@ def pack(pairs_of_ids: list[Row], *, max_prompt_length: int, max_length: int, pa
       ValueError: see `truncate_rows`; `width` narrower than the longest truncated row.
     """
     rows, counts = truncate_rows(pairs_of_ids, max_prompt_length=max_prompt_length,
-                                 max_length=max_length, what=what)
+                                 max_length=max_length, what=what, truncation=truncation,
+                                 records=records)
     _warn_truncation(counts, what, max_prompt_length, max_length)
     width = width or max((len(p) + len(r) for p, r in rows), default=1)
     return pad_rows(rows, width, pad_id), counts
@@ -392,7 +410,8 @@ def pack(pairs_of_ids: list[Row], *, max_prompt_length: int, max_length: int, pa
 
 def tokenize_sft(examples: list[SFTExample], tokenizer, *, max_prompt_length: int, max_length: int,
                  use_chat_template: bool = True, system_prompt: str | None = None, eos_id: int,
-                 pad_id: int, eos_after_truncated: bool = False) -> tuple[SequenceBatch, dict]:
+                 pad_id: int, eos_after_truncated: bool = False,
+                 truncation: str = "left") -> tuple[SequenceBatch, dict]:
     """Encode (`encode_prompt`, `encode_response`) and `pack` SFT examples: [N, L] rows whose
     loss mask is the response + EOS (TRL's completion-only loss); a `truncated` row gets no EOS
     unless `eos_after_truncated`. Raises ValueError: see `pack`."""
@@ -400,7 +419,8 @@ def tokenize_sft(examples: list[SFTExample], tokenizer, *, max_prompt_length: in
                            system_prompt=system_prompt),
              encode_response(tokenizer, e.response, eos_id, e.truncated and not eos_after_truncated))
             for e in examples]
-    return pack(rows, max_prompt_length=max_prompt_length, max_length=max_length, pad_id=pad_id)
+    return pack(rows, max_prompt_length=max_prompt_length, max_length=max_length, pad_id=pad_id,
+                truncation=truncation, records=[e.record for e in examples])
 
 
 @dataclass
@@ -422,7 +442,8 @@ class PairBatch:
 
 def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length: int, max_length: int,
                    use_chat_template: bool = True, system_prompt: str | None = None, eos_id: int,
-                   pad_id: int, eos_after_truncated: bool = False) -> tuple[PairBatch, dict]:
+                   pad_id: int, eos_after_truncated: bool = False,
+                   truncation: str = "left") -> tuple[PairBatch, dict]:
     """Encode and pack preference pairs, chosen and rejected to one width (DeepSpeed-Chat step 2
     batches them together). Truncation as in `truncate_rows`, one warning per kind. A response
     flagged truncated gets no EOS unless `eos_after_truncated` (then every row ends in EOS, the
@@ -430,11 +451,13 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length:
 
     Returns:
       (batch, {"prompts_truncated", "chosen_truncated", "rejected_truncated": pair counts,
-       "identical_after_truncation": pairs whose two rows became equal, a warning too}).
+       "identical_after_truncation": pairs whose two rows have the same tokens (different
+       strings that tokenise alike, or rows cut to the same tokens): dropped, with a warning}).
     Raises:
-      ValueError: see `truncate_rows`.
+      ValueError: see `truncate_rows`; every pair has identical chosen and rejected tokens.
     """
-    limits = dict(max_prompt_length=max_prompt_length, max_length=max_length, what="pair")
+    limits = dict(max_prompt_length=max_prompt_length, max_length=max_length, what="pair",
+                  truncation=truncation, records=[p.record for p in pairs])
     prompts = [encode_prompt(tokenizer, p.prompt, use_chat_template=use_chat_template,
                              system_prompt=system_prompt) for p in pairs]
     chosen, c = truncate_rows([(q, encode_response(tokenizer, p.chosen, eos_id, p.chosen_truncated and not eos_after_truncated))
@@ -442,15 +465,21 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length:
     rejected, r = truncate_rows([(q, encode_response(tokenizer, p.rejected, eos_id,
                                                     p.rejected_truncated and not eos_after_truncated))
                                  for q, p in zip(prompts, pairs)], **limits)
+    keep = [i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b]
     counts = {"prompts_truncated": c["prompts_truncated"], "chosen_truncated": c["responses_truncated"],
               "rejected_truncated": r["responses_truncated"],
-              "identical_after_truncation": sum(a == b for a, b in zip(chosen, rejected))}
+              "identical_after_truncation": len(pairs) - len(keep)}
     _warn_truncation(counts, "pair", max_prompt_length, max_length)
     if counts["identical_after_truncation"]:
-        warnings.warn(f"{counts['identical_after_truncation']} pair(s) have identical chosen and "
-                      f"rejected rows after truncation to max_length={max_length}", stacklevel=2)
+        if not keep:
+            raise ValueError(f"every pair has identical chosen and rejected tokens after "
+                             f"tokenisation and truncation to max_length={max_length}")
+        warnings.warn(f"skipped {counts['identical_after_truncation']} pair(s) whose chosen and "
+                      "rejected are identical tokens after tokenisation and truncation to "
+                      f"max_length={max_length}", stacklevel=2)
+    chosen, rejected = [chosen[i] for i in keep], [rejected[i] for i in keep]
     width = max((len(p) + len(q) for p, q in chosen + rejected), default=1)
-    margin = np.asarray([p.margin for p in pairs], dtype=np.float32)
+    margin = np.asarray([pairs[i].margin for i in keep], dtype=np.float32)
     return PairBatch(pad_rows(chosen, width, pad_id), pad_rows(rejected, width, pad_id), margin), counts
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,59 @@ def test_a_reward_model_without_a_score_head_is_refused(tiny_checkpoint, tmp_pat
                "reward.kind=model", PROMPTS, f"train.output_dir={out}") == 2
     err = capsys.readouterr().err
     assert "model.reward_model" in err and "no score head" in err
-    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert not out.exists()  # the run directory and its lock, made before the check, are gone
+
+
+def test_a_refused_start_keeps_a_directory_that_existed_and_what_is_in_it(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    assert run(tmp_path, f"model.actor={tiny_checkpoint}", f"model.reward_model={tiny_checkpoint}",
+               "reward.kind=model", PROMPTS, f"train.output_dir={out}") == 2
+    assert out.is_dir() and not any(out.iterdir())  # it was there before: kept, left empty
+    (out / "notes.txt").write_text("mine")
+    assert run(tmp_path, f"model.actor={tiny_checkpoint}", f"model.reward_model={tiny_checkpoint}",
+               "reward.kind=model", PROMPTS, f"train.output_dir={out}") == 2
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_rows_longer_than_the_model_context_are_refused(tiny_checkpoint, tmp_path, capsys):
+    data = tmp_path / "sft.jsonl"
+    long = " ".join(["the bus was late and"] * 120)  # 600 words, the tiny model has 512 positions
+    data.write_text(json.dumps({"prompt": "the bus", "response": long}) + "\n")
+    out = tmp_path / "run"
+    assert run(tmp_path, "stage=sft", f"model.actor={tiny_checkpoint}", f"sft.data={data}",
+               "sft.eval_fraction=0", "sft.batch_size=1", "sft.micro_batch_size=1",
+               "sft.max_length=800", f"train.output_dir={out}") == 2
+    err = capsys.readouterr().err
+    assert "sft.max_length=800" in err and "exceed the model context 512" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward_model"])
+def test_truncation_error_refuses_a_long_prompt_naming_file_and_record(stage, tiny_checkpoint, tmp_path, capsys):
+    long = " ".join(["the bus was late"] * 10)
+    rows = [{"prompt": "a train", "response": "good", "chosen": "good", "rejected": "bad"},
+            {"prompt": long, "response": "good", "chosen": "good", "rejected": "bad"}]
+    keep = ("prompt", "response") if stage == "sft" else ("prompt", "chosen", "rejected")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in rows))
+    source = "model.actor" if stage == "sft" else "model.reward_model"
+    out = tmp_path / "run"
+    assert run(tmp_path, f"stage={stage}", f"{source}={tiny_checkpoint}", f"{stage}.data={data}",
+               f"{stage}.eval_fraction=0", f"{stage}.batch_size=2", f"{stage}.micro_batch_size=1",
+               "data.max_prompt_length=16", "data.truncation=error", f"train.output_dir={out}") == 2
+    err = capsys.readouterr().err
+    assert f"{stage}.data" in err and str(data) in err and "record 1" in err, err
+    assert "data.truncation='error'" in err
+    assert not out.exists()
+
+
+def test_a_reward_model_given_without_reward_kind_model_is_an_error():
+    from ppo_jax.trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.reward_model='rm' is read only with reward.kind='model'"):
+        load_config(TINY, ["model.reward_model=rm"])
+    load_config(TINY, ["stage=reward_model", "model.reward_model=rm", "reward_model.data=x.jsonl"])
 
 
 def _reward_model_with(tokenizer, directory: Path) -> Path:
@@ -158,3 +211,17 @@ def test_missing_sft_file_is_named(tiny_checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "sft.data" in err and "no.jsonl" in err
     assert not out.exists()
+
+
+def test_normalising_with_statistics_of_few_pairs_warns(tmp_path):
+    from ppo_jax.trainer.setup import score_normalizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"score_mean": 0.5, "score_std": 0.02,
+                                                      "score_pairs": 6}))
+    with pytest.warns(UserWarning, match="from 6 pair\\(s\\) only"):
+        assert score_normalizer(tmp_path) == (0.5, 0.02)
+    (tmp_path / "config.json").write_text(json.dumps({"score_mean": 0.5, "score_std": 1.5,
+                                                      "score_pairs": 35}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert score_normalizer(tmp_path) == (0.5, 1.5)

@@ -211,6 +211,8 @@ def test_reward_model_export_scores_equal_transformers(tiny_checkpoint, data_dir
 
     assert AutoConfig.from_pretrained(out).num_labels == 1 and config["pad_token_id"] == 0
     assert config["score_std"] > 0 and np.isfinite(config["score_mean"])
+    assert config["score_pairs"] == len(trainer.eval_data["weight"]) == 6
+    assert not (tmp_path / "run" / "samples.jsonl").exists()  # nothing to sample in stage 2
     hf = AutoModelForSequenceClassification.from_pretrained(out, torch_dtype=torch.float32).eval()
     data = trainer.train_data
     ours = pair_scores(trainer.model.graphdef, trainer.state["model"].params, jax.tree.map(jnp.asarray, data))
@@ -219,6 +221,57 @@ def test_reward_model_export_scores_equal_transformers(tiny_checkpoint, data_dir
             theirs = hf(input_ids=torch.tensor(data[f"{side}_ids"], dtype=torch.long),
                         attention_mask=torch.tensor(data[f"{side}_mask"])).logits[:, 0].numpy()
         np.testing.assert_allclose(theirs, np.asarray(want), atol=1e-4)
+
+
+def test_reward_model_export_with_pad_equal_to_eos_scores_the_eos_in_transformers(tiny_checkpoint, data_dir, tmp_path):
+    """SmolLM2's tokenizer pads with its EOS; transformers reads a sequence-classification
+    score at the last token != pad_token_id, so the export must declare another pad token."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from ppo_jax.trainer.stages.reward_model import RewardModelTrainer, pair_scores
+
+    src = Path(shutil.copytree(tiny_checkpoint, tmp_path / "pad_is_eos"))
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "pad_token_id": tok.eos_token_id}))
+    trainer = RewardModelTrainer(rm_cfg(src, data_dir, tmp_path / "run"))
+    assert trainer.pad_id == tok.eos_token_id  # we pad with it: our scores use the mask
+    trainer.train(progress=False)
+    out = tmp_path / "run" / "reward_model_hf"
+    exported = AutoTokenizer.from_pretrained(out)
+    pad = json.loads((out / "config.json").read_text())["pad_token_id"]
+    assert pad == exported.pad_token_id == exported.unk_token_id != exported.eos_token_id
+    hf = AutoModelForSequenceClassification.from_pretrained(out, torch_dtype=torch.float32).eval()
+    data = trainer.train_data
+    ours = pair_scores(trainer.model.graphdef, trainer.state["model"].params, jax.tree.map(jnp.asarray, data))
+    for side, want in (("chosen", ours[0]), ("rejected", ours[1])):
+        ids = np.where(data[f"{side}_mask"] > 0, data[f"{side}_ids"], pad)  # as HF users pad
+        assert (ids[np.arange(len(ids)), data[f"{side}_mask"].sum(1) - 1] == tok.eos_token_id).all()
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.tensor(ids, dtype=torch.long),
+                        attention_mask=torch.tensor(data[f"{side}_mask"])).logits[:, 0].numpy()
+        np.testing.assert_allclose(theirs, np.asarray(want), atol=1e-4)
+
+
+def test_score_pad_token_avoids_every_eos():
+    from ppo_jax.models.tiny_random import tiny_tokenizer
+    from ppo_jax.trainer.stages.reward_model import score_pad_token
+
+    tok = tiny_tokenizer()
+    assert score_pad_token(tok, ()) == tok.pad_token  # not an EOS: kept
+    tok.pad_token = tok.eos_token
+    assert score_pad_token(tok, ()) == tok.unk_token
+    assert score_pad_token(tok, (tok.unk_token_id,)) == tok.bos_token  # config.json's EOS list too
+    from types import SimpleNamespace
+
+    only_eos = SimpleNamespace(eos_token_id=1, pad_token="<eos>", unk_token=None, bos_token=None,
+                               all_special_tokens=["<eos>"], convert_tokens_to_ids=lambda t: 1)
+    with pytest.raises(ValueError, match="add a pad token"):
+        score_pad_token(only_eos, ())
 
 
 # --- resume -----------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def test_messages_and_prompt_response_rows_give_identical_batches(tokenizer):
             {"messages": user("a train") + [assistant("good")]}]
     a = sft_examples(flat, "f.jsonl", "sft.data")
     b = sft_examples(chat, "c.jsonl", "sft.data")
-    assert a == b == [SFTExample(user("the bus"), "was late"), SFTExample(user("a train"), "good")]
+    assert a == b == [SFTExample(user("the bus"), "was late", record=0),
+                      SFTExample(user("a train"), "good", record=1)]
     ba, _ = tokenize_sft(a, tokenizer, **LIMITS)
     bb, _ = tokenize_sft(b, tokenizer, **LIMITS)
     for name in ("ids", "attention_mask", "loss_mask"):
@@ -116,10 +117,20 @@ def test_pack_width_is_the_longest_row_or_the_width_asked_for():
 def test_pack_rejects_no_room_for_a_response_and_empty_rows():
     with pytest.raises(ValueError, match="max_prompt_length=8 must be in"):
         pack([([1], [2])], max_prompt_length=8, max_length=8, pad_id=0)
-    with pytest.raises(ValueError, match="example 1 has an empty response"):
+    with pytest.raises(ValueError, match="example of record 1 has an empty response"):
         pack([([1], [2]), ([1], [])], max_prompt_length=4, max_length=8, pad_id=0)
-    with pytest.raises(ValueError, match="chosen 0 has an empty prompt"):
-        pack([([], [2])], max_prompt_length=4, max_length=8, pad_id=0, what="chosen")
+    with pytest.raises(ValueError, match="chosen of record 7 has an empty prompt"):
+        pack([([], [2])], max_prompt_length=4, max_length=8, pad_id=0, what="chosen", records=[7])
+
+
+def test_truncation_error_refuses_a_longer_prompt_naming_its_record():
+    rows = [([1, 2], [3]), ([1, 2, 3, 4, 5], [6])]
+    with pytest.raises(ValueError, match=r"example of record 4: its prompt of 5 tokens is longer "
+                                         r"than data.max_prompt_length=4 \(data.truncation='error'\)"):
+        pack(rows, max_prompt_length=4, max_length=8, pad_id=0, truncation="error", records=[3, 4])
+    with pytest.warns(UserWarning, match="1 example"):  # the default cuts it from the left
+        batch, _ = pack(rows, max_prompt_length=4, max_length=8, pad_id=0, records=[3, 4])
+    np.testing.assert_array_equal(batch.ids[1, :5], [2, 3, 4, 5, 6])
 
 
 # --- preference pairs -------------------------------------------------------------------------
@@ -139,19 +150,33 @@ def test_chosen_and_rejected_share_the_prompt_and_the_width(tokenizer):
                       "identical_after_truncation": 0}
 
 
-def test_pairs_identical_after_truncation_are_counted_and_warned(tokenizer):
-    pairs = [PreferencePair(user("the bus"), "was late", "was good", 0.0)]
+def test_pairs_identical_after_truncation_are_dropped_counted_and_warned(tokenizer):
+    pairs = [PreferencePair(user("the bus"), "was late", "was good", 0.0),
+             PreferencePair(user("the bus"), "good", "late", 2.0)]
     with pytest.warns(UserWarning) as record:
         batch, counts = tokenize_pairs(pairs, tokenizer, max_prompt_length=8, max_length=9,
                                        eos_id=EOS, pad_id=0)
     assert sorted(str(w.message) for w in record) == [
-        "1 pair(s) had a prompt longer than max_prompt_length=8, truncated from the left",
-        "1 pair(s) have identical chosen and rejected rows after truncation to max_length=9",
-        "1 pair(s) longer than max_length=9 lost chosen tokens from the right",
-        "1 pair(s) longer than max_length=9 lost rejected tokens from the right"]
-    assert counts == {"prompts_truncated": 1, "chosen_truncated": 1, "rejected_truncated": 1,
+        "2 pair(s) had a prompt longer than max_prompt_length=8, truncated from the left",
+        "2 pair(s) longer than max_length=9 lost chosen tokens from the right",
+        "2 pair(s) longer than max_length=9 lost rejected tokens from the right",
+        "skipped 1 pair(s) whose chosen and rejected are identical tokens after tokenisation "
+        "and truncation to max_length=9"]
+    assert counts == {"prompts_truncated": 2, "chosen_truncated": 2, "rejected_truncated": 2,
                       "identical_after_truncation": 1}
-    np.testing.assert_array_equal(batch.chosen.ids, [PROMPT_THE_BUS[1:] + [WAS]])
+    assert len(batch) == 1 and batch.margin.tolist() == [2.0]  # the second pair is what is left
+    np.testing.assert_array_equal(batch.chosen.ids, [PROMPT_THE_BUS[1:] + [GOOD]])
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="every pair has identical"):
+        warnings.simplefilter("ignore")  # the truncation warnings, seen above
+        tokenize_pairs(pairs[:1], tokenizer, max_prompt_length=8, max_length=9, eos_id=EOS, pad_id=0)
+
+
+def test_strings_that_tokenise_alike_are_an_identical_pair(tokenizer):
+    pairs = [PreferencePair(user("the bus"), "was good", "was  good ", 0.0),
+             PreferencePair(user("the bus"), "good", "late", 0.0)]
+    with pytest.warns(UserWarning, match="skipped 1 pair"):
+        batch, counts = tokenize_pairs(pairs, tokenizer, **LIMITS)
+    assert counts["identical_after_truncation"] == 1 and len(batch) == 1
 
 
 def test_implicit_prompt_rows_equal_explicit_prompt_rows():
@@ -163,8 +188,8 @@ def test_implicit_prompt_rows_equal_explicit_prompt_rows():
                  "rejected": user("a train") + [assistant("late")]}]
     a, skipped_a = preference_pairs(explicit, "e.jsonl", "reward.data")
     b, skipped_b = preference_pairs(implicit, "i.jsonl", "reward.data")
-    assert a == b == [PreferencePair(user("the bus"), "good", "was late", 2.0),
-                      PreferencePair(user("a train"), "good", "late", 0.0)]
+    assert a == b == [PreferencePair(user("the bus"), "good", "was late", 2.0, record=0),
+                      PreferencePair(user("a train"), "good", "late", 0.0, record=1)]
     assert skipped_a == skipped_b == 0
 
 
@@ -174,7 +199,7 @@ def test_identical_pairs_are_skipped_counted_and_warned():
             {"prompt": "r", "chosen": "x", "rejected": "x"}]
     with pytest.warns(UserWarning, match="reward.data: skipped 2 pair\\(s\\) of prefs.jsonl"):
         pairs, skipped = preference_pairs(rows, "prefs.jsonl", "reward.data")
-    assert skipped == 2 and pairs == [PreferencePair(user("q"), "good", "bad", 0.0)]
+    assert skipped == 2 and pairs == [PreferencePair(user("q"), "good", "bad", 0.0, record=1)]
 
 
 # --- errors name the file, the record and the field -------------------------------------------
@@ -337,3 +362,14 @@ def test_a_truncated_response_gets_no_stop_token(tokenizer, tmp_path):
     assert batch.ids[0].tolist() == PROMPT_THE_BUS + [WAS, LATE, EOS]
     pairs, _ = tokenize_pairs([pair], tokenizer, **LIMITS, eos_after_truncated=True)
     assert pairs.rejected.ids[0, 9:].tolist() == [GOOD, EOS, 0]
+
+
+def test_a_message_list_prompt_without_text_is_an_error_naming_the_record():
+    rows = [{"prompt": "the bus", "response": "good"},
+            {"prompt": [{"role": "system", "content": " "}, {"role": "user", "content": ""}],
+             "response": "good"}]
+    with pytest.raises(ValueError, match=r"sft.data: record 1 of f.jsonl: 'prompt' has no text"):
+        sft_examples(rows, "f.jsonl", "sft.data")
+    pair = {"prompt": [{"role": "user", "content": ""}], "chosen": "good", "rejected": "bad"}
+    with pytest.raises(ValueError, match=r"record 0 of p.jsonl: 'prompt' has no text"):
+        preference_pairs([pair], "p.jsonl", "reward_model.data")

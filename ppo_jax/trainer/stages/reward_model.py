@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import bradley_terry_loss
+from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
 from ppo_jax.trainer.text_data import preference_pairs, read_records, tokenize_pairs
 
@@ -38,6 +39,27 @@ def pair_scores(graphdef, params, batch: dict) -> tuple[jax.Array, jax.Array]:
     scores, _ = nnx.merge(graphdef, params)(ids, mask)
     n = batch["chosen_ids"].shape[0]
     return scores[:n], scores[n:]
+
+
+def score_pad_token(tokenizer, eos_token_ids) -> str:
+    """The pad token an exported reward model declares: the tokenizer's own, unless it is an
+    EOS token, then its unk, bos or another special token that is not an EOS.
+
+    HF `*ForSequenceClassification` reads the score at the last token that is not
+    `pad_token_id` (transformers `LlamaForSequenceClassification.forward`). Our score is read at
+    the last real token, which is the EOS every response ends with; a pad id equal to the EOS id
+    (SmolLM2's tokenizer) would make transformers read the token before it. Raises ValueError
+    when every special token of the tokenizer is an EOS token.
+    """
+    eos = {int(i) for i in eos_token_ids} | {int(tokenizer.eos_token_id)}
+    pad = tokenizer.pad_token
+    candidates = [pad, tokenizer.unk_token, tokenizer.bos_token, *tokenizer.all_special_tokens]
+    for token in candidates:
+        if token is not None and int(tokenizer.convert_tokens_to_ids(token)) not in eos:
+            return token
+    raise ValueError(f"the tokenizer's pad token {pad!r} is its EOS token and it has no other "
+                     "special token to pad with: transformers would read the reward model's "
+                     "score before the EOS; add a pad token to the tokenizer")
 
 
 def _pair_sums(graphdef, params, batch: dict) -> tuple[jax.Array, dict]:
@@ -67,12 +89,22 @@ class RewardModelTrainer(SupervisedTrainer):
     def model_source(self) -> Path:
         return resolve_source(self.cfg.model.reward_model, "model.reward_model")
 
+    def _check_inputs(self) -> None:
+        super()._check_inputs()
+        try:  # the export needs a pad token that is not an EOS: refuse now, not after training
+            score_pad_token(self.tokenizer, ())
+        except ValueError as e:
+            raise ConfigError(f"model.reward_model={str(self.model_path)!r}: {e}") from None
+
     def load_kwargs(self) -> dict:
         return {"fresh_score_head": True, "head_init_std": 0.02}
 
     def tokenize_file(self, path: str, key: str, tokenizer) -> dict:
         pairs, _ = preference_pairs(read_records(path, key), path, key)
-        batch, _ = tokenize_pairs(pairs, tokenizer, **self.encode_kwargs(tokenizer))
+        try:
+            batch, _ = tokenize_pairs(pairs, tokenizer, **self.encode_kwargs(tokenizer))
+        except ValueError as e:  # name the file: the message names the record
+            raise ValueError(f"{key}: {path}: {e}") from None
         return _as_arrays(batch)
 
     def normalizer(self, batch: dict) -> jax.Array:
@@ -98,23 +130,32 @@ class RewardModelTrainer(SupervisedTrainer):
         mean = sums["score_sum"] / (2 * n)
         out["score_mean"] = float(mean)
         out["score_std"] = float(math.sqrt(max(sums["score_sq"] / (2 * n) - mean ** 2, 0.0)))
+        out["pairs"] = int(round(float(sums["pairs"])))
         return out
 
     def progress_postfix(self, metrics: dict) -> dict:
         return {"loss": f"{metrics['loss']:.4f}", "acc": f"{metrics['accuracy']:.2f}"}
 
     def export(self) -> Path:
-        """`<output_dir>/reward_model_hf`: HF `*ForSequenceClassification` (num_labels 1, pad
-        id set) + `score_mean` / `score_std` of the held-out pairs (the training pairs when
-        there is no held-out split) in config.json."""
+        """`<output_dir>/reward_model_hf`: HF `*ForSequenceClassification` (num_labels 1, a
+        pad id that is not an EOS: `score_pad_token`) + `score_mean` / `score_std` of the
+        held-out pairs (the training pairs when there is no held-out split) and their count
+        `score_pairs` in config.json."""
         stats = self.evaluate(self.eval_data if len(self.eval_data["weight"]) else self.train_data)
-        cfg = self.model.cfg
-        if cfg.pad_token_id is None:  # HF reads the score at the last non-pad token
-            cfg = dataclasses.replace(cfg, pad_token_id=self.pad_id)
+        pad_token = score_pad_token(self.tokenizer, self.model.cfg.eos_token_ids)
+        pad_id = int(self.tokenizer.convert_tokens_to_ids(pad_token))
+        cfg = dataclasses.replace(self.model.cfg, pad_token_id=pad_id)
         out_dir = self.write_hf(self.model.graphdef, self.state["model"].params, cfg,
                                 self.out / "reward_model_hf")
         if self.process_index == 0:
+            if pad_token != self.tokenizer.pad_token:  # the exported tokenizer pads with it too
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(str(out_dir))
+                tok.pad_token = pad_token
+                tok.save_pretrained(str(out_dir))
             config = json.loads((out_dir / "config.json").read_text())
-            config.update(score_mean=stats["score_mean"], score_std=stats["score_std"])
+            config.update(score_mean=stats["score_mean"], score_std=stats["score_std"],
+                          score_pairs=int(stats["pairs"]))
             (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         return out_dir

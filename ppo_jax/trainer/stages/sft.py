@@ -54,7 +54,10 @@ class SFTTrainer(SupervisedTrainer):
 
     def tokenize_file(self, path: str, key: str, tokenizer) -> dict:
         examples = sft_examples(read_records(path, key), path, key)
-        seqs, _ = tokenize_sft(examples, tokenizer, **self.encode_kwargs(tokenizer))
+        try:
+            seqs, _ = tokenize_sft(examples, tokenizer, **self.encode_kwargs(tokenizer))
+        except ValueError as e:  # name the file: the message names the record
+            raise ValueError(f"{key}: {path}: {e}") from None
         return _as_arrays(seqs)
 
     def normalizer(self, batch: dict) -> jax.Array:

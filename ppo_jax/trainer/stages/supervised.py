@@ -69,6 +69,7 @@ class SupervisedTrainer(StageTrainer):
                               f"mesh data x fsdp = {place.batch_shards}")
         model = self.load_model()
         self._check_ids(model.cfg.vocab_size)
+        self._check_context(model.cfg.max_position_embeddings)
         self.model = Split(model.graphdef, None, model.cfg)
         self.tx = optimizer_from_config(cfg.optim, sec.lr, cfg.train.steps,
                                         backbone_lr_scale=sec.backbone_lr_scale)
@@ -92,6 +93,15 @@ class SupervisedTrainer(StageTrainer):
                     raise ConfigError(f"{self.section}.data ({split} split): token id "
                                       f"{int(ids.max())} >= the model vocab_size {vocab_size}: "
                                       "tokenizer and model do not match")
+
+    def _check_context(self, context: int) -> None:
+        """Rows no wider than the model's context (a learned position table has no more)."""
+        width = max(ids.shape[1] for data in (self.train_data, self.eval_data)
+                    for key, ids in data.items() if key.endswith("ids"))
+        if width > context:
+            raise ConfigError(f"{self.section}.max_length={self.settings.max_length}: rows of "
+                              f"{width} tokens exceed the model context {context} "
+                              "(max_position_embeddings); lower it")
 
     def _jit(self) -> None:
         place, sec = self.place, self.settings
@@ -166,13 +176,14 @@ class SupervisedTrainer(StageTrainer):
         return rows_of(data, train_idx), rows_of(data, eval_idx)
 
     def encode_kwargs(self, tokenizer) -> dict:
-        """Tokenisation settings of both stages: PPO's prompt template and lengths, the
-        tokenizer's EOS after each response, right padding with its pad id."""
+        """Tokenisation settings of both stages: PPO's prompt template, lengths and
+        `data.truncation`, the tokenizer's EOS after each response, right padding with its pad
+        id."""
         d, sec = self.cfg.data, self.settings
         return dict(max_prompt_length=d.max_prompt_length, max_length=sec.max_length,
                     use_chat_template=d.use_chat_template, system_prompt=d.system_prompt,
                     eos_id=tokenizer.eos_token_id, pad_id=self.pad_id,
-                    eos_after_truncated=sec.eos_after_truncated)
+                    eos_after_truncated=sec.eos_after_truncated, truncation=d.truncation)
 
     def tokenize_file(self, path: str, key: str, tokenizer) -> dict:  # pragma: no cover - abstract
         """Read, check and tokenise one data file (config key `key`) into a row dict."""
