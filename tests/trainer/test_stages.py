@@ -257,6 +257,33 @@ def test_reward_model_export_with_pad_equal_to_eos_scores_the_eos_in_transformer
         np.testing.assert_allclose(theirs, np.asarray(want), atol=1e-4)
 
 
+@pytest.mark.slow
+def test_smollm2_reward_model_export_scores_equal_transformers(data_dir, tmp_path):
+    """SmolLM2 pads with its EOS (<|im_end|>): the export pads with <|endoftext|> instead, and
+    transformers then reads the score at the EOS, as we do."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from ppo_jax.trainer.stages.reward_model import RewardModelTrainer, pair_scores
+
+    trainer = RewardModelTrainer(rm_cfg("smollm2", data_dir, tmp_path / "run", "train.steps=1",
+                                        "reward_model.backbone_lr_scale=0"))
+    assert trainer.pad_id == trainer.tokenizer.eos_token_id
+    trainer.train(progress=False)
+    out = tmp_path / "run" / "reward_model_hf"
+    exported = AutoTokenizer.from_pretrained(out)
+    pad = json.loads((out / "config.json").read_text())["pad_token_id"]
+    assert pad == exported.pad_token_id != exported.eos_token_id
+    hf = AutoModelForSequenceClassification.from_pretrained(out, torch_dtype=torch.float32).eval()
+    data = {k: v[:4] for k, v in trainer.train_data.items()}
+    ours = pair_scores(trainer.model.graphdef, trainer.state["model"].params, jax.tree.map(jnp.asarray, data))
+    for side, want in (("chosen", ours[0]), ("rejected", ours[1])):
+        ids = np.where(data[f"{side}_mask"] > 0, data[f"{side}_ids"], pad)
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.tensor(ids, dtype=torch.long),
+                        attention_mask=torch.tensor(data[f"{side}_mask"])).logits[:, 0].numpy()
+        np.testing.assert_allclose(theirs, np.asarray(want), atol=1e-4)
+
+
 def test_score_pad_token_avoids_every_eos():
     from ppo_jax.models.tiny_random import tiny_tokenizer
     from ppo_jax.trainer.stages.reward_model import score_pad_token
