@@ -47,6 +47,7 @@ def test_worker_overrides_are_a_valid_config(mode, tmp_path):
     assert cfg.ppo.batch_size == cfg.ppo.mini_batch_size == cfg.ppo.micro_batch_size == 8
     assert cfg.ppo.kl_controller == "fixed" and cfg.ppo.kl_coef == 0.05 and cfg.ppo.vf_coef == 0.1
     assert cfg.optim.max_grad_norm == 1.0 and not cfg.data.shuffle
+    assert cfg.data.prompt_buckets == 1  # no new width (a compile) inside a timed step
     assert not cfg.train.tensorboard and not cfg.train.export_hf and not cfg.train.progress
 
 
