@@ -89,9 +89,10 @@ def process_wall_s() -> float | None:
 
 
 def run_record() -> dict:
-    """What every benchmark JSON carries about its run: `commit`, `dirty` (git_state), and
-    `wall_s` (process_wall_s), taken at measure time."""
-    return {**git_state(), "wall_s": process_wall_s()}
+    """What every benchmark JSON carries about its run: `commit`, `dirty` (git_state), `cpu`
+    (cpu_info: model, cores, instruction sets) and `wall_s` (process_wall_s), taken at measure
+    time, so a report never attributes figures to the machine it is rendered on."""
+    return {**git_state(), "cpu": cpu_info(), "wall_s": process_wall_s()}
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_load, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, machine_load, run_record, stats, write_json  # noqa: E402
 from ppo_jax import core  # noqa: E402
 
 GAMMA, LAM, KL_COEF, CLIP, CLIP_V, VF_COEF = 1.0, 0.95, 0.05, 0.2, 0.2, 0.1
@@ -241,6 +241,7 @@ def main() -> None:
     ja, ta = jax_args(inputs), torch_args(inputs)
 
     print(f"ppo_jax.core benchmark: B={args.batch} T={args.length} float32")
+    print(f"CPU: {cpu_line(cpu_info())}")
     print(f"machine: {os.cpu_count()} CPU cores; jax {jax.__version__} on {jax.devices()[0].platform}; "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads (default); "
           f"load average {os.getloadavg()[0]:.2f} (timings are wall clock: other load inflates them)")

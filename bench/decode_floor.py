@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_load, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, machine_load, run_record, stats, write_json  # noqa: E402
 from generate import chat_batch  # noqa: E402
 from ppo_jax.models import flat_params, load_model, load_tokenizer, split_model  # noqa: E402
 from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
@@ -138,6 +138,7 @@ def main() -> None:
     if args.new_tokens < 2 or args.batch < 1:
         parser.error(f"--new-tokens {args.new_tokens} must be >= 2 (the floor is per decode step "
                      f"after the first token) and --batch {args.batch} >= 1")
+    print(f"CPU: {cpu_line(cpu_info())}", flush=True)
     n, runs = args.new_tokens, max(args.runs, 3)
 
     model_dir = args.model_dir or ensure_smollm2()

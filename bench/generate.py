@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_load, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, machine_load, run_record, stats, write_json  # noqa: E402
 from ppo_jax.models import load_model, load_tokenizer, split_model  # noqa: E402
 from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
 from ppo_jax.rollout.sampler import generate  # noqa: E402
@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     n, runs = args.new_tokens, max(args.runs, 3)
+    print(f"CPU: {cpu_line(cpu_info())}", flush=True)
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_smollm2()
     tok = load_tokenizer(model_dir)

@@ -23,7 +23,6 @@ Usage: `python bench/logprob_memory.py [--batch 8] [--length 40] [--hidden 576] 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -35,6 +34,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+sys.path.insert(0, str(ROOT / "bench"))
+from common import cpu_info, cpu_line  # noqa: E402
 from ppo_jax.core import (  # noqa: E402
     chunked_logprobs_and_entropy,
     entropy_from_logits,
@@ -43,16 +44,6 @@ from ppo_jax.core import (  # noqa: E402
 
 MIB = 2 ** 20
 LLAMA3_8B = {"hidden": 4096, "vocab": 128256}
-
-
-def cpu_model() -> str:
-    """The "model name" line of /proc/cpuinfo and the logical core count."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = "unknown"
-    return f"{name}, {os.cpu_count()} logical cores"
 
 
 def plain_head(hidden, kernel, tokens, temperature):
@@ -131,7 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
     b, t, d, v = args.batch, args.length, args.hidden, args.vocab
-    print(f"CPU: {cpu_model()}; jax {jax.__version__}, backend {jax.default_backend()}")
+    print(f"CPU: {cpu_line(cpu_info())}; jax {jax.__version__}, backend {jax.default_backend()}")
     print(f"head: hidden [{b}, {t}, {d}] float32, tied kernel [{v}, {d}] float32, "
           f"loss sum(a * logprobs + c * entropy), grad w.r.t. hidden and kernel; chunk {args.chunk}")
     data = inputs(b, t, d, v)

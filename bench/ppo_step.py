@@ -76,7 +76,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
-from common import run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, run_record, stats, write_json  # noqa: E402
 
 JSON_TAG = "BENCH_JSON "
 PROMPTS = ROOT / "configs/prompts/reviews.jsonl"
@@ -342,6 +342,7 @@ def main() -> None:
         args.epochs = args.epochs[0]
         print(JSON_TAG + json.dumps(run_jax_worker(args)), flush=True)
         return
+    log(f"CPU: {cpu_line(cpu_info())}")
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = set(configs) - set(CONFIGS)
@@ -380,7 +381,7 @@ def main() -> None:
                     res["config"] = name
                     results.append(res)
 
-    from report import ppo_step_markdown
+    from sections import ppo_step_markdown
 
     data = {
         "bench": "ppo_step",

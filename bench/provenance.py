@@ -54,3 +54,37 @@ def provenance_lines(raws: dict[str, dict | None]) -> list[str]:
                      "before the benchmarks recorded it, or from a tree outside git without "
                      "$PPO_BENCH_COMMIT): which code these figures came from is unknown.")
     return lines
+
+
+def _cpu_text(cpu: dict) -> str:
+    isa = " ".join(cpu.get("isa") or []) or "no SIMD flags read"
+    return f"{cpu.get('model')}, {cpu.get('cores')} logical cores; {isa}"
+
+
+def cpu_lines(raws: dict[str, dict | None], here: dict) -> list[str]:
+    """The CPU the figures were measured on, as the raw files record it (`cpu`, bench/common.py
+    `run_record`), and a warning each when they record different CPUs (figures from machines
+    with different vector units must not be compared as one run) or none, in which case the
+    CPU of the machine rendering the report (`here`, a `cpu_info` dict) is given and said to be
+    that."""
+    recs = {name: d.get("cpu") for name, d in raws.items() if d}
+    distinct: list[str] = []
+    for cpu in recs.values():
+        if cpu and _cpu_text(cpu) not in distinct:
+            distinct.append(_cpu_text(cpu))
+    missing = [n for n, c in recs.items() if not c]
+    if len(distinct) == 1:
+        lines = [f"- CPU (recorded by the benchmarks): {distinct[0]}"]
+    elif distinct:
+        lines = ["- CPU (recorded by the benchmarks): " + "; ".join(
+            f"{n}: {_cpu_text(c)}" for n, c in recs.items() if c)]
+    else:
+        lines = [f"- CPU: not recorded by the raw files; this report was rendered on "
+                 f"{_cpu_text(here)}"]
+    if len(distinct) > 1:
+        lines.append(f"> **Warning:** the raw files come from {len(distinct)} different CPUs: "
+                     "their figures are not from one machine and must not be compared as one run.")
+    if missing and distinct:
+        lines.append(f"> **Warning:** no CPU recorded for {', '.join(missing)} (a file from before "
+                     "the benchmarks recorded it): which machine measured those is unknown.")
+    return lines

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
-import gpu  # noqa: E402  (bench/gpu.py: the 6N-per-token model)
+import gpu_figures  # noqa: E402  (the 6N-per-token model)
 import ppo_step  # noqa: E402  (bench/ppo_step.py: the jax worker)
 from common import cpu_info, cpu_line, run_record, stats, write_json  # noqa: E402
 
@@ -87,7 +87,7 @@ def update_rate(args, model_dir: Path) -> dict:
             "first_step_s", "peak_rss_mib", "versions")
     return {**{k: r[k] for k in keep},
             "flops": counted["update"]["flops"], "xla_flops": counted["update"]["xla_flops"],
-            "flops_6n": gpu.phase_flops(r)["update"],
+            "flops_6n": gpu_figures.phase_flops(r)["update"],
             "flops_source": counted["source"],
             "seconds": r["stats"]["time/update"],
             "gflops_per_s": r["stats"]["gflops_per_s/update"],
@@ -136,7 +136,7 @@ def main() -> None:
         "ratio": upd["gflops_per_s"]["median"] / mm["gflops_per_s"]["median"], "target": TARGET,
         "command": ppo_step.command_line(), "load_average": os.getloadavg()[0], **run_record(),
     }
-    from report import roofline_markdown
+    from sections import roofline_markdown
 
     print(roofline_markdown(data))
     if args.json:

@@ -25,7 +25,9 @@ run() {  # run NAME SETTINGS...
   cat "$OUT/$name.time"
 }
 declare -A settings=([default]="" [kl_0.1]="--set ppo.kl_coef=0.1" [batch_16]="--set ppo.batch_size=16"
-                  [lr_1e-5]="--set optim.actor_lr=1e-5")
+                  [lr_1e-5]="--set optim.actor_lr=1e-5"
+                  [everyday]="--set data.prompts=configs/prompts/everyday.jsonl"
+                  [everyday_batch_16]="--set data.prompts=configs/prompts/everyday.jsonl --set ppo.batch_size=16")
 read -r -a names <<< "${RUNS:-default kl_0.1}"
 for name in "${names[@]}"; do
   # shellcheck disable=SC2086

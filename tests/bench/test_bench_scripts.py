@@ -33,6 +33,7 @@ ppo_step, gpu, report = _load("ppo_step"), _load("gpu"), _load("report")
 core_bench = _load("core")
 flops, common, trl_step = _load("flops"), _load("common"), _load("ppo_step_trl")
 provenance = _load("provenance")
+sections, gpu_figures = _load("sections"), _load("gpu_figures")
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])
@@ -62,7 +63,7 @@ def test_matmul_params_equal_the_model_params():
     mc = {"vocab_size": 211, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
           "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
           "head_dim": cfg.head_dim}
-    n_lm, n_value = gpu.matmul_params(mc)
+    n_lm, n_value = gpu_figures.matmul_params(mc)
     assert n_lm == n
     assert n_value == n - 211 * cfg.hidden_size + cfg.hidden_size
 
@@ -71,12 +72,12 @@ def test_flops_per_phase():
     r = {"model_config": {"vocab_size": 10, "hidden_size": 4, "intermediate_size": 8,
                           "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 2},
          "seq_tokens_mean": 100, "epochs": 4, "mode": "separate"}
-    f = gpu.phase_flops(r)
+    f = gpu_figures.phase_flops(r)
     n_lm, n_v = f["n_lm"], f["n_value"]
     assert f["generation"] == 2 * n_lm * 100
     assert f["scoring"] == 2 * 100 * (2 * n_lm + n_v)
     assert f["update"] == 4 * 6 * 100 * (n_lm + n_v)
-    shared = gpu.phase_flops({**r, "mode": "shared"})
+    shared = gpu_figures.phase_flops({**r, "mode": "shared"})
     assert shared["update"] == 4 * 6 * 100 * n_lm and shared["scoring"] == 4 * 100 * n_lm
 
 
@@ -84,8 +85,8 @@ def test_flops_per_phase():
                                        ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                        ("NVIDIA L40S", 362.0), ("TPU v5 lite", 197.0), ("cpu", None)])
 def test_peak_table(kind, peak):
-    assert gpu.peak_tflops(kind, None)[0] == peak
-    assert gpu.peak_tflops(kind, 123.0) == (123.0, "override")
+    assert gpu_figures.peak_tflops(kind, None)[0] == peak
+    assert gpu_figures.peak_tflops(kind, 123.0) == (123.0, "override")
 
 
 @pytest.mark.parametrize("kind,tbs", [("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35),
@@ -93,8 +94,8 @@ def test_peak_table(kind, peak):
                                       ("NVIDIA A100-SXM4-80GB", 2.039), ("TPU v5 lite", 0.819),
                                       ("cpu", None)])
 def test_hbm_table(kind, tbs):
-    assert gpu.peak_hbm_tbs(kind, None)[0] == tbs
-    assert gpu.peak_hbm_tbs(kind, 2.5) == (2.5, "override")
+    assert gpu_figures.peak_hbm_tbs(kind, None)[0] == tbs
+    assert gpu_figures.peak_hbm_tbs(kind, 2.5) == (2.5, "override")
 
 
 def test_shapes_match_their_models():
@@ -103,7 +104,7 @@ def test_shapes_match_their_models():
         mc = {"vocab_size": 49152, "hidden_size": dims["hidden"], "num_layers": dims["layers"],
               "intermediate_size": dims["intermediate"], "num_heads": dims["heads"],
               "num_kv_heads": dims["kv_heads"], "head_dim": dims["head_dim"]}
-        return gpu.matmul_params(mc)[0]  # tied: every param is a matmul weight or a norm
+        return gpu_figures.matmul_params(mc)[0]  # tied: every param is a matmul weight or a norm
 
     assert n_params(gpu.SHAPES["smollm2"]) == 134_515_008  # SmolLM2-135M's count
     assert 1.0e9 < n_params(gpu.SHAPES["llama1b"]) < 1.1e9
@@ -114,15 +115,15 @@ def test_sampler_bytes_and_bandwidth():
           "num_heads": 2, "num_kv_heads": 1, "head_dim": 2}
     r = {"model_config": mc, "dtype": "bfloat16", "new_tokens": 5, "prompt_width": 7, "batch": 6,
          "stats": {"time/generation": {"median": 2.0}, "tokens_per_s/generation": {"median": 15.0}}}
-    b = gpu.sampler_bytes(r)
-    n_lm = gpu.matmul_params(mc)[0]
+    b = gpu_figures.sampler_bytes(r)
+    n_lm = gpu_figures.matmul_params(mc)[0]
     kv = 2 * 3 * 6 * (7 + 5 - 1) * 1 * 2 * 2  # k and v, layers, rows, slots, kv heads, dim, bf16
     assert b["weight_bytes"] == 2 * n_lm and b["kv_cache_bytes"] == kv
     assert b["bytes"] == 5 * 2 * n_lm + 4 * kv  # prefill + 4 decode passes read the weights
-    f = gpu.sampler_figures(r, hbm_tbs=1e-9)  # 1 kB/s
+    f = gpu_figures.sampler_figures(r, hbm_tbs=1e-9)  # 1 kB/s
     assert f["tokens_per_s"] == 15.0 and f["gb_per_s"] == pytest.approx(b["bytes"] / 2 / 1e9)
     assert f["hbm_fraction"] == pytest.approx(b["bytes"] / 2 / 1e3)
-    assert gpu.sampler_figures(r, None)["hbm_fraction"] is None
+    assert gpu_figures.sampler_figures(r, None)["hbm_fraction"] is None
 
 
 def test_configurations_run_every_model_before_the_second_mode():
@@ -167,16 +168,16 @@ def test_gpu_sh_dry_run(tmp_path):
         assert r["model"] == "tiny-3M" and r["dtype"] == "bfloat16" and r["gen_tokens"] == 8
         assert r["sampler_bytes"]["bytes"] > 0 and r["flops"]["update"] > 0
     assert "| tiny-3M | separate | 1 |" in proc.stdout and "sampler GB/s" in proc.stdout
-    text = report.gpu_section(data)
+    text = gpu_figures.gpu_section(data)
     assert "DRY RUN" in text and "| tiny-3M | shared | 1 |" in text
 
 
 def test_replace_gpu_section():
     doc = "# R\n\n## A\n\na\n"
-    once = report.replace_gpu_section(doc, "## PPO step on X\n\nx")
+    once = gpu_figures.replace_gpu_section(doc, "## PPO step on X\n\nx")
     assert once == "# R\n\n## A\n\na\n\n## PPO step on X\n\nx\n"
-    assert report.replace_gpu_section(once, "## PPO step on Y\n\ny") == once.replace("X\n\nx", "Y\n\ny")
-    middle = report.replace_gpu_section(once + "\n## B\n\nb\n", "## PPO step on Z\n\nz")
+    assert gpu_figures.replace_gpu_section(once, "## PPO step on Y\n\ny") == once.replace("X\n\nx", "Y\n\ny")
+    middle = gpu_figures.replace_gpu_section(once + "\n## B\n\nb\n", "## PPO step on Z\n\nz")
     assert middle == "# R\n\n## A\n\na\n\n## PPO step on Z\n\nz\n\n## B\n\nb\n"
 
 
@@ -199,7 +200,7 @@ def test_ppo_step_markdown_ratios():
     data = {"settings": {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48,
                          "kl_coef": 0.05, "max_grad_norm": 1.0, "warmup": 1, "steps": 3},
             "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
-    text = report.ppo_step_markdown(data)
+    text = sections.ppo_step_markdown(data)
     ratio_rows = [ln for ln in text.splitlines() if ln.startswith("| jax-shared:")]
     assert len(ratio_rows) == 2
     for row in ratio_rows:  # generation x2, scoring x3, update x4, step 13/4
@@ -416,13 +417,13 @@ ROOFLINE = {
 
 
 def test_roofline_section_renders():
-    text = report.roofline_markdown(ROOFLINE)
+    text = sections.roofline_markdown(ROOFLINE)
     assert "AMD EPYC 7B13, 2 logical cores, instruction sets avx avx2 fma" in text
     assert "| matmul 2048x2048x2048 (jitted `x @ y`) | 400 (390–410) | 17.2 (2 N^3) |" in text
     assert "| 125 (120–130) | 500 per step (XLA cost analysis 30, 6N model 520) |" in text
     assert "Update / matmul rate: **0.31** (target ≥ 0.50)" in text
     assert "DRY RUN" not in text
-    assert "DRY RUN" in report.roofline_markdown({**ROOFLINE, "tiny": True})
+    assert "DRY RUN" in sections.roofline_markdown({**ROOFLINE, "tiny": True})
 
 
 def test_report_has_a_roofline_section(tmp_path):
@@ -437,7 +438,7 @@ def test_ppo_step_markdown_shows_counted_flops():
     data = {"settings": {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48,
                          "kl_coef": 0.05, "max_grad_norm": 1.0, "warmup": 1, "steps": 3},
             "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
-    assert "Model FLOPs per step" not in report.ppo_step_markdown(data)
+    assert "Model FLOPs per step" not in sections.ppo_step_markdown(data)
     st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
     ours, trl = data["results"]
     ours["model_flops"] = {"source": "jaxpr dot_general count (bench/flops.py)",
@@ -446,7 +447,7 @@ def test_ppo_step_markdown_shows_counted_flops():
     ours["stats"].update({"gflops_per_s/scoring": st(20.0), "gflops_per_s/update": st(30.0)})
     trl["model_flops"] = {"source": "torch FlopCounterMode, one extra untimed step",
                           "scoring": {"flops": 30e9}, "update": {"flops": 90e9}}
-    text = report.ppo_step_markdown(data)
+    text = sections.ppo_step_markdown(data)
     assert "| trl | 30 | 90 | n/a | n/a | torch FlopCounterMode |" in text
     assert ("| jax-shared | 20 | 60 | 20.0 | 30.0 | jaxpr dot_general count (bench/flops.py) |"
             in text)
@@ -525,7 +526,7 @@ CORE = {
 
 
 def test_core_section_shows_minima_and_per_round_ratios_with_their_spread():
-    text = report.core_markdown(CORE)
+    text = sections.core_markdown(CORE)
     assert ("| jax jit, GAE scan(unroll=1) (default) | 2.500 (1.000) | ×6.4 | ×8.0 | "
             "×5.5 (×5.0–×6.0, 2 rounds) | 0.30 |") in text
     assert "2 interleaved rounds" in text and "blocks of 3 (JAX) and 3 (torch)" in text
@@ -562,7 +563,8 @@ def test_git_state_reads_the_commit_and_whether_tracked_files_changed(tmp_path, 
 
 def test_run_record_carries_commit_dirty_and_wall_time():
     r = common.run_record()
-    assert set(r) == {"commit", "dirty", "wall_s"}
+    assert set(r) == {"commit", "dirty", "cpu", "wall_s"}
+    assert r["cpu"] == common.cpu_info()
     assert r["wall_s"] is None or r["wall_s"] > 0
 
 
@@ -585,6 +587,26 @@ def test_provenance_warns_on_mixed_commits_dirty_trees_and_missing_commits():
     assert len(clean) == 1
 
 
+XEON = {"model": "Intel Xeon", "cores": 2, "isa": ["avx2", "avx512f"]}
+EPYC = {"model": "AMD EPYC", "cores": 2, "isa": ["avx2"]}
+
+
+def test_cpu_lines_name_the_recorded_cpu_not_the_report_machine():
+    lines = provenance.cpu_lines({"core": {"cpu": XEON}, "generate": {"cpu": XEON}, "gpu": None},
+                                 here=EPYC)
+    assert lines == ["- CPU (recorded by the benchmarks): Intel Xeon, 2 logical cores; avx2 avx512f"]
+
+
+def test_cpu_lines_warn_on_mixed_and_missing_cpus():
+    text = "\n".join(provenance.cpu_lines({"core": {"cpu": XEON}, "generate": {"cpu": EPYC},
+                                           "ppo_step": {"results": []}}, here=XEON))
+    assert "core: Intel Xeon" in text and "generate: AMD EPYC" in text
+    assert "2 different CPUs" in text and "no CPU recorded for ppo_step" in text
+    none = provenance.cpu_lines({"core": {"commit": "abc"}}, here=EPYC)
+    assert none == ["- CPU: not recorded by the raw files; this report was rendered on AMD EPYC, "
+                    "2 logical cores; avx2"]
+
+
 def test_report_header_names_the_commit_and_the_wall_times(tmp_path):
     (tmp_path / "core.json").write_text(json.dumps({**CORE, "dirty": True}))
     text = report.render(tmp_path)
@@ -605,14 +627,14 @@ def test_generate_section_shows_every_thread_setting_fastest_first():
                 "2": {"tokens_per_s": st(85.0), "seconds": st(6.0), "first_call_s": 6.1}},
             "ratio": 140 / 85, "ratio_by_threads": {"1": 2.0, "2": 140 / 85},
             "paired_ratio": st(1.6), "paired_ratio_by_threads": {"1": st(2.0), "2": st(1.6)}}
-    text = report.generate_markdown(data)
+    text = sections.generate_markdown(data)
     fast = ("| transformers `generate` (PyTorch CPU), 2 threads (fastest) | 85.0 | 6.000 | 6.10 | "
             "×1.65 (paired runs ×1.60–×1.60) |")
     slow = "| transformers `generate` (PyTorch CPU), 1 thread | 70.0 | 7.300 | 7.50 | ×2.00 ("
     assert fast in text and slow in text and text.index(fast) < text.index(slow)
     assert "fastest thread setting (2 threads) (medians): ×1.65" in text
     old = {k: v for k, v in data.items() if k not in ("transformers_by_threads",)}
-    assert "| transformers `generate` (PyTorch CPU) | 85.0 |" in report.generate_markdown(old)
+    assert "| transformers `generate` (PyTorch CPU) | 85.0 |" in sections.generate_markdown(old)
 
 
 def test_ppo_step_section_puts_first_step_beside_the_steady_median_and_counts_columns():
@@ -622,7 +644,7 @@ def test_ppo_step_section_puts_first_step_beside_the_steady_median_and_counts_co
     ours, trl = data["results"]
     ours.update(seq_tokens_mean=400.0, padded_seq_len_mean=55.0)
     trl.update(seq_tokens_mean=400.0, padded_seq_len_mean=50.0, first_step_s=17.9)
-    text = report.ppo_step_markdown(data)
+    text = sections.ppo_step_markdown(data)
     assert "| trl | 1.00 | 17.9 | 18.9 | 13.0 | n/a | n/a | n/a | n/a |" in text
     assert "| jax-shared | 1.00 | 2.00 | 3.00 | 4.00 | 1.00 | 1.00 | 1.00 | 1.00 |" in text
     assert "| jax-shared | 400 | 55.0 | 440 | 10.0% |" in text  # 8 x 55 columns vs 400 tokens
@@ -656,7 +678,7 @@ def test_decode_floor_section_renders(tmp_path):
             "prompt_width": 47, "new_tokens": 4, "runs": 3, "weight_bytes": 538e6,
             "weight_flops_per_step": 2.2e9, "torch_threads": 2, **fig, "commit": "abc1234",
             "dirty": False, "command": ".venv/bin/python bench/decode_floor.py --json x"}
-    text = report.decode_floor_markdown(data)
+    text = sections.decode_floor_markdown(data)
     assert "538 MB read per step, 2.20 GFLOP" in text
     assert "| ppo_jax decode step | — | 400 | — | 5.5 | 100% |" in text
     assert "| weight matmuls alone, layers unrolled (floor) | 600 | 200 | 2.7 | 11.0 | 50% |" in text
@@ -687,3 +709,19 @@ def test_core_and_decode_floor_write_json_report_reads(tmp_path, tiny_checkpoint
     text = report.render(tmp_path)
     assert f"`{core['commit']}`" in text and "per-round ratios" in text
     assert "| ppo_jax decode step |" in text
+
+
+def test_ceiling_puts_counted_flops_at_the_best_matmul_rate_and_generation_at_the_floor():
+    st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
+    ours = {"config": "jax-shared", "epochs": 1,
+            "stats": {"time/step": st(12.0), "time/generation": st(4.0)},
+            "model_flops": {"scoring": {"flops": 300e9}, "update": {"flops": 500e9}}}
+    trl = {"config": "trl", "epochs": 1, "stats": {"time/step": st(10.0)}}
+    roof = {"matmul": {"n": 2048, "gflops_per_s": {"median": 150.0, "min": 100.0, "max": 200.0}}}
+    floor = {"floor_step_s": 0.05, "decode_step_s": 0.08}
+    text = sections.ceiling_markdown({"results": [trl, ours]}, roof, floor)
+    # generation 4.0 x 0.05 / 0.08 = 2.5 s; 800 GFLOP at 200 GFLOP/s = 4.0 s; best 6.5 s
+    assert "| 1 | 12.0 | 2.50 | 4.00 | 6.50 | 10.0 | ×0.83 | **×1.54** |" in text
+    text = sections.ceiling_markdown({"results": [trl, ours]}, roof, None)
+    assert "| 1 | 12.0 | 4.00 | 4.00 | 8.00 | 10.0 | ×0.83 | **×1.25** |" in text
+    assert "_needs" in sections.ceiling_markdown({"results": [ours]}, roof, floor)
