@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # PPO (GAE), GRPO, RLOO and REINFORCE++ on one budget (README "Advantage estimators beside GAE"):
-# configs/default.yaml (SmolLM2-135M-Instruct, VADER on configs/prompts/reviews.jsonl), 8 sampled
+# configs/default.yaml (SmolLM2-135M-Instruct, VADER) on configs/prompts/reviews.jsonl, 8 sampled
 # responses per step for each (PPO and REINFORCE++: 8 prompts x 1; GRPO and RLOO: 2 prompts x 4),
 # STEPS steps, the held-out reward on 32 prompts of configs/prompts/quotes_eval.jsonl every 5 steps
 # (same seed every time), wall time and peak RSS from /usr/bin/time; then docs/estimators.png
@@ -16,7 +16,8 @@ mkdir -p "$OUT"
 common=(--config configs/default.yaml --set "train.steps=$STEPS" --set train.save_every=0
         --set train.export_hf=false --set train.progress=false
         --set eval.prompts=configs/prompts/quotes_eval.jsonl --set eval.num_prompts=32
-        --set eval.every=5)
+        --set eval.every=5
+        --set data.prompts=configs/prompts/reviews.jsonl --set ppo.batch_size=8)  # as measured
 run() {  # run NAME SETTINGS...
   local name=$1; shift
   if [ -s "$OUT/$name.time" ]; then echo "== $name: done before"; return; fi

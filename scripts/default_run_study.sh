@@ -4,14 +4,14 @@
 # held-out reward on 32 prompts of configs/prompts/quotes_eval.jsonl every 5 steps (eval.*, one
 # fixed sampler key), then each final actor on 64 held-out prompts with three sampling seeds
 # (scripts/compare_actors.py), a table (scripts/summarize_runs.py) and docs/default_runs.png.
-# Usage: scripts/default_run_study.sh   [env: OUT=runs/study STEPS=60 PARALLEL=1
-#   RUNS="default kl_0.1" (names of the settings below)]; a run whose
+# Usage: scripts/default_run_study.sh   [env: OUT=runs/study STEPS=40 PARALLEL=1
+#   RUNS="default reviews_batch_8" (names of the settings below)]; a run whose
 # OUT/NAME.time exists is skipped. PARALLEL=1 runs the variants at the same time (their
 # times per step are then inflated by sharing the cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/study}
-STEPS=${STEPS:-60}
+STEPS=${STEPS:-40}
 py=.venv/bin/python
 mkdir -p "$OUT"
 common=(--config configs/default.yaml --set "train.steps=$STEPS" --set train.save_every=20
@@ -24,11 +24,15 @@ run() {  # run NAME SETTINGS...
     "$py" train.py "${common[@]}" --set "train.output_dir=$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   cat "$OUT/$name.time"
 }
-declare -A settings=([default]="" [kl_0.1]="--set ppo.kl_coef=0.1" [batch_16]="--set ppo.batch_size=16"
-                  [lr_1e-5]="--set optim.actor_lr=1e-5"
-                  [everyday]="--set data.prompts=configs/prompts/everyday.jsonl"
-                  [everyday_batch_16]="--set data.prompts=configs/prompts/everyday.jsonl --set ppo.batch_size=16")
-read -r -a names <<< "${RUNS:-default kl_0.1}"
+# configs/default.yaml is batch 16 over configs/prompts/everyday.jsonl; reviews_batch_8 is the
+# earlier default (batch 8 over the 160 prompts of reviews.jsonl)
+reviews="--set data.prompts=configs/prompts/reviews.jsonl"
+declare -A settings=([default]="" [kl_0.1]="--set ppo.kl_coef=0.1" [lr_1e-5]="--set optim.actor_lr=1e-5"
+                  [batch_8]="--set ppo.batch_size=8"
+                  [reviews_batch_8]="$reviews --set ppo.batch_size=8"
+                  [reviews_batch_16]="$reviews --set ppo.batch_size=16"
+                  [reviews_kl_0.1]="$reviews --set ppo.batch_size=8 --set ppo.kl_coef=0.1")
+read -r -a names <<< "${RUNS:-default reviews_batch_8}"
 for name in "${names[@]}"; do
   # shellcheck disable=SC2086
   if [ "${PARALLEL:-1}" = 1 ]; then run "$name" ${settings[$name]} & else run "$name" ${settings[$name]}; fi
