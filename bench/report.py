@@ -123,7 +123,9 @@ def machine_lines(raws: dict[str, dict | None]) -> list[str]:
     return out
 
 
-def render(raw: Path) -> str:
+def render(raw: Path, out_path: Path | None = None) -> str:
+    """results.md's text from the raw JSON files in `raw`; `out_path` (where it goes) only
+    changes the reproduce line."""
     raws = {name: load(raw, name) for name in BENCHES}
     gpu = load(raw, "gpu")  # optional: bench/gpu.sh --json <raw>/gpu.json on an accelerator
     rel = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
@@ -144,7 +146,11 @@ def render(raw: Path) -> str:
             out.append(d["command"])
         elif name not in ("ppo_step", "roofline"):
             out.append(f".venv/bin/python bench/{name}.py --json {rel}/{name}.json")
-    out += [f".venv/bin/python bench/report.py {rel}", "```"]
+    dest = ""
+    if out_path is not None and out_path.resolve() != (ROOT / "bench/results.md").resolve():
+        o = out_path.resolve()
+        dest = f" --out {o.relative_to(ROOT) if o.is_relative_to(ROOT) else o}"
+    out += [f".venv/bin/python bench/report.py {rel}{dest}", "```"]
     for name, heading, markdown in SECTIONS:
         d = raws[name]
         out += ["", f"## {heading}", "", markdown(d) if d else f"_not run (no {name}.json)_"]
@@ -170,7 +176,7 @@ def main() -> None:
         args.out.write_text(replace_gpu_section(old, section))
         print(f"wrote the GPU section of {args.out}")
         return
-    text = render(args.raw.resolve())
+    text = render(args.raw.resolve(), args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")

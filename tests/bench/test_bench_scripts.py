@@ -615,6 +615,14 @@ def test_report_header_names_the_commit_and_the_wall_times(tmp_path):
     assert "wall time of each benchmark (its whole process): core 1.5 min; 1.5 min in all" in text
 
 
+def test_report_reproduce_line_names_a_non_default_out(tmp_path):
+    (tmp_path / "core.json").write_text(json.dumps(CORE))
+    assert f"bench/report.py {tmp_path}\n" in report.render(tmp_path)
+    assert f"bench/report.py {tmp_path}\n" in report.render(tmp_path, ROOT / "bench/results.md")
+    text = report.render(tmp_path, ROOT / "bench/results_other.md")
+    assert f"bench/report.py {tmp_path} --out bench/results_other.md\n" in text
+
+
 # --------------------------------------------------------------------------- generate / ppo_step
 def test_generate_section_shows_every_thread_setting_fastest_first():
     st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
