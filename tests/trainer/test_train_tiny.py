@@ -77,6 +77,8 @@ def test_bad_config_fails_before_loading(capsys):
     assert "kl_coeff" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # default-run budget (~49 s on 2 cores; the shared-critic update and
+# experience are in the default run through test_update.py and test_critic_free.py)
 def test_shared_critic_runs_checkpoints_resumes_and_exports(tmp_path, monkeypatch):
     """model.shared_critic (TRL's value head on the actor): no critic state, the value head
     trains (vf_loss finite, head params move), checkpoint/resume and the HF export still work."""
