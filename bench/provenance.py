@@ -1,9 +1,12 @@
 """Which code the benchmark figures came from: the commit and dirty flag each raw JSON records
 (bench/common.py `run_record`; bench/gpu.py's `commit` string), and the lines bench/report.py
 puts under results.md's title: the commit(s), and a warning when the raw files come from
-different commits, from a dirty tree, or record no commit (standard library only)."""
+different commits, from a dirty tree, or record no commit; and the CPU the raw files record,
+with a warning when they record different CPUs or none (standard library only)."""
 
 from __future__ import annotations
+
+from common import cpu_line
 
 
 def commit_of(data: dict) -> tuple[str | None, bool | None]:
@@ -56,11 +59,6 @@ def provenance_lines(raws: dict[str, dict | None]) -> list[str]:
     return lines
 
 
-def _cpu_text(cpu: dict) -> str:
-    isa = " ".join(cpu.get("isa") or []) or "no SIMD flags read"
-    return f"{cpu.get('model')}, {cpu.get('cores')} logical cores; {isa}"
-
-
 def cpu_lines(raws: dict[str, dict | None], here: dict) -> list[str]:
     """The CPU the figures were measured on, as the raw files record it (`cpu`, bench/common.py
     `run_record`), and a warning each when they record different CPUs (figures from machines
@@ -70,17 +68,17 @@ def cpu_lines(raws: dict[str, dict | None], here: dict) -> list[str]:
     recs = {name: d.get("cpu") for name, d in raws.items() if d}
     distinct: list[str] = []
     for cpu in recs.values():
-        if cpu and _cpu_text(cpu) not in distinct:
-            distinct.append(_cpu_text(cpu))
+        if cpu and cpu_line(cpu) not in distinct:
+            distinct.append(cpu_line(cpu))
     missing = [n for n, c in recs.items() if not c]
     if len(distinct) == 1:
         lines = [f"- CPU (recorded by the benchmarks): {distinct[0]}"]
     elif distinct:
         lines = ["- CPU (recorded by the benchmarks): " + "; ".join(
-            f"{n}: {_cpu_text(c)}" for n, c in recs.items() if c)]
+            f"{n}: {cpu_line(c)}" for n, c in recs.items() if c)]
     else:
         lines = [f"- CPU: not recorded by the raw files; this report was rendered on "
-                 f"{_cpu_text(here)}"]
+                 f"{cpu_line(here)}"]
     if len(distinct) > 1:
         lines.append(f"> **Warning:** the raw files come from {len(distinct)} different CPUs: "
                      "their figures are not from one machine and must not be compared as one run.")
