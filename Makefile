@@ -4,8 +4,9 @@ ARGS ?=
 .PHONY: train test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
-# bench/generate.py, bench/ppo_step.py, bench/roofline.py and bench/decode_floor.py (each writes
-# JSON under $(BENCH_RAW), with the git commit it measured), then bench/report.py writes
+# bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
+# bench/decode_floor.py (each writes JSON under $(BENCH_RAW), with the git commit it measured),
+# then bench/report.py writes
 # bench/results.md (with a GPU section when bench/gpu.sh --json left a gpu.json there; each
 # benchmark's wall time is in it). Run it on a quiet machine from a clean tree (other load
 # inflates every figure; results.md warns about a dirty tree or mixed commits).
@@ -40,6 +41,7 @@ bench:
 	.venv/bin/python bench/generate.py --json $(BENCH_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --json $(BENCH_RAW)/ppo_step.json
 	.venv/bin/python bench/roofline.py --json $(BENCH_RAW)/roofline.json
+	.venv/bin/python bench/update_profile.py --json $(BENCH_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --json $(BENCH_RAW)/decode_floor.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
@@ -51,6 +53,7 @@ bench-quick:
 	.venv/bin/python bench/generate.py --new-tokens 4 --runs 1 --json $(BENCH_QUICK_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
 	.venv/bin/python bench/roofline.py --steps 1 --warmup 1 --new-tokens 4 --matmul 1024 --matmul-runs 3 --json $(BENCH_QUICK_RAW)/roofline.json
+	.venv/bin/python bench/update_profile.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
 

@@ -32,7 +32,7 @@ from gpu_figures import gpu_section, replace_gpu_section  # noqa: E402
 from common import cpu_info  # noqa: E402
 from provenance import cpu_lines, provenance_lines  # noqa: E402
 from sections import (ceiling_markdown, core_markdown, decode_floor_markdown, generate_markdown,  # noqa: E402
-                      ppo_step_markdown, roofline_markdown)
+                      ppo_step_markdown, roofline_markdown, update_profile_markdown)
 
 
 # --------------------------------------------------------------------------- machine
@@ -75,12 +75,14 @@ def load(raw: Path, name: str) -> dict | None:
 
 
 # the benchmarks `make bench` runs, in its order, with their results.md sections
-BENCHES = ("core", "generate", "ppo_step", "roofline", "decode_floor")
+BENCHES = ("core", "generate", "ppo_step", "roofline", "update_profile", "decode_floor")
 SECTIONS = (
     ("ppo_step", "PPO step: ppo_jax vs TRL 0.11 `PPOTrainer` (bench/ppo_step.py)",
      ppo_step_markdown),
     ("roofline", "Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)",
      roofline_markdown),
+    ("update_profile", "Update profile: where the update's time goes, XLA:CPU flags A/B, PyTorch "
+     "beside it (bench/update_profile.py)", update_profile_markdown),
     ("generate", "Generation: ppo_jax sampler vs transformers `generate` (bench/generate.py)",
      generate_markdown),
     ("decode_floor", "Decode floor: the sampler's decode step vs its weight matmuls alone "
@@ -139,7 +141,7 @@ def render(raw: Path, out_path: Path | None = None) -> str:
         out += ["\n\n".join(prov), ""]
     out += ["## Machine and software", ""] + machine_lines(raws)
     out += ["", "## Reproduce", "", "```bash",
-            "make bench   # sets up .venv and .venv-bench, runs the five benchmarks, writes "
+            "make bench   # sets up .venv and .venv-bench, runs the six benchmarks, writes "
             "bench/results.md", "# or one at a time:"]
     for name, d in raws.items():
         if d and d.get("command"):

@@ -347,3 +347,47 @@ def ceiling_markdown(step: dict, roof: dict, floor: dict | None) -> str:
         "TRL's measured step (seconds, medians):", "",
         table(["epochs", "ppo_jax step", "generation at best", "scoring + update at best",
                "best step", "TRL step", "ratio now", "ratio at best"], rows)])
+
+
+# --------------------------------------------------------------------------- update profile
+def update_profile_markdown(data: dict) -> str:
+    """bench/update_profile.py's JSON: the XLA-flag A/B of the update's forward + backward (with
+    torch as the peer) and where each side's op time goes."""
+    cpu, ab = data["cpu"], data["flags_ab"]
+    dry = " DRY RUN on the tiny random model: not a figure to quote." if data.get("tiny") else ""
+    out = [f"CPU {cpu['model']}, {cpu['cores']} logical cores, instruction sets "
+           f"{' '.join(cpu['isa']) or 'n/a'}; measured {data['date']}.{dry} Work: the actor's "
+           f"forward + backward of one update minibatch, `{data['model']}`, {data['batch']} rows "
+           f"x ({data['prompt']} prompt + {data['response']} response) tokens, float32, loss on "
+           f"the response log-probs, no optimiser step. {data['rounds']} interleaved rounds, each "
+           f"setting in a fresh process, median of {data['calls']} calls per round; ratio = "
+           "the setting's median / the default's in the same round, median (min–max) over "
+           "rounds (< 1 is faster).", ""]
+    rows = []
+    for r in ab["rows"]:
+        what = "PyTorch peer (transformers, eager)" if r["side"] == "torch" else \
+            (f"`{r['xla_flags']}`" if r["xla_flags"] else "XLA:CPU defaults")
+        rows.append([r["name"], what, _spread(r["seconds"], 2), _spread(r["ratio_to_default"], 2),
+                     _f(r["gflops_per_s"], 1), _f(r["first_call_s"]["median"], 1)])
+    out.append(table(["setting", "flags", "seconds per call", "ratio to default", "GFLOP/s",
+                      "first call s"], rows))
+    fl = ab["flops"]
+    out.append(f"\nFLOPs per call, counted: jax {_gflop(fl.get('jax'))} GFLOP (LM head on the "
+               "response positions)" + (f", torch {_gflop(fl['torch'])} GFLOP (LM head on every "
+                                        "position, as TRL)" if "torch" in fl else "") + ".")
+    prof = data.get("profiles", {})
+    if prof:
+        kinds = ("matmul", "layout copies", "layer-scan stacking", "other")
+        sides = [s for s in ("jax", "torch") if s in prof]
+        rows = [[k] + [f"{_f(prof[s]['kinds'][k]['ms_per_call'], 1)} ms "
+                       f"({100 * prof[s]['kinds'][k]['share']:.0f}%)" for s in sides] for k in kinds]
+        rows.append(["all ops"] + [f"{_f(prof[s]['total_ms_per_call'], 1)} ms" for s in sides])
+        out += ["", f"Op time per call by kind ({data['profile_calls']} traced calls; jax: "
+                "`jax.profiler.trace`, XLA:CPU's ops may overlap on its threads; torch: "
+                "`torch.profiler` self CPU time):", "",
+                table(["kind"] + [("ppo_jax (XLA:CPU)" if s == "jax" else "PyTorch") for s in sides],
+                      rows)]
+        for s in sides:
+            top = ", ".join(f"`{n}` {_f(t, 1)} ms" for n, t in prof[s]["top_ops"][:6])
+            out.append(f"\nLargest {s} ops per call: {top}.")
+    return "\n".join(out)

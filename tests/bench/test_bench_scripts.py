@@ -733,3 +733,101 @@ def test_ceiling_puts_counted_flops_at_the_best_matmul_rate_and_generation_at_th
     text = sections.ceiling_markdown({"results": [trl, ours]}, roof, None)
     assert "| 1 | 12.0 | 4.00 | 4.00 | 8.00 | 10.0 | ×0.83 | **×1.25** |" in text
     assert "_needs" in sections.ceiling_markdown({"results": [ours]}, roof, floor)
+
+
+# --------------------------------------------------------------------------- bench/update_profile.py
+update_profile = _load("update_profile")
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("ynn_fusion.27", "matmul"), ("xnn_fusion", "matmul"), ("dot.134", "matmul"),
+    ("copy_bitcast_fusion.4", "layout copies"), ("transpose_copy_fusion", "layout copies"),
+    ("copy", "layout copies"), ("wrapped_broadcast.12", "layer-scan stacking"),
+    ("bitcast_dynamic-update-slice_fusion.10", "layer-scan stacking"),
+    ("subtract_dynamic-slice_fusion", "layer-scan stacking"), ("add_divide_fusion", "other"),
+    ("ThunkExecutor::Execute", None), ("$api.py:2479 block_until_ready", None),
+    ("end: ynn_fusion", None), ("PjitFunction(loss)", None)])
+def test_xla_trace_events_are_sorted_by_kind(name, kind):
+    assert update_profile.xla_op_kind(name) == kind
+
+
+def test_torch_ops_are_sorted_by_kind():
+    kinds = [update_profile.torch_op_kind(n) for n in ("aten::mm", "aten::bmm", "aten::copy_",
+                                                       "aten::fill_", "aten::mul")]
+    assert kinds == ["matmul", "matmul", "layout copies", "layout copies", "other"]
+
+
+def test_kinds_table_gives_per_call_time_and_shares():
+    t = update_profile.kinds_table({"matmul": 60.0, "layout copies": 30.0, "other": 10.0}, calls=2)
+    assert t["total_ms_per_call"] == 50.0
+    assert t["kinds"]["matmul"] == {"ms_per_call": 30.0, "share": 0.6}
+    assert t["kinds"]["layer-scan stacking"] == {"ms_per_call": 0.0, "share": 0.0}
+
+
+@pytest.mark.parametrize("side", ["jax", "torch"])
+def test_update_profile_workers_time_and_trace_a_tiny_model(side, tiny_checkpoint):
+    """Each worker in-process on the tiny model: counted FLOPs, timed calls, and a parsed trace
+    whose op time is mostly ops of a known kind (the profiler formats are what we read)."""
+    pytest.importorskip("torch") if side == "torch" else None
+    worker = update_profile.jax_worker if side == "jax" else update_profile.torch_worker
+    args = Namespace(model_dir=str(tiny_checkpoint), batch=2, prompt=5, response=4, calls=2,
+                     trace=False)
+    timed = worker(args)
+    assert timed["flops"] > 0 and len(timed["seconds"]) == 2
+    traced = worker(Namespace(**{**vars(args), "trace": True}))
+    assert traced["total_ms_per_call"] > 0
+    assert traced["kinds"]["matmul"]["ms_per_call"] > 0
+    assert abs(sum(k["share"] for k in traced["kinds"].values()) - 1) < 1e-9
+    if side == "jax":  # the layers are a lax.scan: its stacking shows up
+        assert traced["kinds"]["layer-scan stacking"]["ms_per_call"] > 0
+
+
+UPDATE_PROFILE = {
+    "bench": "update_profile", "tiny": False, "date": "2026-01-01T00:00:00+00:00",
+    "cpu": {"model": "Test CPU", "cores": 2, "isa": ["avx2"]}, "model": "m", "batch": 8,
+    "prompt": 46, "response": 48, "rounds": 3, "calls": 3, "profile_calls": 2,
+    "flags_ab": {"flops": {"jax": 5.6e11, "torch": 6.2e11}, "rows": [
+        {"name": "default", "xla_flags": "", "side": "jax",
+         "seconds": {"median": 4.0, "min": 3.8, "max": 4.4, "n": 3},
+         "first_call_s": {"median": 8.0, "min": 8.0, "max": 8.0, "n": 3},
+         "ratio_to_default": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 3}, "gflops_per_s": 140.0},
+        {"name": "xnnpack off", "xla_flags": "--xla_cpu_use_xnnpack=false", "side": "jax",
+         "seconds": {"median": 4.2, "min": 4.0, "max": 4.5, "n": 3},
+         "first_call_s": {"median": 8.0, "min": 8.0, "max": 8.0, "n": 3},
+         "ratio_to_default": {"median": 1.05, "min": 0.98, "max": 1.1, "n": 3}, "gflops_per_s": 133.3},
+        {"name": "torch", "xla_flags": None, "side": "torch",
+         "seconds": {"median": 3.7, "min": 3.5, "max": 3.9, "n": 3},
+         "first_call_s": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 3},
+         "ratio_to_default": {"median": 0.93, "min": 0.9, "max": 0.95, "n": 3}, "gflops_per_s": 167.6}]},
+    "profiles": {s: {"kinds": {k: {"ms_per_call": v, "share": v / 100} for k, v in kinds.items()},
+                     "total_ms_per_call": 100.0, "top_ops": [["op", 10.0]]}
+                 for s, kinds in (("jax", {"matmul": 58, "layout copies": 16, "layer-scan stacking": 17,
+                                           "other": 9}),
+                                  ("torch", {"matmul": 75, "layout copies": 5, "layer-scan stacking": 0,
+                                             "other": 20}))},
+}
+
+
+def test_update_profile_section_renders():
+    text = sections.update_profile_markdown(UPDATE_PROFILE)
+    assert "| xnnpack off | `--xla_cpu_use_xnnpack=false` | 4.20 (4.00–4.50) | 1.05 (0.98–1.10) | 133 | 8.0 |" in text
+    assert "| torch | PyTorch peer (transformers, eager) | 3.70 (3.50–3.90) | 0.93 (0.90–0.95)" in text
+    assert "| layout copies | 16.0 ms (16%) | 5.0 ms (5%) |" in text
+    assert "jax 560 GFLOP" in text and "torch 620 GFLOP" in text
+    assert "DRY RUN" not in text and "DRY RUN" in sections.update_profile_markdown({**UPDATE_PROFILE, "tiny": True})
+
+
+@pytest.mark.slow
+def test_update_profile_tiny_dry_run(tmp_path):
+    out = tmp_path / "update_profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/update_profile.py"), "--tiny", "--batch", "2",
+         "--prompt", "5", "--response", "4", "--rounds", "2", "--calls", "1", "--profile-calls", "1",
+         "--flags", "default=", "xnnpack off=--xla_cpu_use_xnnpack=false", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    data = json.loads(out.read_text())
+    names = [r["name"] for r in data["flags_ab"]["rows"]]
+    assert names == ["default", "xnnpack off", "torch"]
+    assert data["flags_ab"]["rows"][0]["ratio_to_default"]["median"] == 1.0
+    assert set(data["profiles"]) == {"jax", "torch"} and "Op time per call by kind" in proc.stdout
