@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
+import ppo_step  # noqa: E402  (model directory and command line as the other benchmarks)
 from common import cpu_info, cpu_line, run_record, stats, write_json  # noqa: E402
 
 # XLA:CPU settings compared against the default (name, XLA_FLAGS); names the issue asked about
@@ -288,8 +289,6 @@ def main() -> None:
 
             args.model_dir = ensure_tiny_random(Path(tmp) / "tiny-random-llama")
         else:
-            import ppo_step
-
             args.model_dir = ppo_step.resolve_model_dir(args.model_dir)
         ab = flags_ab(args, settings, with_torch=not args.no_torch)
         profiles = {"jax": run_worker("jax", args, settings[0][1], trace=True, calls=args.profile_calls)}
@@ -302,7 +301,7 @@ def main() -> None:
         "cpu": cpu, "model": model, "batch": args.batch, "prompt": args.prompt,
         "response": args.response, "rounds": args.rounds, "calls": args.calls,
         "profile_calls": args.profile_calls, "flags_ab": ab, "profiles": profiles,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": ppo_step.command_line(),
         "load_average": os.getloadavg()[0], **run_record(),
     }
     from sections import update_profile_markdown
