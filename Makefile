@@ -6,10 +6,9 @@ ARGS ?=
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
 # bench/decode_floor.py (each writes JSON under $(BENCH_RAW), with the git commit it measured),
-# then bench/report.py writes
-# bench/results.md (with a GPU section when bench/gpu.sh --json left a gpu.json there; each
-# benchmark's wall time is in it). Run it on a quiet machine from a clean tree (other load
-# inflates every figure; results.md warns about a dirty tree or mixed commits).
+# then bench/report.py writes bench/results.md (with a GPU section when bench/gpu.sh --json left
+# a gpu.json there; each benchmark's wall time is in it). Run it on a quiet machine from a clean
+# tree (other load inflates every figure; results.md warns about a dirty tree or mixed commits).
 # `make bench-quick` runs the same pipeline with tiny sizes (a smoke check of the scripts, not
 # figures to quote; ~5 minutes) and writes bench/results_raw/quick/results.md instead.
 BENCH_RAW ?= bench/results_raw
