@@ -46,6 +46,10 @@ beside it); TRL from torch's `FlopCounterMode` on one extra untimed step (bench/
 ppo_jax applies the LM head and log-softmax to response positions only, TRL 0.11 to every
 position, so "equal work" is equal PPO work, not equal FLOPs: the table shows both.
 
+Process: both sides' workers start with glibc's `MALLOC_SETTINGS` in their environment, as
+`train.py` runs (ppo_jax.trainer.host_memory; `PPO_JAX_MALLOC_TUNING=0` runs both without;
+`malloc_settings` in each result says which).
+
 Timing: `--warmup` untimed steps first (for ppo_jax they hold the XLA compilation), then
 `--steps` measured steps; each figure is the median over the measured steps with its min and
 max. Compile time = first step minus the median steady-state step (per phase as well).
@@ -301,15 +305,19 @@ def write_prompt_ids(model_dir: Path, max_prompt_length: int, path: Path) -> int
 
 def run_subprocess(cmd: list[str], name: str) -> dict | None:
     """Run one configuration; its stderr streams through; parse its `BENCH_JSON` line."""
+    from ppo_jax.trainer.host_memory import malloc_env, malloc_settings_active
+
     log(f"--- {name}: {' '.join(cmd)}")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    env = malloc_env() or dict(os.environ)  # both sides under the malloc settings train.py uses
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=str(ROOT), env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(JSON_TAG)]
     if proc.returncode != 0 or not lines:
         log(f"--- {name}: FAILED (exit {proc.returncode}); stdout tail:\n{proc.stdout[-2000:]}")
         return None
     result = json.loads(lines[-1][len(JSON_TAG):])
     result["wall_s"] = time.perf_counter() - t0
+    result["malloc_settings"] = malloc_settings_active(env)
     result["command"] = " ".join(cmd)
     return result
 
