@@ -92,19 +92,9 @@ def summary(stage: str, history: list[dict]) -> str:
     return line + "".join(f", {k} {v:.4f}" for k, v in evals.items())
 
 
-def reexec_with_malloc_settings() -> None:
-    """Replace this process with itself under glibc's `MALLOC_SETTINGS` (same pid, same
-    arguments) unless they are on already or not applicable: XLA:CPU then reuses its freed
-    buffers instead of faulting them in again (ppo_jax.trainer.host_memory)."""
-    from ppo_jax.trainer.host_memory import malloc_env
-
-    env = malloc_env()
-    if env is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, sys.orig_argv, env)
-
-
 if __name__ == "__main__":
+    # XLA:CPU then reuses its freed buffers instead of faulting them in again (host_memory.py)
+    from ppo_jax.trainer.host_memory import reexec_with_malloc_settings
+
     reexec_with_malloc_settings()
     sys.exit(main())

@@ -88,11 +88,33 @@ def process_wall_s() -> float | None:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def malloc_settings_on() -> bool | None:
+    """Whether this process started under the glibc malloc settings train.py runs with
+    (ppo_jax.trainer.host_memory.MALLOC_SETTINGS); None where ppo_jax cannot be imported."""
+    try:
+        from ppo_jax.trainer.host_memory import malloc_settings_active
+    except ImportError:
+        return None
+    return malloc_settings_active()
+
+
+def under_malloc_settings() -> None:
+    """Re-execute this benchmark under train.py's malloc settings (same pid and arguments), so
+    that it measures XLA:CPU as train.py runs it and its in-process peers under the same
+    allocator; no-op where they are on already, off (`PPO_JAX_MALLOC_TUNING=0`) or not glibc.
+    Call it first in the `__main__` block."""
+    from ppo_jax.trainer.host_memory import reexec_with_malloc_settings
+
+    reexec_with_malloc_settings()
+
+
 def run_record() -> dict:
     """What every benchmark JSON carries about its run: `commit`, `dirty` (git_state), `cpu`
-    (cpu_info: model, cores, instruction sets) and `wall_s` (process_wall_s), taken at measure
-    time, so a report never attributes figures to the machine it is rendered on."""
-    return {**git_state(), "cpu": cpu_info(), "wall_s": process_wall_s()}
+    (cpu_info: model, cores, instruction sets), `wall_s` (process_wall_s) and `malloc_settings`
+    (malloc_settings_on), taken at measure time, so a report never attributes figures to the
+    machine it is rendered on."""
+    return {**git_state(), "cpu": cpu_info(), "wall_s": process_wall_s(),
+            "malloc_settings": malloc_settings_on()}
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_info, cpu_line, machine_load, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, machine_load, run_record, under_malloc_settings, stats, write_json  # noqa: E402
 from ppo_jax import core  # noqa: E402
 
 GAMMA, LAM, KL_COEF, CLIP, CLIP_V, VF_COEF = 1.0, 0.95, 0.05, 0.2, 0.2, 0.1
@@ -320,4 +320,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
     main()

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_info, cpu_line, machine_load, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, machine_load, run_record, under_malloc_settings, stats, write_json  # noqa: E402
 from ppo_jax.models import load_model, load_tokenizer, split_model  # noqa: E402
 from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
 from ppo_jax.rollout.sampler import generate  # noqa: E402
@@ -242,4 +242,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
     main()

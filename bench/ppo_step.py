@@ -80,7 +80,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
-from common import cpu_info, cpu_line, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, run_record, under_malloc_settings, stats, write_json  # noqa: E402
 
 JSON_TAG = "BENCH_JSON "
 PROMPTS = ROOT / "configs/prompts/reviews.jsonl"
@@ -411,4 +411,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
     main()

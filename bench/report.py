@@ -91,6 +91,24 @@ SECTIONS = (
 )
 
 
+def malloc_line(raws: dict[str, dict | None]) -> str:
+    """Which benchmarks ran under train.py's glibc malloc settings (their `malloc_settings`; for
+    ppo_step, its workers', where every result records it: both sides run under the same
+    environment). A file from before the field existed says "not recorded"."""
+    groups: dict[str, list[str]] = {"on": [], "off": [], "not recorded": []}
+    for name, d in raws.items():
+        if not d:
+            continue
+        flags = [r.get("malloc_settings") for r in d.get("results", []) if isinstance(r, dict)]
+        if not flags or None in flags:  # only ppo_step records it per worker
+            flags = [d.get("malloc_settings")]
+        key = "not recorded" if None in flags else "on" if all(flags) else "off"
+        groups[key].append(name)
+    return ("- train.py's malloc settings (one arena, no unmapping; ppo_jax/trainer/host_memory.py) "
+            "in each benchmark's processes: "
+            + "; ".join(f"{k}: {', '.join(v)}" for k, v in groups.items() if v))
+
+
 def machine_lines(raws: dict[str, dict | None]) -> list[str]:
     """The machine / software bullet list: the CPU the raw files record (provenance.cpu_lines), the
     machine and packages at report time, and each benchmark's load and wall time."""
@@ -117,6 +135,7 @@ def machine_lines(raws: dict[str, dict | None]) -> list[str]:
     if any(la is not None for _, la in loads):
         out.append("- load average (1 min) at the end of each benchmark: "
                    + ", ".join(f"{n} {la:.2f}" for n, la in loads if la is not None))
+    out.append(malloc_line(raws))
     walls = [(n, d["wall_s"]) for n, d in raws.items() if d and d.get("wall_s") is not None]
     if walls:
         out.append("- wall time of each benchmark (its whole process): "

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_figures  # noqa: E402  (the 6N-per-token model)
 import ppo_step  # noqa: E402  (bench/ppo_step.py: the jax worker)
-from common import cpu_info, cpu_line, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, run_record, under_malloc_settings, stats, write_json  # noqa: E402
 
 TARGET = 0.5  # issue 13: the update at >= 50% of the matmul rate
 
@@ -143,4 +143,5 @@ def main() -> None:
         write_json(args.json, data)
 
 if __name__ == "__main__":
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
     main()

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
 import ppo_step  # noqa: E402  (model directory and command line as the other benchmarks)
-from common import cpu_info, cpu_line, run_record, stats, write_json  # noqa: E402
+from common import cpu_info, cpu_line, run_record, under_malloc_settings, stats, write_json  # noqa: E402
 
 # XLA:CPU settings compared against the default (name, XLA_FLAGS); names the issue asked about
 FLAGS = (
@@ -313,4 +313,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
     main()

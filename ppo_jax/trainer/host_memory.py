@@ -27,6 +27,7 @@ import ctypes.util
 import functools
 import os
 import platform
+import sys
 from typing import Mapping
 
 # glibc malloc tunables, read from the environment at process start (mallopt(3)): one arena for
@@ -61,6 +62,18 @@ def malloc_env(environ: Mapping[str, str] | None = None, system: str | None = No
     if system != "Linux" or libc != "glibc" or malloc_settings_active(environ):
         return None
     return {**MALLOC_SETTINGS, **environ}
+
+
+def reexec_with_malloc_settings() -> None:
+    """Replace this process with itself under `MALLOC_SETTINGS` (same pid, same interpreter and
+    arguments: `sys.orig_argv`) when `malloc_env` asks for it; return without doing anything
+    otherwise. Call it first thing in a `__main__` block (train.py, the CPU benchmarks), before
+    anything worth keeping is done: glibc reads the settings only at start-up."""
+    env = malloc_env()
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
 
 
 @functools.cache

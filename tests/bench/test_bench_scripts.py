@@ -563,9 +563,23 @@ def test_git_state_reads_the_commit_and_whether_tracked_files_changed(tmp_path, 
 
 def test_run_record_carries_commit_dirty_and_wall_time():
     r = common.run_record()
-    assert set(r) == {"commit", "dirty", "cpu", "wall_s"}
+    assert set(r) == {"commit", "dirty", "cpu", "wall_s", "malloc_settings"}
     assert r["cpu"] == common.cpu_info()
     assert r["wall_s"] is None or r["wall_s"] > 0
+    from ppo_jax.trainer.host_memory import MALLOC_SETTINGS
+
+    assert r["malloc_settings"] == all(k in os.environ for k in MALLOC_SETTINGS)
+
+
+def test_report_says_which_benchmarks_ran_under_the_malloc_settings():
+    raws = {"core": {"malloc_settings": True}, "generate": {"malloc_settings": False},
+            "roofline": {"commit": "abc"}, "decode_floor": None,
+            "ppo_step": {"malloc_settings": False,  # the parent; its workers' flags decide
+                         "results": [{"malloc_settings": True}, {"malloc_settings": True}]},
+            "update_profile": {"results": [{"malloc_settings": True}, {}]}}
+    line = report.malloc_line(raws)
+    assert line.endswith("in each benchmark's processes: on: core, ppo_step; off: generate; "
+                         "not recorded: roofline, update_profile")
 
 
 def test_provenance_one_commit_no_warning():

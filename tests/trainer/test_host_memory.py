@@ -3,6 +3,7 @@ them: which environment is asked for, when nothing is done, and that trimming st
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -49,16 +50,16 @@ def test_trimming_stops_under_the_settings(monkeypatch):
     assert calls == [0]
 
 
-def test_train_py_reexecutes_itself_once_with_the_settings(tmp_path):
-    """The real execve: a script that calls train.py's re-exec runs twice, the second time with
-    the settings in its environment (and does not exec a third time)."""
+def test_reexec_runs_the_script_again_once_with_the_settings(tmp_path):
+    """The real execve: a script that calls the re-exec runs twice, the second time with the
+    settings in its environment (and does not exec a third time)."""
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
         print("start", os.environ.get("MALLOC_ARENA_MAX"), flush=True)
-        import train
-        train.reexec_with_malloc_settings()
+        from ppo_jax.trainer.host_memory import reexec_with_malloc_settings
+        reexec_with_malloc_settings()
         print("after", os.environ.get("MALLOC_ARENA_MAX"), os.environ.get("MALLOC_MMAP_MAX_"))
     """))
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_SETTINGS and k != "PPO_JAX_MALLOC_TUNING"}
@@ -71,3 +72,18 @@ def test_train_py_reexecutes_itself_once_with_the_settings(tmp_path):
     off = subprocess.run([sys.executable, str(script)], env={**env, "PPO_JAX_MALLOC_TUNING": "0"},
                          capture_output=True, text=True, check=True).stdout.split("\n")
     assert off[:2] == ["start None", "after None None"]
+
+
+@pytest.mark.parametrize("script", ["train.py", "bench/core.py", "bench/decode_floor.py",
+                                    "bench/generate.py", "bench/ppo_step.py", "bench/roofline.py",
+                                    "bench/update_profile.py"])
+def test_entry_points_reexec_first_in_main(script):
+    """train.py and the CPU benchmarks re-execute under the settings before anything else runs in
+    their `__main__` block (the benchmarks then measure XLA:CPU as train.py runs it)."""
+    tree = ast.parse((ROOT / script).read_text())
+    main = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert len(main) == 1, script
+    calls = [ast.unparse(n.value.func) for n in main[0].body
+             if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
+    assert calls[0] in ("reexec_with_malloc_settings", "under_malloc_settings"), (script, calls)
+    assert calls[-1] in ("main", "sys.exit"), (script, calls)
