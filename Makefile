@@ -50,7 +50,7 @@ bench-quick:
 	mkdir -p $(BENCH_QUICK_RAW)
 	.venv/bin/python bench/core.py --batch 16 --length 64 --rounds 3 --torch-block 1 --jax-block 3 --json $(BENCH_QUICK_RAW)/core.json
 	.venv/bin/python bench/generate.py --new-tokens 4 --runs 1 --json $(BENCH_QUICK_RAW)/generate.json
-	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
+	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --rounds 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
 	.venv/bin/python bench/roofline.py --steps 1 --warmup 1 --new-tokens 4 --matmul 1024 --matmul-runs 3 --json $(BENCH_QUICK_RAW)/roofline.json
 	.venv/bin/python bench/update_profile.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json

@@ -51,11 +51,16 @@ Process: both sides' workers start with glibc's `MALLOC_SETTINGS` in their envir
 `malloc_settings` in each result says which).
 
 Timing: `--warmup` untimed steps first (for ppo_jax they hold the XLA compilation), then
-`--steps` measured steps; each figure is the median over the measured steps with its min and
-max. Compile time = first step minus the median steady-state step (per phase as well).
+`--steps` measured steps, in each of `--rounds` interleaved rounds: every configuration runs once
+per round in a fresh process (the order reversed every other round), so a machine whose speed
+drifts over the run weighs on both sides alike. Each figure is the median of the rounds' medians
+with the min and max over every measured step (`merge_rounds`; the rounds' own results are kept
+in the JSON's `rounds`), and each phase's ratio to TRL is also given per round (TRL's median /
+ours of the same round) with its spread. Compile time = first step minus the median
+steady-state step (per phase as well).
 
 Usage:
-  python bench/ppo_step.py [--epochs 1 4] [--steps 3] [--warmup 1] [--batch 8]
+  python bench/ppo_step.py [--epochs 1 4] [--steps 3] [--warmup 1] [--rounds 3] [--batch 8]
       [--new-tokens 48] [--configs trl,jax-shared,jax-separate] [--json PATH]
 One ppo_jax configuration alone (what the orchestrator runs in each subprocess; also used by
 `bench/gpu.py`, with `--dtype bfloat16`):
@@ -322,6 +327,35 @@ def run_subprocess(cmd: list[str], name: str) -> dict | None:
     return result
 
 
+def merge_rounds(results: list[dict]) -> list[dict]:
+    """One result per (epochs, config) from the rounds' results: each phase's stats become the
+    median of the rounds' medians with the min and max over every measured step (`n`: all of
+    them); peak RSS the largest, load / first step / compile the rounds' medians, `wall_s` the
+    sum; everything else from the first round. `rounds` says how many were merged."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["epochs"], r["config"]), []).append(r)
+    merged = []
+    for rs in groups.values():
+        m = {**rs[0], "rounds": len(rs)}
+        m.pop("round", None)
+        m["stats"] = {k: {"median": statistics.median(r["stats"][k]["median"] for r in rs),
+                          "min": min(r["stats"][k]["min"] for r in rs),
+                          "max": max(r["stats"][k]["max"] for r in rs),
+                          "n": sum(r["stats"][k].get("n", 1) for r in rs)}
+                      for k in rs[0]["stats"] if all(k in r["stats"] for r in rs)}
+        m["peak_rss_mib"] = max(r["peak_rss_mib"] for r in rs)
+        for key in ("load_s", "first_step_s"):
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            m[key] = statistics.median(vals) if vals else None
+        if rs[0].get("compile_s") is not None:
+            m["compile_s"] = {k: statistics.median(r["compile_s"][k] for r in rs)
+                              for k in rs[0]["compile_s"]}
+        m["wall_s"] = sum(r.get("wall_s") or 0.0 for r in rs)
+        merged.append(m)
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=None, help="HF directory (default: ensure_smollm2())")
@@ -330,6 +364,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds: every configuration runs once per round")
     parser.add_argument("--max-prompt-length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default=",".join(CONFIGS),
@@ -357,7 +393,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --configs {sorted(unknown)}; known: {CONFIGS}")
     if args.steps < 1:
-        parser.error("--steps must be >= 1")
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     model_dir = resolve_model_dir(args.model_dir)
     trl_python = Path(args.trl_python)
     if "trl" in configs and not trl_python.is_file():
@@ -374,20 +412,21 @@ def main() -> None:
                   "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--max-prompt-length", str(args.max_prompt_length), "--seed", str(args.seed)]
         for epochs in args.epochs:
-            for name in configs:
-                if name == "trl":
-                    cmd = [str(trl_python), str(ROOT / "bench/ppo_step_trl.py"),
-                           "--model-dir", str(model_dir), "--prompt-ids", str(prompt_file),
-                           "--epochs", str(epochs), "--kl-coef", str(KL_COEF), "--lr", str(LR),
-                           *common]
-                else:
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "jax",
-                           "--mode", name.split("-")[1], "--model-dir", str(model_dir),
-                           "--epochs", str(epochs), *common]
-                res = run_subprocess(cmd, f"{name}, {epochs} epoch(s)")
-                if res is not None:
-                    res["config"] = name
-                    results.append(res)
+            for rnd in range(args.rounds):
+                for name in (configs if rnd % 2 == 0 else configs[::-1]):
+                    if name == "trl":
+                        cmd = [str(trl_python), str(ROOT / "bench/ppo_step_trl.py"),
+                               "--model-dir", str(model_dir), "--prompt-ids", str(prompt_file),
+                               "--epochs", str(epochs), "--kl-coef", str(KL_COEF), "--lr", str(LR),
+                               *common]
+                    else:
+                        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "jax",
+                               "--mode", name.split("-")[1], "--model-dir", str(model_dir),
+                               "--epochs", str(epochs), *common]
+                    res = run_subprocess(cmd, f"{name}, {epochs} epoch(s), round {rnd + 1}/{args.rounds}")
+                    if res is not None:
+                        res["config"], res["round"] = name, rnd
+                        results.append(res)
 
     from sections import ppo_step_markdown
 
@@ -396,17 +435,19 @@ def main() -> None:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "settings": {"model": model_dir.name, "batch": args.batch, "new_tokens": args.new_tokens,
                      "epochs": args.epochs, "steps": args.steps, "warmup": args.warmup,
+                     "rounds": args.rounds,
                      "max_prompt_length": args.max_prompt_length, "dtype": "float32",
                      "kl_coef": KL_COEF, "vf_coef": VF_COEF, "max_grad_norm": MAX_GRAD_NORM,
                      "configs": configs},
-        "results": results,
+        "results": merge_rounds(results),
+        "rounds": results,
         "command": command_line(),
         "load_average": os.getloadavg()[0], **run_record(),
     }
     print(ppo_step_markdown(data))
     if args.json:
         write_json(args.json, data)
-    if len(results) < len(configs) * len(args.epochs):
+    if len(results) < len(configs) * len(args.epochs) * args.rounds:
         raise SystemExit("some configurations failed (see above)")
 
 

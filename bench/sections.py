@@ -49,7 +49,11 @@ def ppo_step_markdown(data: dict) -> str:
     out = [f"Model `{s['model']}`, {s['dtype']}, batch {s['batch']} (one minibatch, no gradient "
            f"accumulation), {s['new_tokens']} new tokens per response (no early stop), KL coef "
            f"{s['kl_coef']} fixed, grad clip {s['max_grad_norm']}; {s['warmup']} warm-up + "
-           f"{s['steps']} measured steps per configuration; median (min–max)."]
+           f"{s['steps']} measured steps per configuration"
+           + (f" in each of {s['rounds']} interleaved rounds (every configuration a fresh "
+              "process once per round, the order reversed every other round); median of the "
+              "round medians (min–max over every measured step)." if s.get("rounds", 1) > 1
+              else "; median (min–max).")]
     by_epochs: dict[int, list[dict]] = {}
     for r in data["results"]:
         by_epochs.setdefault(r["epochs"], []).append(r)
@@ -85,6 +89,14 @@ def ppo_step_markdown(data: dict) -> str:
                 rows.append([f"{r['label']}: TRL time / ours time"] + [f"×{x:.2f}" for x in tim])
             out.append("\nRatios against TRL (medians; above 1: ppo_jax is faster):\n")
             out.append(table(["comparison"] + [n for _, n in PHASES], rows))
+            per_round = round_ratios(data.get("rounds") or [], epochs)
+            if per_round:
+                n = max(len(v[PHASES[0][0]]) for v in per_round.values())
+                rows = [[label] + [_ratio_spread(st[k]) for k, _ in PHASES]
+                        for label, st in per_round.items()]
+                out.append(f"\nTRL time / ours time per round ({n} rounds: each round's medians; "
+                           "median (min–max) over the rounds):\n")
+                out.append(table(["comparison"] + [n_ for _, n_ in PHASES], rows))
         flops = flops_table(rs)
         if flops:
             out.append("\nModel FLOPs per step, counted (matmuls executed: ppo_jax from the compiled "
@@ -109,6 +121,34 @@ def ppo_step_markdown(data: dict) -> str:
                        "the padded prompt + response width each side computes over:\n")
             out.append(cols)
     return "\n".join(out)
+
+
+def round_ratios(rounds: list[dict], epochs: int) -> dict[str, dict[str, list[float]]]:
+    """Per ppo_jax configuration (by label): per phase, TRL's median time / ours of the same
+    round, for every round that has both (bench/ppo_step.py's `rounds`). Empty when fewer than
+    two rounds have both."""
+    by_round: dict[int, dict[str, dict]] = {}
+    for r in rounds:
+        if r.get("epochs") == epochs and "round" in r:
+            by_round.setdefault(r["round"], {})[r["config"]] = r
+    out: dict[str, dict[str, list[float]]] = {}
+    for rnd in sorted(by_round):
+        trl = by_round[rnd].get("trl")
+        for config, r in by_round[rnd].items():
+            if config == "trl" or trl is None:
+                continue
+            ratios = out.setdefault(r["label"], {k: [] for k, _ in PHASES})
+            for k, _ in PHASES:
+                ratios[k].append(trl["stats"][f"time/{k}"]["median"] / r["stats"][f"time/{k}"]["median"])
+    return {label: v for label, v in out.items() if len(v[PHASES[0][0]]) >= 2}
+
+
+def _ratio_spread(values: list[float]) -> str:
+    """`×median (×min–×max)` of ratios."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return f"×{median:.2f} (×{ordered[0]:.2f}–×{ordered[-1]:.2f})"
 
 
 def _sum(a, b):

@@ -208,6 +208,50 @@ def test_ppo_step_markdown_ratios():
     assert text.index("| trl |") < text.index("| jax-shared |")  # TRL row first
 
 
+def _spread_result(config, rnd, times, rss=1000.0):
+    """A round's result whose measured step times (generation only varies) are `times`."""
+    r = _result(config, sorted(times)[len(times) // 2], 1.0, 2.0)
+    r["stats"]["time/generation"] = {"median": sorted(times)[len(times) // 2], "min": min(times),
+                                     "max": max(times), "n": len(times)}
+    return {**r, "round": rnd, "peak_rss_mib": rss, "load_s": 1.0 + rnd, "wall_s": 10.0}
+
+
+def test_merge_rounds_takes_median_of_round_medians_and_extremes_of_steps():
+    rounds = [_spread_result("jax-shared", 0, [1.0, 2.0, 9.0], rss=900.0),
+              _spread_result("trl", 0, [4.0, 4.5, 5.0]),
+              _spread_result("jax-shared", 1, [3.0, 3.0, 3.5], rss=950.0),
+              _spread_result("jax-shared", 2, [0.5, 2.5, 2.6], rss=920.0)]
+    merged = {r["config"]: r for r in ppo_step.merge_rounds(rounds)}
+    ours = merged["jax-shared"]
+    # round medians 2.0, 3.0, 2.5 -> 2.5; extremes over all 9 steps
+    assert ours["stats"]["time/generation"] == {"median": 2.5, "min": 0.5, "max": 9.0, "n": 9}
+    assert ours["rounds"] == 3 and "round" not in ours
+    assert ours["peak_rss_mib"] == 950.0 and ours["load_s"] == 2.0 and ours["wall_s"] == 30.0
+    assert ours["compile_s"]["time/step"] == 1.0
+    assert merged["trl"]["rounds"] == 1 and merged["trl"]["compile_s"] is None
+    assert merged["trl"]["stats"]["time/generation"]["median"] == 4.5
+
+
+def test_ppo_step_markdown_reports_per_round_ratio_spread():
+    settings = {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48, "kl_coef": 0.05,
+                "max_grad_norm": 1.0, "warmup": 1, "steps": 3, "rounds": 3}
+    rounds = []
+    for rnd, (ours, trl) in enumerate([(2.0, 4.0), (4.0, 4.0), (1.0, 3.0)]):  # x2, x1, x3
+        rounds += [_spread_result("trl", rnd, [trl]), _spread_result("jax-shared", rnd, [ours])]
+    rounds.append(_spread_result("jax-separate", 0, [1.0]))  # one round only: no spread row
+    assert sections.round_ratios(rounds, 1)["jax-shared"]["generation"] == [2.0, 1.0, 3.0]
+    data = {"settings": settings, "results": ppo_step.merge_rounds(rounds), "rounds": rounds}
+    text = sections.ppo_step_markdown(data)
+    assert "in each of 3 interleaved rounds" in text
+    assert "TRL time / ours time per round (3 rounds" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| jax-shared | ×"))
+    # generation: x2.00 (x1.00-x3.00); scoring and update equal every round
+    assert row.split(" | ")[1:4] == ["×2.00 (×1.00–×3.00)", "×1.00 (×1.00–×1.00)", "×1.00 (×1.00–×1.00)"]
+    assert not any(ln.startswith("| jax-separate | ×") for ln in text.splitlines())
+    one = sections.ppo_step_markdown({**data, "settings": {**settings, "rounds": 1}, "rounds": []})
+    assert "per round" not in one and "median (min–max)." in one
+
+
 def test_report_renders_missing_sections(tmp_path):
     (tmp_path / "core.json").write_text(json.dumps({
         "batch": 4, "length": 8, "runs": 3, "jax_runs": 10, "default_gae": "scan(unroll=1)",
