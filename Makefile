@@ -1,7 +1,7 @@
 # One command each, on a fresh machine: `make train` (main job) and `make test` (test suite).
 ARGS ?=
 
-.PHONY: train test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu
+.PHONY: train test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu bench-train
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
@@ -55,6 +55,28 @@ bench-quick:
 	.venv/bin/python bench/update_profile.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
+
+# Whole train.py runs measured from outside (bench/train_run.py: wall time, peak RSS, page faults,
+# CPU time, phase medians; about 65 minutes on 2 CPU cores): `make train` itself, then two A/Bs in
+# 2 interleaved rounds, 5 steps of the default config with and without train.py's malloc settings
+# and 8 steps of the earlier default (batch 8, reviews.jsonl) with responses that stop at a
+# sentence end, with and without the column buckets; then bench/report.py rewrites results.md.
+TRAIN_AB_MALLOC = --set train.steps=5 --set eval.every=0
+TRAIN_AB_COLUMNS = --set train.steps=8 --set eval.every=0 --set ppo.batch_size=8 \
+	--set data.prompts=configs/prompts/reviews.jsonl --set generation.stop_token_ids=[2,30,17,47]
+bench-train:
+	scripts/setup_venv.sh gguf
+	mkdir -p $(BENCH_RAW)
+	.venv/bin/python bench/train_run.py --title "make train" --json $(BENCH_RAW)/train_run.json
+	.venv/bin/python bench/train_run.py --rounds 2 --title "malloc settings A/B" \
+	  --variant "malloc settings on" "$(TRAIN_AB_MALLOC)" \
+	  --variant "malloc settings off" "PPO_JAX_MALLOC_TUNING=0 $(TRAIN_AB_MALLOC)" \
+	  --json $(BENCH_RAW)/train_ab_malloc.json
+	.venv/bin/python bench/train_run.py --rounds 2 --title "column buckets A/B" \
+	  --variant "buckets 4 (prompt and response)" "$(TRAIN_AB_COLUMNS) --set data.prompt_buckets=4 --set generation.response_buckets=4" \
+	  --variant "buckets off (full widths)" "$(TRAIN_AB_COLUMNS) --set data.prompt_buckets=1 --set generation.response_buckets=1" \
+	  --json $(BENCH_RAW)/train_ab_columns.json
+	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
 # How far the sampler is from its weight-matmul floor, alone (prints only; `make bench` runs it
 # too and puts its figures in bench/results.md).

@@ -1,0 +1,127 @@
+"""bench/train_run.py: a real tiny `train.py` run measured from outside (its figures checked
+against its own metrics file and the kernel's accounting), the variant spec, the summary of a
+metrics file against hand-computed figures, the merge over rounds, and the bad inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train_run = _load("train_run")
+
+
+def test_parse_spec_splits_environment_from_arguments():
+    env, args = train_run.parse_spec("PPO_JAX_MALLOC_TUNING=0 A_B=x=y --config c.yaml "
+                                     "--set 'data.prompts=a b.jsonl' --set ppo.kl_coef=0.1")
+    assert env == {"PPO_JAX_MALLOC_TUNING": "0", "A_B": "x=y"}
+    assert args == ["--config", "c.yaml", "--set", "data.prompts=a b.jsonl",
+                    "--set", "ppo.kl_coef=0.1"]
+    # a `VAR=VALUE` word after the first argument belongs to train.py
+    assert train_run.parse_spec("--set X=1") == ({}, ["--set", "X=1"])
+    assert train_run.parse_spec("") == ({}, [])
+    with pytest.raises(ValueError, match="train.output_dir"):
+        train_run.parse_spec("--set train.output_dir=runs/x")
+
+
+def test_summarize_metrics_by_hand():
+    rows = [{"step": 0, "eval/reward_mean": 0.2, "time/eval": 10.0}]
+    times = [(9.0, 8.0, 30.0, 47.0), (2.0, 3.0, 10.0, 15.0), (4.0, 1.0, 12.0, 17.0),
+             (3.0, 2.0, 11.0, 16.0)]
+    for i, (g, s, u, t) in enumerate(times, start=1):
+        rows.append({"step": i, "score_mean": 0.1 * i, "kl": [0.0, 2.0, 1.0, 4.0][i - 1],
+                     "time/generation": g, "time/scoring": s, "time/update": u, "time/step": t})
+    rows.append({"step": 4, "eval/reward_mean": 0.5, "time/eval": 4.0})
+    out = train_run.summarize_metrics(rows, window=2)
+    assert out["steps"] == 4
+    assert out["evals"] == [[0, 0.2], [4, 0.5]] and out["eval_s"] == 14.0
+    assert out["first_step"] == {"time/generation": 9.0, "time/scoring": 8.0,
+                                 "time/update": 30.0, "time/step": 47.0}
+    # steps 2..4: medians of (2, 4, 3), (3, 1, 2), (10, 12, 11), (15, 17, 16)
+    assert out["median"] == {"time/generation": 3.0, "time/scoring": 2.0, "time/update": 11.0,
+                             "time/step": 16.0}
+    assert out["score_start"] == pytest.approx(0.15) and out["score_end"] == pytest.approx(0.35)
+    assert out["kl_start"] == 1.0 and out["kl_end"] == 2.5 and out["kl_max"] == 4.0
+    assert train_run.summarize_metrics([{"step": 0, "eval/reward_mean": 0.3}])["steps"] == 0
+
+
+def test_merge_runs_medians_and_ranges():
+    def run(wall, rss, step):
+        return {"wall_s": wall, "max_rss_kib": rss, "minor_faults": 10 * rss,
+                "major_faults": 0, "user_s": wall * 1.5, "system_s": 1.0,
+                "median": {"time/step": step, "time/update": step / 2}}
+
+    merged = train_run.merge_runs([run(100.0, 5, 10.0), run(130.0, 7, 12.0), run(90.0, 6, 20.0)])
+    assert merged["wall_s"] == 100.0 and merged["range"]["wall_s"] == [90.0, 130.0]
+    assert merged["max_rss_kib"] == 6 and merged["range"]["max_rss_kib"] == [5, 7]
+    assert merged["minor_faults"] == 60 and merged["user_s"] == 150.0
+    assert merged["median"] == {"time/update": 6.0, "time/step": 12.0}
+    assert merged["median_range"]["time/step"] == [10.0, 20.0]
+
+
+def test_a_tiny_run_is_measured(tmp_path):
+    """One real train.py run of the tiny config (two steps, no evaluation), kept: the JSON's
+    figures are its metrics file's and the kernel's, not made up."""
+    out = tmp_path / "train_run.json"
+    spec = ("--config configs/tiny.yaml --set train.steps=2 --set eval.every=0 "
+            "--set train.export_hf=false --set train.tensorboard=false")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/train_run.py"), "--variant", "tiny", spec,
+         "--work-dir", str(tmp_path / "runs"), "--keep", "--title", "tiny", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU: " in proc.stdout and "[tiny]" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "train_run" and data["title"] == "tiny" and data["rounds"] == 1
+    assert data["cpu"]["model"] and "commit" in data and "bench/train_run.py" in data["command"]
+    (variant,) = data["variants"]
+    assert variant["name"] == "tiny" and variant["env"] == {}
+    assert variant["args"][:2] == ["--config", "configs/tiny.yaml"]
+    (run,) = variant["runs"]
+    rows = [json.loads(line) for line in
+            (tmp_path / "runs/tiny_round1/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "time/step" in r]
+    assert run["steps"] == len(steps) == 2
+    assert run["first_step"]["time/step"] == steps[0]["time/step"]
+    assert run["median"]["time/update"] == statistics.median([steps[1]["time/update"]])
+    assert run["evals"] == [] and run["eval_s"] == 0
+    # the whole process: longer than its steps, a real resident set (jax alone is > 100 MB)
+    assert run["wall_s"] > sum(r["time/step"] for r in steps)
+    assert run["max_rss_kib"] > 100 * 1024 and run["minor_faults"] > 1000
+    assert run["user_s"] > 1.0 and run["system_s"] >= 0
+    assert variant["merged"]["wall_s"] == run["wall_s"]
+    assert (tmp_path / "runs/tiny_round1.log").is_file()
+
+
+def test_bad_variants_fail_with_their_name(tmp_path):
+    script = str(ROOT / "bench/train_run.py")
+    proc = subprocess.run([sys.executable, script, "--variant", "mine",
+                           "--set train.output_dir=x", "--work-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "variant 'mine'" in proc.stderr
+    assert "train.output_dir" in proc.stderr
+    proc = subprocess.run([sys.executable, script, "--variant", "a", "", "--variant", "a", ""],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "must differ" in proc.stderr
+    # a run that fails: train.py's own error is shown under the variant's name
+    proc = subprocess.run([sys.executable, script, "--variant", "broken",
+                           "--config configs/tiny.yaml --set ppo.no_such_field=1",
+                           "--work-dir", str(tmp_path / "w")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "variant 'broken'" in proc.stderr
+    assert "no_such_field" in proc.stderr
