@@ -5,7 +5,8 @@ ARGS ?=
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
-# bench/decode_floor.py (each writes JSON under $(BENCH_RAW), with the git commit it measured),
+# bench/decode_floor.py and bench/logprob_memory.py (each writes JSON under $(BENCH_RAW), with
+# the git commit it measured),
 # then bench/report.py writes bench/results.md (with a GPU section when bench/gpu.sh --json left
 # a gpu.json there; each benchmark's wall time is in it). Run it on a quiet machine from a clean
 # tree (other load inflates every figure; results.md warns about a dirty tree or mixed commits).
@@ -42,6 +43,7 @@ bench:
 	.venv/bin/python bench/roofline.py --json $(BENCH_RAW)/roofline.json
 	.venv/bin/python bench/update_profile.py --json $(BENCH_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --json $(BENCH_RAW)/decode_floor.json
+	.venv/bin/python bench/logprob_memory.py --json $(BENCH_RAW)/logprob_memory.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
 bench-quick:
@@ -54,6 +56,7 @@ bench-quick:
 	.venv/bin/python bench/roofline.py --steps 1 --warmup 1 --new-tokens 4 --matmul 1024 --matmul-runs 3 --json $(BENCH_QUICK_RAW)/roofline.json
 	.venv/bin/python bench/update_profile.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json
+	.venv/bin/python bench/logprob_memory.py --runs 1 --update-config configs/tiny.yaml --json $(BENCH_QUICK_RAW)/logprob_memory.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
 
 # Whole train.py runs measured from outside (bench/train_run.py: wall time, peak RSS, page faults,

@@ -13,18 +13,31 @@ and the head, all float32, jitted:
 Memory is XLA's own account of each compiled program (`compile().memory_analysis()`, which works
 on the CPU backend): `temp` is the scratch the program needs beyond its arguments and outputs (the
 outputs include the `[V, D]` head gradient in both). Time: median of `--runs` calls after one
-warm-up. Also prints the same arithmetic for Llama-3-8B at `configs/llama_8b_gpu_tpu.yaml`'s
-sizes (micro-batch x response length x V=128256).
+warm-up.
+
+The whole PPO update, before / after: with `--update-config` (default `configs/default.yaml`,
+`make train`'s run: SmolLM2-135M-Instruct, separate critic, minibatches of 8 rows, 40 new
+tokens), one `PPOTrainer.step()` per setting (`model.logprob_chunk_size` 0, then `--chunk`)
+records the update program's arguments, and XLA's memory account of that compiled program is
+given: arguments, outputs, aliased (donated) bytes, scratch, and their sum less the aliased
+bytes, the program's peak footprint on the device. `--no-update` skips it.
+
+Also prints the same arithmetic for Llama-3-8B at `configs/llama_8b_gpu_tpu.yaml`'s sizes
+(micro-batch x response length x V=128256). `--json PATH` writes every figure (bench/report.py
+puts them in results.md).
 
 Usage: `python bench/logprob_memory.py [--batch 8] [--length 40] [--hidden 576] [--vocab 49152]
-[--chunk 4096] [--runs 5]` (SmolLM2-135M's D and V by default; < 1 min on 2 cores).
+[--chunk 4096] [--runs 5] [--update-config configs/default.yaml | --no-update] [--json PATH]`
+(SmolLM2-135M's D and V by default; about 3 min on 2 cores with the update, < 1 min without).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +48,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "bench"))
-from common import cpu_info, cpu_line  # noqa: E402
+from common import (cpu_info, cpu_line, machine_load, run_record,  # noqa: E402
+                    under_malloc_settings, write_json)
 from ppo_jax.core import (  # noqa: E402
     chunked_logprobs_and_entropy,
     entropy_from_logits,
@@ -94,8 +108,9 @@ def max_abs_diffs(x, y) -> str:
                      for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
 
 
-def llama_8b_arithmetic(chunk: int) -> None:
-    """Bytes of the full float32 logits path vs one block at configs/llama_8b_gpu_tpu.yaml's sizes."""
+def llama_8b_arithmetic(chunk: int) -> dict:
+    """Bytes of the full float32 logits path vs one block at configs/llama_8b_gpu_tpu.yaml's
+    sizes (printed, and returned)."""
     cfg = yaml.safe_load((ROOT / "configs/llama_8b_gpu_tpu.yaml").read_text())
     micro, length = cfg["ppo"]["micro_batch_size"], cfg["generation"]["max_new_tokens"]
     vocab = LLAMA3_8B["vocab"]
@@ -110,6 +125,38 @@ def llama_8b_arithmetic(chunk: int) -> None:
           f"{3 * block / MIB:,.0f} MiB  (ratio {logits / block:.1f}x)")
     print(f"  both paths also hold the [V, D] head gradient: {vocab * LLAMA3_8B['hidden'] * 4 / MIB:,.0f}"
           " MiB float32 (a parameter gradient, not an activation)")
+    return {"micro_batch": micro, "length": length, "vocab": vocab, "hidden": LLAMA3_8B["hidden"],
+            "chunk": chunk, "logits_bytes": logits, "block_bytes": block,
+            "head_grad_bytes": vocab * LLAMA3_8B["hidden"] * 4}
+
+
+def update_memory(config: Path, chunk: int) -> dict:
+    """XLA's memory account (bytes) of the PPO update program `config` compiles, with
+    `model.logprob_chunk_size=chunk`: one `PPOTrainer.step()` records the update's arguments
+    (bench/flops.py `SignatureRecorder`), then the same jitted function is compiled for them."""
+    from flops import SignatureRecorder
+
+    from ppo_jax.trainer.config import load_config
+    from ppo_jax.trainer.stages.ppo import PPOTrainer
+
+    with tempfile.TemporaryDirectory(prefix="logprob_memory_") as out:
+        cfg = load_config(config, [
+            f"model.logprob_chunk_size={chunk}", f"train.output_dir={out}", "train.steps=1",
+            "eval.every=0", "train.export_hf=false", "train.tensorboard=false",
+            "train.progress=false", "train.save_every=0", "train.sample_every=0"])
+        trainer = PPOTrainer(cfg)
+        recorder = SignatureRecorder(trainer._update)
+        trainer._update = recorder
+        metrics = trainer.step()
+        (specs,) = recorder.specs.values()
+        mem = recorder.fn.lower(*specs).compile().memory_analysis()
+    figures = {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
+               "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes}
+    figures["peak"] = figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
+    return {"chunk": chunk, **figures,
+            "rows": cfg.ppo.micro_batch_size, "batch": cfg.ppo.batch_size,
+            "prompt_width": metrics["prompt_width"], "response_width": metrics["response_width"],
+            "shared_critic": cfg.model.shared_critic, "vocab": trainer.models.actor.cfg.vocab_size}
 
 
 def main(argv=None) -> None:
@@ -120,6 +167,10 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=49152, help="V (SmolLM2: 49152)")
     parser.add_argument("--chunk", type=int, default=4096, help="vocabulary columns per block")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--update-config", type=Path, default=ROOT / "configs/default.yaml",
+                        help="config whose PPO update's memory is measured before / after")
+    parser.add_argument("--no-update", action="store_true", help="skip the whole-update figures")
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     b, t, d, v = args.batch, args.length, args.hidden, args.vocab
     print(f"CPU: {cpu_line(cpu_info())}; jax {jax.__version__}, backend {jax.default_backend()}")
@@ -138,8 +189,32 @@ def main(argv=None) -> None:
           f"{b * t * min(args.chunk, v) * 4 / MIB:.1f} MiB")
     print(f"max |chunked - plain| of (loss {float(plain['result'][0]):.1f}, d_hidden, d_kernel): "
           f"{max_abs_diffs(plain['result'], chunked['result'])}")
-    llama_8b_arithmetic(args.chunk)
+    llama = llama_8b_arithmetic(args.chunk)
+    updates = []
+    if not args.no_update:
+        for chunk in (0, args.chunk):
+            updates.append(update_memory(args.update_config, chunk))
+        print(f"\nPPO update of {args.update_config.name} (XLA memory_analysis, MiB): "
+              f"{'arguments':>10}{'outputs':>9}{'aliased':>9}{'scratch':>9}{'peak':>8}")
+        for u in updates:
+            name = "full logits" if u["chunk"] == 0 else f"blocks of {u['chunk']}"
+            print(f"  {name:16}" + "".join(f"{u[k] / MIB:9.1f}" for k in
+                                           ("argument", "output", "alias", "temp", "peak")))
+    if args.json:
+        head = {name: {k: m[k] for k in ("temp", "output", "argument", "time")}
+                for name, m in (("plain", plain), ("chunked", chunked))}
+        write_json(args.json, {
+            "benchmark": "logprob_memory", **run_record(), **machine_load(),
+            "command": ".venv/bin/python bench/logprob_memory.py " + shlex.join(sys.argv[1:]),
+            "jax": jax.__version__, "runs": args.runs,
+            "head": {"batch": b, "length": t, "hidden": d, "vocab": v, "chunk": args.chunk,
+                     **head, "max_abs_diff": max_abs_diffs(plain["result"], chunked["result"])},
+            "llama_8b": llama,
+            "update": {"config": str(args.update_config.resolve().relative_to(ROOT))
+                       if args.update_config.resolve().is_relative_to(ROOT)
+                       else str(args.update_config), "settings": updates}})
 
 
 if __name__ == "__main__":
+    under_malloc_settings()
     main()

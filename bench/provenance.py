@@ -1,12 +1,22 @@
 """Which code the benchmark figures came from: the commit and dirty flag each raw JSON records
 (bench/common.py `run_record`; bench/gpu.py's `commit` string), and the lines bench/report.py
 puts under results.md's title: the commit(s), and a warning when the raw files come from
-different commits, from a dirty tree, or record no commit; and the CPU the raw files record,
-with a warning when they record different CPUs or none (standard library only)."""
+commits with different measured code (a note naming the commits when `git diff` shows the same
+ppo_jax code in all), from a dirty tree, or record no commit; and the CPU the raw files record,
+with a warning when they record different CPUs or none (standard library and git only)."""
 
 from __future__ import annotations
 
-from common import cpu_line
+import subprocess
+from pathlib import Path
+
+from common import ROOT, cpu_line
+
+# the code whose speed the benchmarks measure (the benchmark scripts measure it; the report's
+# own modules only render): two commits that hold the same of these measured the same code
+MEASURED_CODE = ("ppo_jax", "train.py", "configs", "pyproject.toml")
+RENDERING = ("bench/report.py", "bench/sections.py", "bench/provenance.py",
+             "bench/gpu_figures.py", "bench/train_figures.py")
 
 
 def commit_of(data: dict) -> tuple[str | None, bool | None]:
@@ -28,9 +38,43 @@ def same_commit(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def provenance_lines(raws: dict[str, dict | None]) -> list[str]:
-    """The commit(s) the raw files came from, and a warning each when they come from different
-    commits, from a dirty tree, or record no commit."""
+def code_changes(a: str, b: str, root: Path = ROOT) -> tuple[list[str], list[str]] | None:
+    """(measured-code files, benchmark-script files) that differ between commits `a` and `b`
+    (`git diff --name-only a b`: MEASURED_CODE, and bench/ less the RENDERING modules), or
+    None where git cannot tell (no checkout, an unknown commit)."""
+    def names(*paths: str) -> list[str]:
+        out = subprocess.run(["git", "diff", "--name-only", a, b, "--", *paths], cwd=root,
+                             capture_output=True, text=True, check=True).stdout
+        return out.split()
+
+    try:
+        return (names(*MEASURED_CODE),
+                names("bench", *(f":(exclude){p}" for p in RENDERING)))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def mixed_commit_lines(distinct: list[str], root: Path = ROOT) -> list[str]:
+    """For raw files from several commits: a note when every commit holds the same measured code
+    as the first (MEASURED_CODE unchanged; the benchmark scripts that differ are named), else
+    the warning that the figures were not all measured on the same code."""
+    changes = [code_changes(distinct[0], c, root) for c in distinct[1:]]
+    commits = ", ".join(f"`{c}`" for c in distinct)
+    if all(ch is not None and not ch[0] for ch in changes):
+        scripts = sorted({f for ch in changes for f in ch[1]})
+        return [f"> **Note:** the raw files come from {len(distinct)} commits ({commits}) that "
+                f"hold the same measured code: `git diff` between them is empty for "
+                f"{', '.join(MEASURED_CODE)}"
+                + (f"; the benchmark scripts that differ: {', '.join(scripts)}." if scripts
+                   else "; the benchmark scripts are the same too.")]
+    return [f"> **Warning:** the raw files come from {len(distinct)} different commits "
+            f"({commits}): these figures were not all measured on the same code."]
+
+
+def provenance_lines(raws: dict[str, dict | None], root: Path = ROOT) -> list[str]:
+    """The commit(s) the raw files came from; a warning each when they come from different
+    commits holding different measured code (a note when the code is the same: see
+    `mixed_commit_lines`), from a dirty tree, or record no commit."""
     recs = {name: commit_of(d) for name, d in raws.items() if d}
     if not recs:
         return []
@@ -46,9 +90,7 @@ def provenance_lines(raws: dict[str, dict | None]) -> list[str]:
         lines = ["Code: " + ", ".join(f"{n} `{c}`" if c else f"{n} not recorded"
                                       for n, (c, _) in recs.items()) + "."]
     if len(distinct) > 1:
-        lines.append(f"> **Warning:** the raw files come from {len(distinct)} different commits "
-                     f"({', '.join(f'`{c}`' for c in distinct)}): these figures were not all "
-                     "measured on the same code.")
+        lines += mixed_commit_lines(distinct, root)
     if dirty:
         lines.append("> **Warning:** measured on a dirty tree (uncommitted changes to tracked "
                      f"files): {', '.join(dirty)}; the commit does not hold the code measured.")

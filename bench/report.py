@@ -1,11 +1,15 @@
 """Assemble `bench/results.md` from the JSON files the benchmark scripts write with `--json`.
 
 Reads `core.json` (bench/core.py), `generate.json` (bench/generate.py), `ppo_step.json`
-(bench/ppo_step.py), `roofline.json` (bench/roofline.py) and `decode_floor.json`
-(bench/decode_floor.py) from a directory (any of them may be missing; its section then says so),
-plus `gpu.json` (bench/gpu.sh --json) when present,
+(bench/ppo_step.py), `roofline.json` (bench/roofline.py), `update_profile.json`
+(bench/update_profile.py), `decode_floor.json` (bench/decode_floor.py) and `logprob_memory.json`
+(bench/logprob_memory.py) from a directory (any of them may be missing; its section then says so),
+plus `gpu.json` (bench/gpu.sh --json) and the whole-run files of `make bench-train`
+(bench/train_run.py: `train_run.json`, `train_ab_malloc.json`, `train_ab_columns.json`) when
+present,
 and writes one markdown file: the date, the git commit(s) the figures came from (with a warning
-when the raw files come from different commits, a dirty tree, or record none), the machine (CPU
+when the raw files come from commits with different measured code, a dirty tree, or record
+none: bench/provenance.py), the machine (CPU
 model, cores, memory, load average and wall time of each benchmark), the software versions,
 the commands to reproduce, and one section of tables per benchmark with the figures as measured
 (median, with min-max over the runs).
@@ -31,8 +35,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_figures import gpu_section, replace_gpu_section  # noqa: E402
 from common import cpu_info  # noqa: E402
 from provenance import cpu_lines, provenance_lines  # noqa: E402
+from train_figures import train_run_markdown  # noqa: E402
 from sections import (ceiling_markdown, core_markdown, decode_floor_markdown, generate_markdown,  # noqa: E402
-                      ppo_step_markdown, roofline_markdown, update_profile_markdown)
+                      logprob_memory_markdown, ppo_step_markdown, roofline_markdown,
+                      update_profile_markdown)
 
 
 # --------------------------------------------------------------------------- machine
@@ -75,7 +81,10 @@ def load(raw: Path, name: str) -> dict | None:
 
 
 # the benchmarks `make bench` runs, in its order, with their results.md sections
-BENCHES = ("core", "generate", "ppo_step", "roofline", "update_profile", "decode_floor")
+BENCHES = ("core", "generate", "ppo_step", "roofline", "update_profile", "decode_floor",
+           "logprob_memory")
+# `make bench-train`'s bench/train_run.py files (optional: about 65 minutes), in its order
+TRAIN_RUNS = ("train_run", "train_ab_malloc", "train_ab_columns")
 SECTIONS = (
     ("ppo_step", "PPO step: ppo_jax vs TRL 0.11 `PPOTrainer` (bench/ppo_step.py)",
      ppo_step_markdown),
@@ -88,6 +97,8 @@ SECTIONS = (
     ("decode_floor", "Decode floor: the sampler's decode step vs its weight matmuls alone "
      "(bench/decode_floor.py)", decode_floor_markdown),
     ("core", "PPO math: ppo_jax.core vs TRL 0.11-style torch (bench/core.py)", core_markdown),
+    ("logprob_memory", "Log-probs without the `[B, T, V]` logits: memory of the head and of the "
+     "whole update (bench/logprob_memory.py)", logprob_memory_markdown),
 )
 
 
@@ -95,14 +106,20 @@ def malloc_line(raws: dict[str, dict | None]) -> str:
     """Which benchmarks ran under train.py's glibc malloc settings (their `malloc_settings`; for
     ppo_step, its workers', where every result records it: both sides run under the same
     environment). A file from before the field existed says "not recorded"."""
-    groups: dict[str, list[str]] = {"on": [], "off": [], "not recorded": []}
+    groups: dict[str, list[str]] = {"on": [], "off": [], "on and off (an A/B)": [],
+                                    "not recorded": []}
     for name, d in raws.items():
         if not d:
             continue
-        flags = [r.get("malloc_settings") for r in d.get("results", []) if isinstance(r, dict)]
-        if not flags or None in flags:  # only ppo_step records it per worker
-            flags = [d.get("malloc_settings")]
-        key = "not recorded" if None in flags else "on" if all(flags) else "off"
+        if "variants" in d:  # bench/train_run.py: per train.py command line
+            flags = [v.get("malloc_settings") for v in d["variants"]]
+        else:
+            flags = [r.get("malloc_settings") for r in d.get("results", [])
+                     if isinstance(r, dict)]
+            if not flags or None in flags:  # only ppo_step records it per worker
+                flags = [d.get("malloc_settings")]
+        key = ("not recorded" if None in flags else "on" if all(flags)
+               else "off" if not any(flags) else "on and off (an A/B)")
         groups[key].append(name)
     return ("- train.py's malloc settings (one arena, no unmapping; ppo_jax/trainer/host_memory.py) "
             "in each benchmark's processes: "
@@ -148,6 +165,7 @@ def render(raw: Path, out_path: Path | None = None) -> str:
     """results.md's text from the raw JSON files in `raw`; `out_path` (where it goes) only
     changes the reproduce line."""
     raws = {name: load(raw, name) for name in BENCHES}
+    raws.update({name: d for name in TRAIN_RUNS if (d := load(raw, name))})
     gpu = load(raw, "gpu")  # optional: bench/gpu.sh --json <raw>/gpu.json on an accelerator
     rel = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -160,24 +178,32 @@ def render(raw: Path, out_path: Path | None = None) -> str:
         out += ["\n\n".join(prov), ""]
     out += ["## Machine and software", ""] + machine_lines(raws)
     out += ["", "## Reproduce", "", "```bash",
-            "make bench   # sets up .venv and .venv-bench, runs the six benchmarks, writes "
+            "make bench   # sets up .venv and .venv-bench, runs the seven benchmarks, writes "
             "bench/results.md", "# or one at a time:"]
     for name, d in raws.items():
         if d and d.get("command"):
             out.append(d["command"])
-        elif name not in ("ppo_step", "roofline"):
+        elif name in BENCHES and name not in ("ppo_step", "roofline"):
             out.append(f".venv/bin/python bench/{name}.py --json {rel}/{name}.json")
     dest = ""
     if out_path is not None and out_path.resolve() != (ROOT / "bench/results.md").resolve():
         o = out_path.resolve()
         dest = f" --out {o.relative_to(ROOT) if o.is_relative_to(ROOT) else o}"
     out += [f".venv/bin/python bench/report.py {rel}{dest}", "```"]
+    if any(name in raws for name in TRAIN_RUNS):
+        out += ["", "`make bench-train` ran the whole-run measurements (bench/train_run.py, "
+                "commands above)."]
     for name, heading, markdown in SECTIONS:
         d = raws[name]
         out += ["", f"## {heading}", "", markdown(d) if d else f"_not run (no {name}.json)_"]
     if raws["ppo_step"] and raws["roofline"]:
         out += ["", "## Ceiling: the fastest PPO step this machine allows (bench/report.py)", "",
                 ceiling_markdown(raws["ppo_step"], raws["roofline"], raws["decode_floor"])]
+    runs = [raws[name] for name in TRAIN_RUNS if name in raws]
+    if runs:
+        out += ["", "## Whole training runs: `make train` and two A/Bs (bench/train_run.py)"]
+        for d in runs:
+            out += ["", f"### {d.get('title') or 'train.py runs'}", "", train_run_markdown(d)]
     if gpu:
         out += ["", gpu_section(gpu)]
     return "\n".join(out) + "\n"

@@ -431,3 +431,54 @@ def update_profile_markdown(data: dict) -> str:
             top = ", ".join(f"`{n}` {_f(t, 1)} ms" for n, t in prof[s]["top_ops"][:6])
             out.append(f"\nLargest {s} ops per call: {top}.")
     return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- logprob_memory
+def logprob_memory_markdown(data: dict) -> str:
+    """The log-prob head's memory and time, full logits vs vocabulary blocks; the whole PPO
+    update's memory before / after; the Llama-3-8B arithmetic."""
+    mib = 2 ** 20
+    h = data["head"]
+    out = [f"XLA's own memory account of each compiled program (`memory_analysis()`), jax "
+           f"{data['jax']}, float32. **The head alone**: hidden `[{h['batch']}, {h['length']}, "
+           f"{h['hidden']}]` and a tied head `[{h['vocab']}, {h['hidden']}]`, the taken tokens' "
+           "log-probs and entropies and the gradient of `sum(a * logprobs + c * entropy)` w.r.t. "
+           f"both; time: median of {data['runs']} calls.", "",
+           table(["path", "scratch MiB", "outputs MiB", "arguments MiB", "s per call"],
+                 [[name, f"{m['temp'] / mib:.1f}", f"{m['output'] / mib:.1f}",
+                   f"{m['argument'] / mib:.1f}", f"{m['time']:.3f}"]
+                  for name, m in (("full `[B, T, V]` logits", h["plain"]),
+                                  (f"blocks of {h['chunk']} columns", h["chunked"]))]),
+           "", f"Scratch full / blocks: ×{h['plain']['temp'] / max(h['chunked']['temp'], 1):.1f}; "
+           f"time blocks / full: ×{h['chunked']['time'] / h['plain']['time']:.2f}; max |blocks - "
+           f"full| of (loss, d_hidden, d_head): {h['max_abs_diff']}."]
+    upd = data.get("update") or {}
+    if upd.get("settings"):
+        u0 = upd["settings"][0]
+        out += ["", f"**The whole PPO update** of `{upd['config']}` (one compiled program: every "
+                f"minibatch of {u0['rows']} rows of the batch of {u0['batch']}, prompt width "
+                f"{u0['prompt_width']:.0f} + response width {u0['response_width']:.0f}, "
+                f"V = {u0['vocab']:,}, {'shared' if u0['shared_critic'] else 'separate'} critic, "
+                "forward, backward and AdamW); peak = arguments + outputs - aliased (donated) + "
+                "scratch:", "",
+                table(["`model.logprob_chunk_size`", "arguments MiB", "outputs MiB",
+                       "aliased MiB", "scratch MiB", "peak MiB"],
+                      [[f"{u['chunk']} ({'full logits' if u['chunk'] == 0 else 'blocks'})",
+                        *(f"{u[k] / mib:,.1f}" for k in ("argument", "output", "alias", "temp",
+                                                         "peak"))]
+                       for u in upd["settings"]])]
+        if len(upd["settings"]) > 1:
+            a, b = upd["settings"][0], upd["settings"][-1]
+            out += ["", f"Blocks against full logits: scratch {a['temp'] / mib:,.1f} → "
+                    f"{b['temp'] / mib:,.1f} MiB, peak {a['peak'] / mib:,.1f} → "
+                    f"{b['peak'] / mib:,.1f} MiB."]
+    ll = data.get("llama_8b")
+    if ll:
+        out += ["", f"**Llama-3-8B at `configs/llama_8b_gpu_tpu.yaml`'s sizes** (arithmetic): "
+                f"micro-batch {ll['micro_batch']} x {ll['length']} response tokens x V = "
+                f"{ll['vocab']:,}: the full float32 logits are {ll['logits_bytes'] / mib:,.0f} MiB "
+                f"({3 * ll['logits_bytes'] / mib:,.0f} MiB with their log-softmax and gradient) "
+                f"against {ll['block_bytes'] / mib:,.0f} MiB per block of {ll['chunk']} columns; "
+                f"the `[V, D]` head gradient ({ll['head_grad_bytes'] / mib:,.0f} MiB) is held "
+                "either way."]
+    return "\n".join(out)

@@ -24,7 +24,8 @@ Figures per run:
 
 Usage (from a checkout with .venv; `make bench-train` runs the first line):
     .venv/bin/python bench/train_run.py --json bench/results_raw/intel/train_run.json
-    .venv/bin/python bench/train_run.py --rounds 2 --variant "buckets 1" "--set data.prompt_buckets=1" \\
+    .venv/bin/python bench/train_run.py --rounds 2 \\
+        --variant "buckets 1" "--set data.prompt_buckets=1" \\
         --variant "buckets 4" "--set data.prompt_buckets=4" --json out.json
 Nothing is downloaded: the configs load local files only. Raises SystemExit naming the variant
 when a run fails (its last output lines are printed) and when a SPEC sets `train.output_dir`.

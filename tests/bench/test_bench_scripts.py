@@ -889,3 +889,94 @@ def test_update_profile_tiny_dry_run(tmp_path):
     assert names == ["default", "xnnpack off", "torch"]
     assert data["flags_ab"]["rows"][0]["ratio_to_default"]["median"] == 1.0
     assert set(data["profiles"]) == {"jax", "torch"} and "Op time per call by kind" in proc.stdout
+
+
+def test_mixed_commits_with_the_same_measured_code_get_a_note_not_a_warning(tmp_path):
+    """Two commits that differ only in a benchmark script measured the same ppo_jax code: a
+    note naming the script; a third that changes ppo_jax is the warning."""
+    def commit(path, text):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        _git(tmp_path, "add", ".")
+        _git(tmp_path, "commit", "-q", "-m", path)
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, text=True,
+                              capture_output=True, check=True).stdout.strip()
+
+    _git(tmp_path, "init", "-q")
+    a = commit("ppo_jax/core.py", "x = 1\n")
+    b = commit("bench/train_run.py", "new benchmark\n")
+    c = commit("bench/report.py", "rendering only\n")
+    d = commit("ppo_jax/core.py", "x = 2\n")
+    raws = {"core": {**CORE, "commit": a}, "train_run": {**CORE, "commit": b}}
+    lines = provenance.provenance_lines(raws, root=tmp_path)
+    assert lines[0] == f"Code: core `{a}`, train_run `{b}`."
+    assert lines[1].startswith(f"> **Note:** the raw files come from 2 commits (`{a}`, `{b}`) "
+                               "that hold the same measured code")
+    assert lines[1].endswith("the benchmark scripts that differ: bench/train_run.py.")
+    assert "Warning" not in "\n".join(lines)
+    only_rendering = provenance.provenance_lines(
+        {"core": {**CORE, "commit": b}, "x": {**CORE, "commit": c}}, root=tmp_path)
+    assert only_rendering[1].endswith("the benchmark scripts are the same too.")
+    changed = provenance.provenance_lines({**raws, "gpu": {"commit": d}}, root=tmp_path)
+    assert "**Warning:** the raw files come from 3 different commits" in "\n".join(changed)
+    assert provenance.code_changes(a, d, tmp_path) == (["ppo_jax/core.py"], ["bench/train_run.py"])
+    assert provenance.code_changes(a, "feedbee", tmp_path) is None  # unknown commit
+
+
+def test_logprob_memory_head_json_and_section(tmp_path):
+    """bench/logprob_memory.py on a small head (no whole update): its JSON and results.md section."""
+    out = tmp_path / "lm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/logprob_memory.py"), "--batch", "2", "--length", "4",
+         "--hidden", "16", "--vocab", "100", "--chunk", "32", "--runs", "1", "--no-update",
+         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    h = data["head"]
+    assert (h["batch"], h["length"], h["vocab"], h["chunk"]) == (2, 4, 100, 32)
+    # outputs: the loss, d_hidden [2, 4, 16] and d_head [100, 16] float32, plus XLA's tuple tables
+    assert h["plain"]["output"] == h["chunked"]["output"]
+    assert 0 <= h["plain"]["output"] - (4 + (2 * 4 * 16 + 100 * 16) * 4) <= 64
+    assert max(float(x) for x in h["max_abs_diff"].split(", ")) < 1e-5
+    ll = data["llama_8b"]
+    assert ll["logits_bytes"] == 8 * 256 * 128256 * 4 and ll["block_bytes"] == 8 * 256 * 32 * 4
+    assert data["update"]["settings"] == [] and data["cpu"]["model"]
+    text = sections.logprob_memory_markdown(data)
+    assert "blocks of 32 columns" in text and "1,002 MiB" in text
+    assert "The whole PPO update" not in text
+
+
+def test_logprob_memory_update_section_by_hand():
+    mib = 2 ** 20
+    data = {"jax": "0.10.2", "runs": 5, "head": {
+        "batch": 8, "length": 40, "hidden": 576, "vocab": 49152, "chunk": 4096,
+        "plain": {"temp": 240 * mib, "output": 108 * mib, "argument": 109 * mib, "time": 0.85},
+        "chunked": {"temp": 33 * mib, "output": 108 * mib, "argument": 109 * mib, "time": 1.02},
+        "max_abs_diff": "1e-06"},
+        "update": {"config": "configs/default.yaml", "settings": [
+            {"chunk": c, "argument": 2000 * mib, "output": 1900 * mib, "alias": 1800 * mib,
+             "temp": t * mib, "peak": (2100 + t) * mib, "rows": 8, "batch": 16,
+             "prompt_width": 52.0, "response_width": 40.0, "shared_critic": False,
+             "vocab": 49152} for c, t in ((0, 900), (4096, 400))]}}
+    text = sections.logprob_memory_markdown(data)
+    assert "Scratch full / blocks: ×7.3; time blocks / full: ×1.20" in text
+    assert "| 0 (full logits) | 2,000.0 | 1,900.0 | 1,800.0 | 900.0 | 3,000.0 |" in text
+    assert "| 4096 (blocks) | 2,000.0 | 1,900.0 | 1,800.0 | 400.0 | 2,500.0 |" in text
+    assert "scratch 900.0 → 400.0 MiB, peak 3,000.0 → 2,500.0 MiB" in text
+
+
+@pytest.mark.slow
+def test_logprob_memory_whole_update_tiny(tmp_path):
+    """The whole-update figures on the tiny config: both settings compiled, same arguments."""
+    out = tmp_path / "lm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/logprob_memory.py"), "--batch", "2", "--length", "4",
+         "--hidden", "16", "--vocab", "100", "--chunk", "32", "--runs", "1",
+         "--update-config", "configs/tiny.yaml", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, blocks = json.loads(out.read_text())["update"]["settings"]
+    assert (full["chunk"], blocks["chunk"]) == (0, 32)
+    assert full["argument"] == blocks["argument"] > 0 and full["temp"] > 0
+    for u in (full, blocks):
+        assert u["peak"] == u["argument"] + u["output"] - u["alias"] + u["temp"]

@@ -24,6 +24,8 @@ def _load(name: str):
 
 
 train_run = _load("train_run")
+sys.path.insert(0, str(ROOT / "bench"))  # train_figures imports sections as the report does
+train_figures, report = _load("train_figures"), _load("report")
 
 
 def test_parse_spec_splits_environment_from_arguments():
@@ -125,3 +127,60 @@ def test_bad_variants_fail_with_their_name(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "variant 'broken'" in proc.stderr
     assert "no_such_field" in proc.stderr
+
+
+# --------------------------------------------------------------------------- results.md section
+def _run(rnd, wall, rss, minflt, sys_s, step, update, evals=()):
+    return {"round": rnd, "wall_s": wall, "max_rss_kib": rss, "minor_faults": minflt,
+            "major_faults": 0, "user_s": 2 * wall, "system_s": sys_s, "steps": 5,
+            "first_step": {"time/step": 60.0},
+            "median": {"time/generation": 5.0, "time/scoring": 6.0, "time/update": update,
+                       "time/step": step},
+            "evals": list(evals), "eval_s": 20.0 if evals else 0.0,
+            "score_start": 0.3, "score_end": 0.7, "kl_start": 0.5, "kl_end": 5.0, "kl_max": 7.0}
+
+
+def _ab_data():
+    on = [_run(1, 600.0, 8 * 2**20, 3e6, 30.0, 45.0, 33.0), _run(2, 660.0, 8 * 2**20, 3e6, 34.0, 50.0, 36.0)]
+    off = [_run(1, 720.0, 7.5 * 2**20, 9e6, 70.0, 54.0, 40.0), _run(2, 700.0, 7.5 * 2**20, 12e6, 68.0, 50.0, 37.0)]
+    variants = []
+    for name, spec, runs, flag in (("on", "--set train.steps=5", on, True),
+                                   ("off", "PPO_JAX_MALLOC_TUNING=0 --set train.steps=5", off, False)):
+        variants.append({"name": name, "spec": spec, "malloc_settings": flag, "runs": runs,
+                         "merged": train_run.merge_runs(runs)})
+    return {"benchmark": "train_run", "title": "A/B", "rounds": 2, "window": 5,
+            "command": ".venv/bin/python bench/train_run.py --rounds 2", "variants": variants}
+
+
+def test_section_gives_medians_ranges_and_per_round_ratios_by_hand():
+    text = train_figures.train_run_markdown(_ab_data())
+    # merged: wall median of 600 / 660 s = 10.5 min (10.0-11.0), RSS 8.00 GiB, faults 3.00M
+    assert ("| on | `--set train.steps=5` | 5 | 10.5 (10.0–11.0) | 60.0 | "
+            "5.00 / 6.00 / 34.5 / 47.5 | 8.00 | 3.00 | 0 | 1,260 (1,200–1,320) | 32.0 (30.0–34.0) "
+            "| on |") in text
+    assert "| off | `PPO_JAX_MALLOC_TUNING=0 --set train.steps=5` |" in text and "| off |\n" in text
+    # per round: step 45/54 and 50/50 -> x0.92 (x0.83-x1.00); faults 9/3 and 12/3 -> x3.50 (3-4)
+    assert ("| off | ×0.92 (×0.83–×1.00) | ×0.90 (×0.82–×0.97) | ×0.89 (×0.83–×0.94) | "
+            "×0.94 (×0.94–×0.94) | ×3.50 (×3.00–×4.00) | ×2.17 (×2.00–×2.33) |") in text
+    assert "| off | 2 | 11.7 | 5.00 / 6.00 / 37.0 / 50.0 | 7.50 | 12.00 | 68 |" in text
+    assert "What the runs learned" not in text  # no evaluation in these runs
+
+
+def test_section_of_one_run_with_evaluations():
+    run = _run(1, 2070.0, 8786120, 2.98e6, 29.0, 45.5, 33.5, evals=[[0, 0.203], [40, 0.729]])
+    data = {"rounds": 1, "window": 5, "command": "c", "variants": [
+        {"name": "make train", "spec": "", "malloc_settings": True, "runs": [run],
+         "merged": train_run.merge_runs([run])}]}
+    text = train_figures.train_run_markdown(data)
+    assert "| make train | (defaults) | 5 | 34.5 | 60.0 | 5.00 / 6.00 / 33.5 / 45.5 | 8.38 | 2.98 |" in text
+    assert "| make train | 0.300 → 0.700 | 5.00 / 7.00 | 0.203 (step 0) → 0.729 (step 40) | 20 |" in text
+    assert "Against" not in text and "Every run" not in text
+
+
+def test_report_renders_the_train_runs_and_their_malloc_settings(tmp_path):
+    (tmp_path / "train_ab_malloc.json").write_text(json.dumps(_ab_data()))
+    text = report.render(tmp_path)
+    assert "## Whole training runs: `make train` and two A/Bs (bench/train_run.py)" in text
+    assert "### A/B" in text and ".venv/bin/python bench/train_run.py --rounds 2" in text
+    assert "on and off (an A/B): train_ab_malloc" in text
+    assert "_not run (no ppo_step.json)_" in text  # the other sections still say so

@@ -74,7 +74,7 @@ def test_reexec_runs_the_script_again_once_with_the_settings(tmp_path):
     assert off[:2] == ["start None", "after None None"]
 
 
-@pytest.mark.parametrize("script", ["train.py", "bench/core.py", "bench/decode_floor.py",
+@pytest.mark.parametrize("script", ["train.py", "bench/core.py", "bench/decode_floor.py", "bench/logprob_memory.py",
                                     "bench/generate.py", "bench/ppo_step.py", "bench/roofline.py",
                                     "bench/update_profile.py"])
 def test_entry_points_reexec_first_in_main(script):
