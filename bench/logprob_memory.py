@@ -143,7 +143,8 @@ def update_memory(config: Path, chunk: int) -> dict:
         cfg = load_config(config, [
             f"model.logprob_chunk_size={chunk}", f"train.output_dir={out}", "train.steps=1",
             "eval.every=0", "train.export_hf=false", "train.tensorboard=false",
-            "train.progress=false", "train.save_every=0", "train.sample_every=0"])
+            "train.progress=false", "train.save_every=0", "train.sample_every=0",
+            "ppo.critic_warmup_steps=0"])  # step 1 runs the whole update, not the critic's alone
         trainer = PPOTrainer(cfg)
         recorder = SignatureRecorder(trainer._update)
         trainer._update = recorder
@@ -154,7 +155,8 @@ def update_memory(config: Path, chunk: int) -> dict:
                "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes}
     figures["peak"] = figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
     return {"chunk": chunk, **figures,
-            "rows": cfg.ppo.micro_batch_size, "batch": cfg.ppo.batch_size,
+            "micro_batch": cfg.ppo.micro_batch_size, "mini_batch": cfg.ppo.mini_batch_size,
+            "batch": cfg.ppo.batch_size, "epochs": cfg.ppo.ppo_epochs,
             "prompt_width": metrics["prompt_width"], "response_width": metrics["response_width"],
             "shared_critic": cfg.model.shared_critic, "vocab": trainer.models.actor.cfg.vocab_size}
 
@@ -172,6 +174,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-update", action="store_true", help="skip the whole-update figures")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.chunk <= 0:
+        parser.error(f"--chunk must be > 0 (vocabulary columns per block), got {args.chunk}")
     b, t, d, v = args.batch, args.length, args.hidden, args.vocab
     print(f"CPU: {cpu_line(cpu_info())}; jax {jax.__version__}, backend {jax.default_backend()}")
     print(f"head: hidden [{b}, {t}, {d}] float32, tied kernel [{v}, {d}] float32, "

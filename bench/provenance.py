@@ -14,7 +14,8 @@ from common import ROOT, cpu_line
 
 # the code whose speed the benchmarks measure (the benchmark scripts measure it; the report's
 # own modules only render): two commits that hold the same of these measured the same code
-MEASURED_CODE = ("ppo_jax", "train.py", "configs", "pyproject.toml")
+MEASURED_CODE = ("ppo_jax", "train.py", "configs", "pyproject.toml", "scripts/setup_venv.sh")
+BENCH_SCRIPTS = ("bench/*.py", "bench/*.sh")
 RENDERING = ("bench/report.py", "bench/sections.py", "bench/provenance.py",
              "bench/gpu_figures.py", "bench/train_figures.py")
 
@@ -40,7 +41,7 @@ def same_commit(a: str, b: str) -> bool:
 
 def code_changes(a: str, b: str, root: Path = ROOT) -> tuple[list[str], list[str]] | None:
     """(measured-code files, benchmark-script files) that differ between commits `a` and `b`
-    (`git diff --name-only a b`: MEASURED_CODE, and bench/ less the RENDERING modules), or
+    (`git diff --name-only a b`: MEASURED_CODE, and BENCH_SCRIPTS less the RENDERING modules), or
     None where git cannot tell (no checkout, an unknown commit)."""
     def names(*paths: str) -> list[str]:
         out = subprocess.run(["git", "diff", "--name-only", a, b, "--", *paths], cwd=root,
@@ -49,7 +50,7 @@ def code_changes(a: str, b: str, root: Path = ROOT) -> tuple[list[str], list[str
 
     try:
         return (names(*MEASURED_CODE),
-                names("bench", *(f":(exclude){p}" for p in RENDERING)))
+                names(*BENCH_SCRIPTS, *(f":(exclude){p}" for p in RENDERING)))
     except (OSError, subprocess.CalledProcessError):
         return None
 

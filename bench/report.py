@@ -201,7 +201,7 @@ def render(raw: Path, out_path: Path | None = None) -> str:
                 ceiling_markdown(raws["ppo_step"], raws["roofline"], raws["decode_floor"])]
     runs = [raws[name] for name in TRAIN_RUNS if name in raws]
     if runs:
-        out += ["", "## Whole training runs: `make train` and two A/Bs (bench/train_run.py)"]
+        out += ["", "## Whole training runs (bench/train_run.py, `make bench-train`)"]
         for d in runs:
             out += ["", f"### {d.get('title') or 'train.py runs'}", "", train_run_markdown(d)]
     if gpu:

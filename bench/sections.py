@@ -455,8 +455,9 @@ def logprob_memory_markdown(data: dict) -> str:
     upd = data.get("update") or {}
     if upd.get("settings"):
         u0 = upd["settings"][0]
-        out += ["", f"**The whole PPO update** of `{upd['config']}` (one compiled program: every "
-                f"minibatch of {u0['rows']} rows of the batch of {u0['batch']}, prompt width "
+        out += ["", f"**The whole PPO update** of `{upd['config']}` (one compiled program: "
+                f"{u0['epochs']} epochs over the batch of {u0['batch']} rows in minibatches of "
+                f"{u0['mini_batch']}, micro-batches of {u0['micro_batch']}, prompt width "
                 f"{u0['prompt_width']:.0f} + response width {u0['response_width']:.0f}, "
                 f"V = {u0['vocab']:,}, {'shared' if u0['shared_critic'] else 'separate'} critic, "
                 "forward, backward and AdamW); peak = arguments + outputs - aliased (donated) + "

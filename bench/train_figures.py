@@ -33,7 +33,7 @@ def _variant_row(v: dict) -> list[str]:
     return [v["name"], f"`{v['spec']}`" if v["spec"] else "(defaults)",
             "/".join(str(s) for s in steps),
             _spread(m["wall_s"] / 60, [x / 60 for x in rng["wall_s"]], 1),
-            _f(first.get("first_step", {}).get("time/step")),
+            _f((first.get("first_step") or {}).get("time/step")),
             _phases(m["median"]),
             _spread(m["max_rss_kib"] / 2**20, [x / 2**20 for x in rng["max_rss_kib"]], 2),
             _spread(m["minor_faults"] / 1e6, [x / 1e6 for x in rng["minor_faults"]], 2),
@@ -77,9 +77,13 @@ def round_ratio_rows(data: dict) -> list[list[str]]:
             return (f"×{med:.2f}" if len(xs) == 1
                     else f"×{med:.2f} (×{min(xs):.2f}–×{max(xs):.2f})")
 
-        rows.append([v["name"],
-                     ratio(lambda b, r: b["median"]["time/step"] / r["median"]["time/step"]),
-                     ratio(lambda b, r: b["median"]["time/update"] / r["median"]["time/update"]),
+        def phase(key):
+            if not all(key in b.get("median", {}) and key in r.get("median", {})
+                       for b, r in pairs):
+                return "n/a"
+            return ratio(lambda b, r: b["median"][key] / r["median"][key])
+
+        rows.append([v["name"], phase("time/step"), phase("time/update"),
                      ratio(lambda b, r: b["wall_s"] / r["wall_s"]),
                      ratio(lambda b, r: r["max_rss_kib"] / b["max_rss_kib"]),
                      ratio(lambda b, r: r["minor_faults"] / max(b["minor_faults"], 1)),
@@ -97,9 +101,13 @@ def train_run_markdown(data: dict) -> str:
            + ". Wall time from start to exit (load, compilation and evaluations included); peak "
            "RSS, page faults and CPU time: the kernel's account of the process (`wait4`, "
            "`ru_maxrss`, `ru_minflt`, `ru_majflt`, `ru_utime`, `ru_stime`); step times: its "
-           "metrics.jsonl, step 1 (compilation included) apart, median over steps 2 to the last.",
+           "metrics.jsonl, step 1 (compilation included; of the first round) apart, median over "
+           "steps 2 to the last (step 1 in a one-step run)."
+           + ("" if data.get("complete", True) else
+              " **Incomplete: the measurement stopped before its last run.**"),
            "",
-           table(["variant", "environment, train.py arguments", "steps", "wall min", "step 1 s",
+           table(["variant", "environment, train.py arguments", "steps", "wall, minutes",
+                  "step 1 s",
                   "median generation / scoring / update / step s", "peak RSS GiB",
                   "minor faults (M)", "major faults", "user CPU s", "system CPU s",
                   "malloc settings"],
@@ -116,7 +124,7 @@ def train_run_markdown(data: dict) -> str:
                                "peak RSS", "minor faults", "system CPU"], rows)]
     if n > 1:
         out += ["", "Every run:", "",
-                table(["variant", "round", "wall min", "median generation / scoring / update / "
+                table(["variant", "round", "wall, minutes", "median generation / scoring / update / "
                        "step s", "peak RSS GiB", "minor faults (M)", "system CPU s"],
                       [[v["name"], str(r["round"]), f"{r['wall_s'] / 60:.1f}",
                         _phases(r.get("median", {})), _gib(r["max_rss_kib"]),
@@ -124,7 +132,7 @@ def train_run_markdown(data: dict) -> str:
                        for v in data["variants"] for r in sorted(v["runs"],
                                                                  key=lambda r: r["round"])])]
     training = _training_rows(data)
-    if training and any(r["evals"] for v in data["variants"] for r in v["runs"]):
+    if training:
         w = data.get("window", 5)
         out += ["", f"What the runs learned (training reward and KL: means over the first and "
                 f"last {w} steps; KL: last {w} steps / maximum; held-out reward: first and last "

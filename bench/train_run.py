@@ -10,8 +10,10 @@ A variant is `--variant NAME SPEC`: SPEC is split like a shell line; leading `VA
 go to the child's environment, the rest to `train.py` (e.g. `--variant "malloc off"
 "PPO_JAX_MALLOC_TUNING=0 --set train.steps=6"`). train.py re-executes itself under its glibc
 malloc settings (ppo_jax/trainer/host_memory.py) in the same process, so the child's resource
-usage covers the whole run. `train.output_dir` is always set by this script (a fresh directory
-under `--work-dir`, removed afterwards unless `--keep`).
+usage covers the whole run; this script itself does not re-execute, so a variant that turns the
+settings off (`PPO_JAX_MALLOC_TUNING=0`) runs without them. `train.output_dir` is always set by
+this script: a fresh directory per run under `--work-dir` (kept), or under a temporary directory
+that is removed at the end unless `--keep`.
 
 Figures per run:
 - `wall_s`: from start to exit of the child, load and compilation included;
@@ -20,10 +22,14 @@ Figures per run:
 - from metrics.jsonl: the steps run, step 1's phase times (compilation included) and the median
   of each phase over steps 2..N (`time/generation`, `time/scoring`, `time/update`, `time/step`),
   the held-out evaluations (`eval/reward_mean` at each evaluated step, `time/eval` summed) and
-  the training reward / KL means over the first and last `--window` steps.
+  the training reward / KL means over the first and last `--window` logged steps.
 
-Usage (from a checkout with .venv; `make bench-train` runs the first line):
-    .venv/bin/python bench/train_run.py --json bench/results_raw/intel/train_run.json
+With `--json`, the file is rewritten after every run (`complete: false` until the last), so a
+failure or an interrupt keeps what was measured before it.
+
+Usage (from a checkout with .venv; `make bench-train` runs the first line, with `--title`, and
+writes into `$(BENCH_RAW)`):
+    .venv/bin/python bench/train_run.py --json bench/results_raw/train_run.json
     .venv/bin/python bench/train_run.py --rounds 2 \\
         --variant "buckets 1" "--set data.prompt_buckets=1" \\
         --variant "buckets 4" "--set data.prompt_buckets=4" --json out.json
@@ -78,20 +84,22 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def summarize_metrics(rows: list[dict], window: int = 5) -> dict:
-    """Per-run figures from metrics.jsonl rows: `steps`, `first_step` (step 1's phase times,
-    compilation included), `median` (each phase's median over steps 2..N, or step 1 alone in a
+    """Per-run figures from metrics.jsonl rows: `steps` (the last step logged), `first_step`
+    (step 1's phase times, compilation included; absent when step 1 was not logged), `median`
+    (each phase's median over the logged steps after the first, or the first alone in a
     one-step run), `evals` ([[step, eval/reward_mean], ...]), `eval_s` (time/eval summed), and
     `score_start` / `score_end` / `kl_start` / `kl_end` / `kl_max` (means over the first and
     last `window` training steps; max over all)."""
     steps = [r for r in rows if r.get("step", 0) > 0 and "time/step" in r]
     evals = [r for r in rows if "eval/reward_mean" in r]
-    out: dict = {"steps": len(steps),
+    out: dict = {"steps": int(steps[-1]["step"]) if steps else 0,
                  "evals": [[r["step"], r["eval/reward_mean"]] for r in evals],
                  "eval_s": sum(r.get("time/eval", 0.0) for r in evals)}
     if not steps:
         return out
     steady = steps[1:] or steps
-    out["first_step"] = {k: steps[0][k] for k in PHASES if k in steps[0]}
+    if steps[0]["step"] == 1:  # with train.log_every > 1 step 1 is not logged
+        out["first_step"] = {k: steps[0][k] for k in PHASES if k in steps[0]}
     out["median"] = {k: statistics.median(r[k] for r in steady) for k in PHASES if k in steps[0]}
     w = min(window, len(steps))
     for key, name in (("score_mean", "score"), ("kl", "kl")):
@@ -170,14 +178,16 @@ def main() -> None:
     parser.add_argument("--title", default="", help="heading of this run in results.md")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="where the runs write (default: a temporary directory)")
-    parser.add_argument("--keep", action="store_true", help="keep the runs' output directories")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the temporary directory of the runs (a --work-dir is kept)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs train.py")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     variants = args.variant or [DEFAULT_VARIANT]
     names = [n for n, _ in variants]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"--variant names must differ: {names}")
+    slugs = ["".join(c if c.isalnum() else "_" for c in n) for n in names]
+    if len(set(slugs)) != len(slugs):
+        raise SystemExit(f"--variant names must differ (in their letters and digits): {names}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     for name, spec in variants:
@@ -189,11 +199,25 @@ def main() -> None:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="train_run_"))
     work.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    command = ".venv/bin/python bench/train_run.py " + shlex.join(sys.argv[1:])
+
+    def save(complete: bool) -> None:
+        if not args.json:
+            return
+        write_json(args.json, {
+            "benchmark": "train_run", "title": args.title, **run_record(), **machine_load(),
+            "command": command, "complete": complete, "rounds": args.rounds,
+            "window": args.window,
+            "variants": [{"name": n, "spec": s, "env": parse_spec(s)[0],
+                          "args": parse_spec(s)[1],
+                          "malloc_settings": child_malloc_settings(parse_spec(s)[0]),
+                          "runs": runs[n], "merged": merge_runs(runs[n])}
+                         for n, s in variants if runs[n]]})
+
     try:
         for rnd in range(args.rounds):
-            order = variants if rnd % 2 == 0 else variants[::-1]
-            for name, spec in order:
-                slug = "".join(c if c.isalnum() else "_" for c in name)
+            order = list(zip(variants, slugs))
+            for (name, spec), slug in (order if rnd % 2 == 0 else order[::-1]):
                 out_dir = work / f"{slug}_round{rnd + 1}"
                 if out_dir.exists():
                     raise SystemExit(f"{out_dir} exists: give a fresh --work-dir")
@@ -201,19 +225,11 @@ def main() -> None:
                 run["round"] = rnd + 1
                 runs[name].append(run)
                 print(describe(name, run), flush=True)
+                save(complete=False)
     finally:
         if not args.keep and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    result = {
-        "benchmark": "train_run", "title": args.title, **run_record(), **machine_load(),
-        "command": ".venv/bin/python bench/train_run.py " + shlex.join(sys.argv[1:]),
-        "rounds": args.rounds, "window": args.window,
-        "variants": [{"name": n, "spec": s, "env": parse_spec(s)[0], "args": parse_spec(s)[1],
-                      "malloc_settings": child_malloc_settings(parse_spec(s)[0]),
-                      "runs": runs[n], "merged": merge_runs(runs[n])} for n, s in variants],
-    }
-    if args.json:
-        write_json(args.json, result)
+    save(complete=True)
 
 
 if __name__ == "__main__":

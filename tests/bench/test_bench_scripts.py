@@ -904,6 +904,7 @@ def test_mixed_commits_with_the_same_measured_code_get_a_note_not_a_warning(tmp_
 
     _git(tmp_path, "init", "-q")
     a = commit("ppo_jax/core.py", "x = 1\n")
+    commit("bench/results.md", "a report, not a script\n")
     b = commit("bench/train_run.py", "new benchmark\n")
     c = commit("bench/report.py", "rendering only\n")
     d = commit("ppo_jax/core.py", "x = 2\n")
@@ -955,7 +956,8 @@ def test_logprob_memory_update_section_by_hand():
         "max_abs_diff": "1e-06"},
         "update": {"config": "configs/default.yaml", "settings": [
             {"chunk": c, "argument": 2000 * mib, "output": 1900 * mib, "alias": 1800 * mib,
-             "temp": t * mib, "peak": (2100 + t) * mib, "rows": 8, "batch": 16,
+             "temp": t * mib, "peak": (2100 + t) * mib, "micro_batch": 8, "mini_batch": 8,
+             "batch": 16, "epochs": 2,
              "prompt_width": 52.0, "response_width": 40.0, "shared_critic": False,
              "vocab": 49152} for c, t in ((0, 900), (4096, 400))]}}
     text = sections.logprob_memory_markdown(data)
@@ -963,6 +965,7 @@ def test_logprob_memory_update_section_by_hand():
     assert "| 0 (full logits) | 2,000.0 | 1,900.0 | 1,800.0 | 900.0 | 3,000.0 |" in text
     assert "| 4096 (blocks) | 2,000.0 | 1,900.0 | 1,800.0 | 400.0 | 2,500.0 |" in text
     assert "scratch 900.0 → 400.0 MiB, peak 3,000.0 → 2,500.0 MiB" in text
+    assert "2 epochs over the batch of 16 rows in minibatches of 8, micro-batches of 8" in text
 
 
 @pytest.mark.slow

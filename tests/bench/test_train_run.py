@@ -4,8 +4,11 @@ metrics file against hand-computed figures, the merge over rounds, and the bad i
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -93,6 +96,10 @@ def test_a_tiny_run_is_measured(tmp_path):
     assert data["cpu"]["model"] and "commit" in data and "bench/train_run.py" in data["command"]
     (variant,) = data["variants"]
     assert variant["name"] == "tiny" and variant["env"] == {}
+    # train.py re-executes itself under its malloc settings on Linux with glibc
+    expected = (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+                and os.environ.get("PPO_JAX_MALLOC_TUNING", "1") != "0")
+    assert variant["malloc_settings"] is expected
     assert variant["args"][:2] == ["--config", "configs/tiny.yaml"]
     (run,) = variant["runs"]
     rows = [json.loads(line) for line in
@@ -163,7 +170,25 @@ def test_section_gives_medians_ranges_and_per_round_ratios_by_hand():
     assert ("| off | ×0.92 (×0.83–×1.00) | ×0.90 (×0.82–×0.97) | ×0.89 (×0.83–×0.94) | "
             "×0.94 (×0.94–×0.94) | ×3.50 (×3.00–×4.00) | ×2.17 (×2.00–×2.33) |") in text
     assert "| off | 2 | 11.7 | 5.00 / 6.00 / 37.0 / 50.0 | 7.50 | 12.00 | 68 |" in text
-    assert "What the runs learned" not in text  # no evaluation in these runs
+    # no evaluation in these runs: the training figures alone
+    assert "| off, round 2 | 0.300 → 0.700 | 5.00 / 7.00 | none | — |" in text
+    assert "Incomplete" not in text
+    partial = {**_ab_data(), "complete": False}
+    partial["variants"][1]["runs"] = partial["variants"][1]["runs"][:1]
+    text = train_figures.train_run_markdown(partial)
+    assert "**Incomplete: the measurement stopped before its last run.**" in text
+    assert "| off | ×0.83 | ×0.82 | ×0.83 | ×0.94 | ×3.00 | ×2.33 |" in text  # round 1 alone
+
+
+def test_ratio_table_without_update_times():
+    """Runs of a stage without an update phase (or without steps) still render: n/a."""
+    data = _ab_data()
+    for v in data["variants"]:
+        for r in v["runs"]:
+            del r["median"]["time/update"]
+        v["merged"] = train_run.merge_runs(v["runs"])
+    text = train_figures.train_run_markdown(data)
+    assert "| off | ×0.92 (×0.83–×1.00) | n/a |" in text
 
 
 def test_section_of_one_run_with_evaluations():
@@ -180,7 +205,76 @@ def test_section_of_one_run_with_evaluations():
 def test_report_renders_the_train_runs_and_their_malloc_settings(tmp_path):
     (tmp_path / "train_ab_malloc.json").write_text(json.dumps(_ab_data()))
     text = report.render(tmp_path)
-    assert "## Whole training runs: `make train` and two A/Bs (bench/train_run.py)" in text
+    assert "## Whole training runs (bench/train_run.py, `make bench-train`)" in text
     assert "### A/B" in text and ".venv/bin/python bench/train_run.py --rounds 2" in text
     assert "on and off (an A/B): train_ab_malloc" in text
     assert "_not run (no ppo_step.json)_" in text  # the other sections still say so
+
+
+STUB = """#!{python}
+# stands in for the interpreter running train.py: writes a metrics file into the output
+# directory, the environment it was given, and touches {mib} MiB (a resident set to measure)
+import json, os, sys
+out = [a.split("=", 1)[1] for a in sys.argv if a.startswith("train.output_dir=")][0]
+os.makedirs(out)
+if os.environ.get("STUB_FAIL"):
+    sys.exit("stub: failing as asked")
+block = bytearray({mib} * 2**20)
+for i in range(0, len(block), 4096):
+    block[i] = 1
+with open(os.path.join(out, "env.json"), "w") as f:
+    json.dump({{"STUB_VALUE": os.environ.get("STUB_VALUE"), "argv": sys.argv[1:]}}, f)
+with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+    for step, t in ((1, 9.0), (2, 3.0), (3, 5.0)):
+        f.write(json.dumps({{"step": step, "time/step": t, "kl": 0.1 * step}}) + "\\n")
+"""
+
+
+def _stub(tmp_path, mib=200):
+    stub = tmp_path / "stub_python"
+    stub.write_text(STUB.format(python=sys.executable, mib=mib))
+    stub.chmod(0o755)
+    return str(stub)
+
+
+def test_environment_reaches_the_child_and_its_memory_is_measured(tmp_path):
+    out, work = tmp_path / "r.json", tmp_path / "w"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/train_run.py"), "--python", _stub(tmp_path),
+         "--variant", "a", "STUB_VALUE=x=1 --set a.b=2", "--work-dir", str(work),
+         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads((work / "a_round1/env.json").read_text())
+    assert seen["STUB_VALUE"] == "x=1"
+    assert seen["argv"][1:] == ["--set", "a.b=2", "--set", f"train.output_dir={work}/a_round1"]
+    data = json.loads(out.read_text())
+    (run,) = data["variants"][0]["runs"]
+    assert data["complete"] is True and data["variants"][0]["env"] == {"STUB_VALUE": "x=1"}
+    assert run["steps"] == 3 and run["first_step"] == {"time/step": 9.0}
+    assert run["median"] == {"time/step": 4.0}  # steps 2 and 3
+    assert run["max_rss_kib"] >= 200 * 1024  # the 200 MiB the stub touched, from the kernel
+    assert run["minor_faults"] >= 200 * 256  # one fault per 4 KiB page at least
+
+
+def test_a_failing_run_keeps_what_was_measured_before_it(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/train_run.py"), "--python", _stub(tmp_path, 10),
+         "--variant", "good", "", "--variant", "bad", "STUB_FAIL=1",
+         "--work-dir", str(tmp_path / "w"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "variant 'bad'" in proc.stderr
+    assert "stub: failing as asked" in proc.stderr
+    data = json.loads(out.read_text())
+    assert data["complete"] is False
+    assert [v["name"] for v in data["variants"]] == ["good"]
+    assert data["variants"][0]["runs"][0]["steps"] == 3
+
+
+def test_train_run_does_not_reexecute_under_the_malloc_settings():
+    """Its children must start from its own environment: a variant with the settings off would
+    otherwise inherit them (train.py re-executes itself; this script must not)."""
+    tree = ast.parse((ROOT / "bench/train_run.py").read_text())
+    called = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+              for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not called & {"under_malloc_settings", "reexec_with_malloc_settings"}
