@@ -34,6 +34,7 @@ core_bench = _load("core")
 flops, common, trl_step = _load("flops"), _load("common"), _load("ppo_step_trl")
 provenance = _load("provenance")
 sections, gpu_figures = _load("sections"), _load("gpu_figures")
+logprob_memory = _load("logprob_memory")
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])
@@ -925,13 +926,11 @@ def test_mixed_commits_with_the_same_measured_code_get_a_note_not_a_warning(tmp_
 
 
 def test_logprob_memory_head_json_and_section(tmp_path):
-    """bench/logprob_memory.py on a small head (no whole update): its JSON and results.md section."""
+    """bench/logprob_memory.py on a small head (no whole update, in this process): its JSON and
+    results.md section."""
     out = tmp_path / "lm.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench/logprob_memory.py"), "--batch", "2", "--length", "4",
-         "--hidden", "16", "--vocab", "100", "--chunk", "32", "--runs", "1", "--no-update",
-         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    logprob_memory.main(["--batch", "2", "--length", "4", "--hidden", "16", "--vocab", "100",
+                         "--chunk", "32", "--runs", "1", "--no-update", "--json", str(out)])
     data = json.loads(out.read_text())
     h = data["head"]
     assert (h["batch"], h["length"], h["vocab"], h["chunk"]) == (2, 4, 100, 32)
