@@ -13,7 +13,8 @@ malloc settings (ppo_jax/trainer/host_memory.py) in the same process, so the chi
 usage covers the whole run; this script itself does not re-execute, so a variant that turns the
 settings off (`PPO_JAX_MALLOC_TUNING=0`) runs without them. `train.output_dir` is always set by
 this script: a fresh directory per run under `--work-dir` (kept), or under a temporary directory
-that is removed at the end unless `--keep`.
+whose run directories are removed as soon as each run is measured (a default run's checkpoints
+take about 3 GB) unless `--keep`.
 
 Figures per run:
 - `wall_s`: from start to exit of the child, load and compilation included;
@@ -226,6 +227,8 @@ def main() -> None:
                 runs[name].append(run)
                 print(describe(name, run), flush=True)
                 save(complete=False)
+                if not args.keep and args.work_dir is None:  # checkpoints: GBs per run
+                    shutil.rmtree(out_dir, ignore_errors=True)
     finally:
         if not args.keep and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

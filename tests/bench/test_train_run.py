@@ -278,3 +278,21 @@ def test_train_run_does_not_reexecute_under_the_malloc_settings():
     called = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
               for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert not called & {"under_malloc_settings", "reexec_with_malloc_settings"}
+
+
+def test_temporary_run_directories_are_removed(tmp_path):
+    """Without --work-dir the runs write under a temporary directory, and each run's directory
+    (a default run's checkpoints take GBs) is gone once measured; --keep keeps them."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, str(ROOT / "bench/train_run.py"), "--python", _stub(tmp_path, 10),
+           "--variant", "a", "", "--variant", "b", "", "--json", str(tmp_path / "r.json")]
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(tmp.iterdir()) == []
+    proc = subprocess.run(cmd + ["--keep"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (kept,) = tmp.iterdir()
+    assert sorted(p.name for p in kept.iterdir() if p.is_dir()) == ["a_round1", "b_round1"]
