@@ -30,14 +30,14 @@ def _variant_row(v: dict) -> list[str]:
     m, rng = v["merged"], v["merged"]["range"]
     first = v["runs"][0]
     steps = sorted({r["steps"] for r in v["runs"]})
-    return [v["name"], f"`{v['spec']}`" if v["spec"] else "(defaults)",
+    return [v["name"], f"`{v['spec']}`" if v["spec"] else "none (configs/default.yaml)",
             "/".join(str(s) for s in steps),
             _spread(m["wall_s"] / 60, [x / 60 for x in rng["wall_s"]], 1),
             _f((first.get("first_step") or {}).get("time/step")),
             _phases(m["median"]),
             _spread(m["max_rss_kib"] / 2**20, [x / 2**20 for x in rng["max_rss_kib"]], 2),
             _spread(m["minor_faults"] / 1e6, [x / 1e6 for x in rng["minor_faults"]], 2),
-            _f(m["major_faults"], 0),
+            f"{m['major_faults']:,.0f}",
             _spread(m["user_s"], rng["user_s"], 0), _spread(m["system_s"], rng["system_s"], 0),
             "on" if v.get("malloc_settings") else "off" if v.get("malloc_settings") is False
             else "n/a"]

@@ -195,7 +195,8 @@ def test_section_of_one_run_with_evaluations():
         {"name": "make train", "spec": "", "malloc_settings": True, "runs": [run],
          "merged": train_run.merge_runs([run])}]}
     text = train_figures.train_run_markdown(data)
-    assert "| make train | (defaults) | 5 | 34.5 | 60.0 | 5.00 / 6.00 / 33.5 / 45.5 | 8.38 | 2.98 |" in text
+    assert ("| make train | none (configs/default.yaml) | 5 | 34.5 | 60.0 | 5.00 / 6.00 / 33.5 / 45.5 "
+            "| 8.38 | 2.98 | 0 |") in text
     assert "| make train | 0.300 → 0.700 | 5.00 / 7.00 | 0.203 (step 0) → 0.729 (step 40) | 20 |" in text
     assert "Against" not in text and "Every run" not in text
 
