@@ -62,11 +62,11 @@ bench-quick:
 # Whole train.py runs measured from outside (bench/train_run.py: wall time, peak RSS, page faults,
 # CPU time, phase medians; about 65 minutes on 2 CPU cores): `make train` itself, then two A/Bs in
 # 2 interleaved rounds, 5 steps of the default config with and without train.py's malloc settings
-# and 8 steps of the earlier default (batch 8, reviews.jsonl) with responses that stop at a
+# and 10 steps of the earlier default (batch 8, reviews.jsonl) with responses that stop at a
 # sentence end, with and without the column buckets; then bench/report.py rewrites results.md
 # from $(BENCH_RAW): give the BENCH_RAW of your `make bench` run so that its sections stay.
 TRAIN_AB_MALLOC = --set train.steps=5 --set eval.every=0
-TRAIN_AB_COLUMNS = --set train.steps=8 --set eval.every=0 --set ppo.batch_size=8 \
+TRAIN_AB_COLUMNS = --set train.steps=10 --set eval.every=0 --set ppo.batch_size=8 \
 	--set data.prompts=configs/prompts/reviews.jsonl --set generation.stop_token_ids=[2,30,17,47]
 bench-train:
 	scripts/setup_venv.sh gguf

@@ -43,6 +43,12 @@ def _variant_row(v: dict) -> list[str]:
             else "n/a"]
 
 
+def _repeated(rep: dict | None) -> str:
+    if not rep or not rep.get("n"):
+        return "none"
+    return (f"{_f(rep.get('time/step'))} / {_f(rep.get('time/update'))} ({rep['n']})")
+
+
 def _training_rows(data: dict) -> list[list[str]]:
     rows = []
     for v in data["variants"]:
@@ -131,6 +137,22 @@ def train_run_markdown(data: dict) -> str:
                         f"{r['minor_faults'] / 1e6:.2f}", f"{r['system_s']:.0f}"]
                        for v in data["variants"] for r in sorted(v["runs"],
                                                                  key=lambda r: r["round"])])]
+    widths = [(v["name"], r) for v in data["variants"] for r in v["runs"]]
+    if any(r.get("width_pairs", 1) > 1 for _, r in widths):
+        out += ["", "Column widths (prompt + response columns a step computes over, "
+                "trainer/columns.py): every new width pair compiles the scoring and update "
+                "programs (and a new prompt width the sampler), so the median over the steps "
+                "whose width pair an earlier step had is the per-step cost without compilation:",
+                "", table(["run", "width pairs met", "widths per step (prompt + response)",
+                           "median step s, steps 2 to the last",
+                           "median step / update s, repeated widths only (steps)"],
+                          [[name + (f", round {r['round']}" if data["rounds"] > 1 else ""),
+                            str(r.get("width_pairs", "n/a")),
+                            " ".join(f"{p:.0f}+{q:.0f}" for _, p, q, *_ in r.get("per_step", [])
+                                     if p is not None and q is not None) or "n/a",
+                            _f(r.get("median", {}).get("time/step")),
+                            _repeated(r.get("repeated_widths"))]
+                           for name, r in widths])]
     training = _training_rows(data)
     if training:
         w = data.get("window", 5)

@@ -22,6 +22,8 @@ Figures per run:
   Linux), `ru_minflt`, `ru_majflt`, `ru_utime`, `ru_stime` of the child (`getrusage(2)`);
 - from metrics.jsonl: the steps run, step 1's phase times (compilation included) and the median
   of each phase over steps 2..N (`time/generation`, `time/scoring`, `time/update`, `time/step`),
+  the column widths of each step and the median over the steps whose widths an earlier step
+  had (with `data.prompt_buckets` / `generation.response_buckets` > 1 a new width compiles),
   the held-out evaluations (`eval/reward_mean` at each evaluated step, `time/eval` summed) and
   the training reward / KL means over the first and last `--window` logged steps.
 
@@ -88,7 +90,10 @@ def summarize_metrics(rows: list[dict], window: int = 5) -> dict:
     """Per-run figures from metrics.jsonl rows: `steps` (the last step logged), `first_step`
     (step 1's phase times, compilation included; absent when step 1 was not logged), `median`
     (each phase's median over the logged steps after the first, or the first alone in a
-    one-step run), `evals` ([[step, eval/reward_mean], ...]), `eval_s` (time/eval summed), and
+    one-step run), `per_step` ([step, prompt_width, response_width, time/step, time/update] of
+    every logged step), `width_pairs` (distinct (prompt, response) column widths: each one
+    compiled), `repeated_widths` (`n` and each phase's median over the steps whose width pair an
+    earlier step had: no compilation in them), `evals` ([[step, eval/reward_mean], ...]), `eval_s` (time/eval summed), and
     `score_start` / `score_end` / `kl_start` / `kl_end` / `kl_max` (means over the first and
     last `window` training steps; max over all)."""
     steps = [r for r in rows if r.get("step", 0) > 0 and "time/step" in r]
@@ -102,6 +107,20 @@ def summarize_metrics(rows: list[dict], window: int = 5) -> dict:
     if steps[0]["step"] == 1:  # with train.log_every > 1 step 1 is not logged
         out["first_step"] = {k: steps[0][k] for k in PHASES if k in steps[0]}
     out["median"] = {k: statistics.median(r[k] for r in steady) for k in PHASES if k in steps[0]}
+    # every logged step: [step, prompt_width, response_width, time/step, time/update]; a step
+    # whose width pair an earlier step had compiled nothing new (trainer/columns.py buckets)
+    out["per_step"] = [[r["step"], r.get("prompt_width"), r.get("response_width"),
+                        r["time/step"], r.get("time/update")] for r in steps]
+    seen, repeated = set(), []
+    for r in steps:
+        pair = (r.get("prompt_width"), r.get("response_width"))
+        if pair in seen:
+            repeated.append(r)
+        seen.add(pair)
+    out["width_pairs"] = len(seen)
+    out["repeated_widths"] = {"n": len(repeated), **(
+        {k: statistics.median(r[k] for r in repeated) for k in PHASES if k in steps[0]}
+        if repeated else {})}
     w = min(window, len(steps))
     for key, name in (("score_mean", "score"), ("kl", "kl")):
         if key in steps[0]:
