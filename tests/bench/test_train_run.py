@@ -1,11 +1,11 @@
-"""bench/train_run.py: a real tiny `train.py` run measured from outside (its figures checked
-against its own metrics file and the kernel's accounting), the variant spec, the summary of a
-metrics file against hand-computed figures, the merge over rounds, and the bad inputs."""
+"""bench/train_run.py and its results.md section: runs measured from outside through a stub
+interpreter (environment, resident memory, a failing run, temporary directories) and, slow, a
+real tiny `train.py` run; the variant spec, the summary of a metrics file and the merge over
+rounds against hand-computed figures; the rendered tables; the bad inputs."""
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import platform
@@ -17,18 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_run = _load("train_run")
-sys.path.insert(0, str(ROOT / "bench"))  # train_figures imports sections as the report does
-train_figures, report = _load("train_figures"), _load("report")
+sys.path.insert(0, str(ROOT / "bench"))  # the benchmark scripts import each other by name
+import report  # noqa: E402
+import train_figures  # noqa: E402
+import train_run  # noqa: E402
 
 
 def test_parse_spec_splits_environment_from_arguments():
