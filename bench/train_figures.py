@@ -67,9 +67,9 @@ def _training_rows(data: dict) -> list[list[str]]:
 
 
 def round_ratio_rows(data: dict) -> list[list[str]]:
-    """Each later variant against the first, per round: the first's / the variant's median step
-    and wall time (above 1: the variant is faster) and the variant's / the first's peak RSS and
-    minor faults; median (min-max) over the rounds."""
+    """Each later variant against the first, per round: the first's / the variant's median step,
+    median update and wall time (above 1: the variant is faster) and the variant's / the
+    first's peak RSS, minor faults and system CPU time; median (min-max) over the rounds."""
     base, *others = data["variants"]
     rows = []
     for v in others:
