@@ -43,7 +43,6 @@ when a run fails (its last output lines are printed) and when a SPEC sets `train
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -57,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, cpu_info, cpu_line, machine_load, run_record, write_json  # noqa: E402
 sys.path.insert(0, str(ROOT))  # ppo_jax from a checkout, uninstalled
+from ppo_jax.trainer.metrics import read_metrics  # noqa: E402
 
 PHASES = ("time/generation", "time/scoring", "time/update", "time/step")
 DEFAULT_VARIANT = ("make train", "")
@@ -77,15 +77,6 @@ def parse_spec(spec: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of a metrics.jsonl ("nan" / "inf" strings read back as floats)."""
-    def value(v):
-        return float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
-
-    return [{k: value(v) for k, v in json.loads(line).items()}
-            for line in path.read_text().splitlines() if line.strip()]
-
-
 def summarize_metrics(rows: list[dict], window: int = 5) -> dict:
     """Per-run figures from metrics.jsonl rows: `steps` (the last step logged), `first_step`
     (step 1's phase times, compilation included; absent when step 1 was not logged), `median`
@@ -93,8 +84,8 @@ def summarize_metrics(rows: list[dict], window: int = 5) -> dict:
     one-step run), `per_step` ([step, prompt_width, response_width, time/step, time/update] of
     every logged step), `width_pairs` (distinct (prompt, response) column widths: each one
     compiled), `repeated_widths` (`n` and each phase's median over the steps whose width pair an
-    earlier step had: no compilation in them), `evals` ([[step, eval/reward_mean], ...]), `eval_s` (time/eval summed), and
-    `score_start` / `score_end` / `kl_start` / `kl_end` / `kl_max` (means over the first and
+    earlier step had: no compilation in them), `evals` ([[step, eval/reward_mean], ...]),
+    `eval_s` (time/eval summed), and `score_start` / `score_end` / `kl_start` / `kl_end` / `kl_max` (means over the first and
     last `window` training steps; max over all)."""
     steps = [r for r in rows if r.get("step", 0) > 0 and "time/step" in r]
     evals = [r for r in rows if "eval/reward_mean" in r]

@@ -14,14 +14,15 @@ Errors: a run directory without metrics.jsonl exits with status 2 and names it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
+from ppo_jax.trainer.metrics import read_metrics as metrics_rows
+
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """Rows of `<run_dir>/metrics.jsonl` ("nan" / "inf" strings read back as floats).
+    """Rows of `<run_dir>/metrics.jsonl` (ppo_jax.trainer.metrics.read_metrics).
 
     Raises:
       FileNotFoundError: no metrics.jsonl there.
@@ -29,12 +30,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file: {path}")
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rows.append({k: float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
-                         for k, v in json.loads(line).items()})
-    return rows
+    return metrics_rows(path)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

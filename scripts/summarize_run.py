@@ -8,9 +8,10 @@ Usage: .venv/bin/python scripts/summarize_run.py runs/default [--window 5]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
+
+from ppo_jax.trainer.metrics import read_metrics
 
 
 def main() -> None:
@@ -21,10 +22,7 @@ def main() -> None:
     path = args.run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"no metrics file: {path}")
-    # non-finite metrics are written as the strings "nan" / "inf"; read them back as floats
-    rows = [{k: float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
-             for k, v in json.loads(line).items()}
-            for line in path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(path)  # non-finite values come back as floats
     evals = [r for r in rows if "eval/reward_mean" in r]
     rows = [r for r in rows if r["step"] > 0]  # step 0 holds only the starting policy's evaluation
     if rows:

@@ -24,6 +24,21 @@ def _plain(value):
     return value
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a `metrics.jsonl` that `MetricsWriter` wrote, in order, with the non-finite
+    values it stores as the strings "nan" / "inf" / "-inf" read back as floats.
+
+    Raises:
+      FileNotFoundError: no file at `path`.
+    """
+    def value(v):
+        return float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
+
+    text = Path(path).read_text(encoding="utf-8")
+    return [{k: value(v) for k, v in json.loads(line).items()}
+            for line in text.splitlines() if line.strip()]
+
+
 class MetricsWriter:
     """Writes `metrics.jsonl`, `samples.jsonl` and TensorBoard events under `output_dir`."""
 

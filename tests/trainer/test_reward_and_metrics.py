@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from ppo_jax.trainer.metrics import MetricsWriter
+from ppo_jax.trainer.metrics import MetricsWriter, read_metrics
 from ppo_jax.trainer.reward_functions import get_reward_function, register_reward_function
 
 
@@ -42,3 +42,18 @@ def test_metrics_are_appended_and_flushed(tmp_path):
     steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_read_metrics_returns_what_was_written(tmp_path):
+    w = MetricsWriter(tmp_path, tensorboard=False)
+    w.write(1, {"kl": 0.5, "loss": float("nan"), "ratio": float("inf"), "low": float("-inf"),
+                "tag": "text"})
+    w.write(2, {"kl": 0.25})
+    w.close()
+    (tmp_path / "metrics.jsonl").write_text((tmp_path / "metrics.jsonl").read_text() + "\n")
+    first, second = read_metrics(tmp_path / "metrics.jsonl")
+    assert np.isnan(first.pop("loss")) and first == {"step": 1, "kl": 0.5, "ratio": float("inf"),
+                                                    "low": float("-inf"), "tag": "text"}
+    assert second == {"step": 2, "kl": 0.25}
+    with pytest.raises(FileNotFoundError):
+        read_metrics(tmp_path / "missing.jsonl")
