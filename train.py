@@ -13,6 +13,13 @@ Examples:
   python train.py --set ppo.kl_coef=0.05 --set train.steps=100
   python train.py --resume                          # continue from the latest checkpoint
   python train.py --import my_losses --set ppo.policy_loss=my_loss   # a fork's registered loss
+  python train.py --config configs/llama_8b_gpu_tpu.yaml --compile-for v5p-128 \
+      --set model.actor=configs/model_shapes/meta-llama-3-8b-instruct   # fits? (docs/scaling.md)
+
+`--compile-for TOPOLOGY` runs nothing: it compiles every program of the run for a TPU slice with
+libtpu on this host (`pip install -e .[tpu]`), prints per-chip memory, FLOPs, collectives and
+estimated time, and exits 0 when every program fits the chips' HBM, 3 when one does not, 2 on a
+bad topology or config. It reads only config.json files and writes only `--json PATH`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import a module first, e.g. one that registers a policy loss, "
                              "advantage estimator or reward function (repeatable)")
+    parser.add_argument("--compile-for", metavar="TOPOLOGY",
+                        help="compile the run for a TPU slice (v5e-8, v5p-128, v6e-256, v4-8, or "
+                             "v5p:4x4x4) without running it; report memory and estimated speed")
+    parser.add_argument("--json", metavar="PATH", help="with --compile-for: write the report here")
     parser.add_argument("--help-config", action="store_true",
                         help="print every config key with its type, default and meaning (and "
                              "the value --config gives it where that differs), then exit")
@@ -41,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_for:  # libtpu only compiles here; the host's own devices do the tracing
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from ppo_jax.trainer.config import ConfigError, load_config
 
     if args.imports:
@@ -62,6 +76,8 @@ def main(argv=None) -> int:
 
         print(describe(cfg, args.config + (" + --set" if args.overrides else "")))
         return 0
+    if args.compile_for:
+        return compile_only(args, cfg)
     from ppo_jax.trainer.distributed import initialize
 
     initialize(cfg.distributed)
@@ -78,6 +94,34 @@ def main(argv=None) -> int:
         print(f"done: step {trainer.step_count} ({len(history)} run now) in "
               f"{time.perf_counter() - start:.0f} s; "
               f"{summary(cfg.stage, history)}; outputs in {trainer.out}")
+    return 0
+
+
+def compile_only(args, cfg) -> int:
+    """`--compile-for`: compile, print the report, write `--json`; 0 fits, 3 not, 2 bad input."""
+    import json
+
+    from ppo_jax.aot.compile_for import compile_for, format_report, over_message
+    from ppo_jax.aot.topology import resolve_slice
+    from ppo_jax.trainer.stages import trainer_class
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        target = resolve_slice(args.compile_for)
+        report = compile_for(trainer_class(cfg.stage), cfg, target, log=log)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError and TopologyError among them
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report.update(config=args.config, overrides=list(args.overrides))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if not report["fits"]:
+        print(f"error: {over_message(report)}", file=sys.stderr)
+        return 3
     return 0
 
 

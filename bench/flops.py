@@ -14,6 +14,7 @@ Two counts of one compiled function:
   model by about its depth. The tests pin both behaviours on a scanned matmul.
 
 `while_loop`s (trip count unknown from the jaxpr) are counted once and reported in `loops`.
+The jaxpr count lives in `ppo_jax.aot.flops` (`train.py --compile-for` uses it too).
 
 `SignatureRecorder` wraps a jitted function without changing what it runs and remembers each
 call's abstract arguments, so the counts are taken after the timed steps (no extra work inside
@@ -22,51 +23,9 @@ them); tracing again with `ShapeDtypeStruct`s hits JAX's compilation cache.
 
 from __future__ import annotations
 
-import math
-
 import jax
 
-
-def dot_general_flops(eqn) -> int:
-    """`2 * prod(out.shape) * K` of one `dot_general` equation (multiply + add per term)."""
-    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-    lhs_shape = eqn.invars[0].aval.shape
-    k = math.prod(lhs_shape[d] for d in lhs_contract)
-    return 2 * math.prod(eqn.outvars[0].aval.shape) * k
-
-
-def _sub_jaxprs(params: dict):
-    """Every jaxpr (closed or open) among an equation's params, tuples included."""
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(v, "jaxpr", v)  # ClosedJaxpr -> Jaxpr
-            if hasattr(inner, "eqns"):
-                yield inner
-
-
-def jaxpr_matmul_flops(jaxpr) -> tuple[int, int]:
-    """`(flops, loops)`: matmul FLOPs of `jaxpr` (a Jaxpr or ClosedJaxpr) and every jaxpr nested
-    in it, and the number of `while` loops met (their bodies counted once).
-
-    Multipliers: `scan` x `length`; `cond`: the largest branch; everything else (pjit,
-    custom_vjp / custom_jvp calls, checkpoint, ...) x 1.
-    """
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    flops, loops = 0, 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            flops += dot_general_flops(eqn)
-            continue
-        subs = [jaxpr_matmul_flops(j) for j in _sub_jaxprs(eqn.params)]
-        if not subs:
-            continue
-        loops += sum(n for _, n in subs) + (name == "while")
-        if name == "cond":
-            flops += max(f for f, _ in subs)
-        else:
-            flops += sum(f for f, _ in subs) * (eqn.params["length"] if name == "scan" else 1)
-    return flops, loops
+from ppo_jax.aot.flops import dot_general_flops, jaxpr_matmul_flops  # noqa: F401 - re-exported
 
 
 def xla_flops(compiled) -> float | None:

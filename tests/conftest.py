@@ -1,8 +1,27 @@
-"""Shared fixtures: a tiny random Llama checkpoint (built locally, no download)."""
+"""Shared fixtures: a tiny random Llama checkpoint (built locally, no download).
+
+Every test process (this one and the train.py / worker subprocesses it starts, which inherit the
+environment) shares one XLA persistent compilation cache for the session: many tests compile the
+same tiny programs, and a cached executable is the executable XLA would build again (measured on
+tests/trainer/test_update.py + test_critic_free.py, 2-core AMD EPYC: 206 s -> 149 s with a cold
+cache). Set JAX_COMPILATION_CACHE_DIR to keep your own.
+"""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # before any test module imports jax
+    _cache = tempfile.mkdtemp(prefix="ppo_jax_test_xla_cache_")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 
 @pytest.fixture(scope="session")

@@ -11,14 +11,15 @@ from ppo_jax.models.functional import (
 )
 from ppo_jax.models.heads import CausalLM, RewardModel, ValueModel, init_model, make_backbone
 from ppo_jax.models.hf_io import (
-    CheckpointError, load_config, load_model, load_tokenizer, save_pretrained,
+    CheckpointError, abstract_model, load_config, load_model, load_tokenizer, save_pretrained,
 )
 from ppo_jax.models.kv_cache import KVCache, init_cache, positions_from_mask
 
 __all__ = [
     "ModelConfig", "CausalLM", "ValueModel", "RewardModel", "init_model", "make_backbone",
     "KVCache", "init_cache", "positions_from_mask",
-    "load_config", "load_model", "load_tokenizer", "save_pretrained", "CheckpointError",
+    "load_config", "load_model", "abstract_model", "load_tokenizer", "save_pretrained",
+    "CheckpointError",
     "split_model", "merge_model", "causal_lm_forward", "causal_lm_logits", "causal_lm_hidden",
     "lm_head_logits", "values", "reward_scores", "param_paths", "flat_params", "count_params",
 ]

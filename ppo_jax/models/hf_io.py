@@ -203,6 +203,26 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     return nnx.merge(graphdef, state), cfg
 
 
+def abstract_model(cfg: ModelConfig, kind: str = "causal_lm", *,
+                   sharding_fn: Callable | None = None):
+    """The `(graphdef, params)` of a `kind` model of `cfg` with `jax.ShapeDtypeStruct` leaves
+    in place of arrays (each with `sharding_fn(path_str, shape)` when given): no weights are
+    read or made. What `load_model` would give, for lowering and compiling jitted functions
+    ahead of time (`train.py --compile-for`) from a config.json alone.
+
+    Raises ValueError: an unknown `kind`.
+    """
+    cls = model_class(kind)
+    kw = {} if cls is CausalLM else {"head_init_std": 0.0}
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), **kw)))
+
+    def shape(key_path, sds):
+        sharding = None if sharding_fn is None else sharding_fn(path_str(key_path), sds.shape)
+        return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
+
+    return graphdef, jax.tree_util.tree_map_with_path(shape, state)
+
+
 def load_tokenizer(path, *, padding_side: str = "left"):
     """`transformers.AutoTokenizer` from a local directory (chat template included).
 

@@ -59,16 +59,25 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
     ("data", "fsdp", "tensor").
 
     Devices are laid out by `jax.make_mesh` (topology-aware on TPU); their order is
-    process-major, so each process owns a contiguous block of every batch. The axes are
-    `AxisType.Auto`: shardings are propagated by the SPMD partitioner from the in/out
-    shardings of `jax.jit` and the constraints below.
+    process-major, so each process owns a contiguous block of every batch. On a TPU torus whose
+    axes the sizes do not divide whole (tensor=4 on v6e-64's 8x8), a physical axis is split
+    between mesh axes (`mesh_utils.create_device_mesh(allow_split_physical_axes=True)`)
+    instead of failing. The axes are `AxisType.Auto`: shardings are propagated by the SPMD
+    partitioner from the in/out shardings of `jax.jit` and the constraints below.
 
     Raises:
       ValueError: see `resolve_axis_sizes`.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_axis_sizes(data, fsdp, tensor, len(devices))
-    return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    types = (AxisType.Auto,) * len(AXES)
+    try:
+        return jax.make_mesh(sizes, AXES, axis_types=types, devices=devices)
+    except NotImplementedError:  # jax's torus layout needs whole physical axes per mesh axis
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+        return Mesh(grid, AXES, axis_types=types)
 
 
 def batch_shards(mesh: Optional[Mesh]) -> int:

@@ -10,6 +10,11 @@ A stage subclasses `StageTrainer` and fills in four steps, called in this order 
     step() -> dict    one optimiser step (or one PPO step); its metrics as floats
     export()          write the trained model as an HF directory
 
+A stage that `train.py --compile-for` can compile also gives `_check_config()` (the config
+checks of `_check_inputs` that read no file), `programs()` (its jitted functions with abstract
+arguments, `trainer.programs.Program`) and `resident()` (what stays in device memory between
+them); `Trainer.abstract(cfg, devices)` builds it with shapes in place of arrays.
+
 and may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
 starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_log(step)`
 (samples), `finite_keys` (metrics that stop the run when not finite) and `progress_postfix`.
@@ -65,6 +70,8 @@ class StageTrainer:
     name = "stage"  # progress-bar label
     finite_keys: tuple[str, ...] = ()  # besides every "*loss" metric
 
+    is_abstract = False  # True: built by `abstract()`, shapes in place of arrays
+
     def __init__(self, cfg: Config, *, resume: bool = False, devices=None):
         self.cfg = cfg
         self.out = Path(cfg.train.output_dir)
@@ -89,9 +96,44 @@ class StageTrainer:
                 self._lock.abandon(remove_dir=created)
             raise
 
+    @classmethod
+    def abstract(cls, cfg: Config, devices=None) -> "StageTrainer":
+        """The trainer of `cfg` built on `devices` (default all) with `jax.ShapeDtypeStruct`s in
+        place of every array (`Placement(abstract=True)`; models from config.json alone): its
+        jitted functions, shardings, dtypes, remat and donation are the ones a run uses, ready
+        to be lowered and compiled (`programs()`). Reads no weights, tokenizer or data file;
+        writes nothing; `step()` cannot run.
+
+        Raises:
+          ConfigError / FileNotFoundError / ValueError: as `__init__` does for the config.
+        """
+        self = cls.__new__(cls)
+        self.cfg, self.is_abstract = cfg, True
+        self.out = Path(cfg.train.output_dir)
+        self.process_index, self.step_count, self._lock = 0, 0, None
+        self._check_config()
+        try:
+            self.place = Placement.from_config(cfg.mesh, devices, abstract=True)
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        self._build()
+        return self
+
     # --- the four steps of a stage --------------------------------------------------------
     def _check_inputs(self) -> None:
         """Validate names and data before anything is written (override)."""
+
+    def _check_config(self) -> None:
+        """The checks of `_check_inputs` that read no file (an abstract build runs only these)."""
+
+    def programs(self) -> list:  # pragma: no cover - abstract
+        """The jitted functions of a step with abstract arguments (`trainer.programs.Program`)."""
+        raise NotImplementedError
+
+    def resident(self) -> dict:
+        """What stays in device memory between the programs of a step (train states, frozen
+        params): `{name: pytree}`, arrays or `ShapeDtypeStruct`s."""
+        return {"state": self.state}
 
     def _build(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -34,6 +34,7 @@ from ppo_jax.parallel.host import local_rows
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.rollout.scoring import map_in_chunks, policy_logprobs, reward_model_scores
 from ppo_jax.trainer.data import PromptSet
+from ppo_jax.trainer.programs import Program, batch_shape
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class Evaluator:
     def __init__(self, batch: EvalBatch, settings: EvalSettings, place, graphdefs, shardings, *,
                  seed: int, reward_fn: Optional[Callable], decode: Callable):
         self.batch, self.place, self.reward_fn, self.decode = batch, place, reward_fn, decode
+        self.settings = settings
         rows, rep = place.rows, place.replicated
         size, width = batch.ids.shape
         self.lo, self.hi = place.row_range(size)
@@ -198,6 +200,23 @@ class Evaluator:
                                in_shardings=(actor_sh, rows, rows, rep), out_shardings=(rows, rows))
         self._stats = jax.jit(stats, in_shardings=(actor_sh, ref_sh, reward_sh) + (rows,) * 6,
                               out_shardings=(rep, rows))
+
+    def inputs(self) -> tuple:
+        """The eval prompts, validity mask and key this evaluator holds on the devices."""
+        return self.q, self.qm, self.valid, self.key
+
+    def programs(self, actor_params, ref_params, reward_params, *, per_step: float) -> list:
+        """Its two jitted calls with abstract arguments (`trainer.programs.Program`): the eval
+        sampler and the scoring, responses `settings.max_new_tokens` long."""
+        size, new = self.batch.ids.shape[0], self.settings.max_new_tokens
+        resp = batch_shape(self.place, (size, new), jnp.int32)
+        scores = None if self.reward_fn is None else batch_shape(self.place, (size,), jnp.float32)
+        note = f"every {round(1 / per_step)} steps" if per_step else ""
+        return [Program("eval_sampler", self._sample, (actor_params, self.q, self.qm, self.key),
+                        per_step, note, while_trips=new - 1),
+                Program("eval_scoring", self._stats, (actor_params, ref_params, reward_params,
+                                                      self.q, self.qm, resp, resp, scores,
+                                                      self.valid), per_step, note)]
 
     def __call__(self, actor_params, ref_params, reward_params, num_samples: int = 0):
         """Evaluate the actor params (a CausalLM's) against the reference.

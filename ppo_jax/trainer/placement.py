@@ -10,6 +10,12 @@ and batches, and the host <-> device moves of a step (safe with several processe
 Frozen params (reference, reward model) can be kept in pinned host memory between phases
 (`model.offload_frozen`): `offload` moves them to host, `onload` brings a device copy for the
 experience pass, which is dropped after it.
+
+An abstract placement (`Placement.from_config(..., abstract=True)`, used by `train.py
+--compile-for`) lays out the same shardings over devices that hold no data (a TPU topology
+compiled for on a CPU host): every method that would move data returns
+`jax.ShapeDtypeStruct`s with the sharding the real call would give, so a trainer built on it
+holds shapes in place of arrays and its jitted functions can be lowered and compiled as is.
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ class Placement:
     """The mesh of a run and the shardings derived from it (see module docstring)."""
 
     mesh: Mesh
+    abstract: bool = False  # shapes only: no data is moved (see the module docstring)
 
     @classmethod
-    def from_config(cls, mesh_cfg, devices: Optional[Sequence[jax.Device]] = None) -> "Placement":
+    def from_config(cls, mesh_cfg, devices: Optional[Sequence[jax.Device]] = None,
+                    abstract: bool = False) -> "Placement":
         """Raises ValueError when the mesh sizes do not fit the devices."""
-        return cls(make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices))
+        return cls(make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices), abstract)
 
     @property
     def rows(self) -> NamedSharding:
@@ -69,6 +77,8 @@ class Placement:
 
     def replicate(self, tree: Any) -> Any:
         """Small host values (RNG key, KL controller) -> replicated on every device."""
+        if self.abstract:
+            return shapes_of(tree, lambda _: self.replicated)
         return jax.device_put(jax.tree.map(np.asarray, tree), self.replicated)
 
     def create_state(self, params: Any, tx: optax.GradientTransformation) -> TrainState:
@@ -78,15 +88,20 @@ class Placement:
             return TrainState.create(p, tx)
 
         out = self.shardings(jax.eval_shape(create, params))
+        if self.abstract:
+            return shapes_of(jax.eval_shape(create, params), out)
         return jax.jit(create, out_shardings=out, donate_argnums=0)(params)
 
     # --- batches ---------------------------------------------------------------------------
     def row_range(self, global_rows: int) -> tuple[int, int]:
-        """This process's rows `[lo, hi)` of a batch of `global_rows`."""
-        return row_range(self.rows, global_rows)
+        """This process's rows `[lo, hi)` of a batch of `global_rows` (all when abstract)."""
+        return (0, global_rows) if self.abstract else row_range(self.rows, global_rows)
 
     def put_rows(self, local: np.ndarray, global_shape: Sequence[int]) -> jax.Array:
         """This process's rows -> the global batch-sharded array."""
+        if self.abstract:
+            return jax.ShapeDtypeStruct(tuple(global_shape), np.asarray(local).dtype,
+                                        sharding=self.rows)
         return put_rows(local, self.rows, global_shape)
 
     # --- host offload of frozen params -----------------------------------------------------
@@ -95,7 +110,8 @@ class Placement:
         jax >= 0.4.3x all do)."""
         try:
             return all(HOST_MEMORY in {m.kind for m in d.addressable_memories()}
-                       for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+                       for d in self.mesh.devices.flat
+                       if self.abstract or d.process_index == jax.process_index())
         except (AttributeError, NotImplementedError):
             return False
 
@@ -104,10 +120,26 @@ class Placement:
         if params is None or not self.can_offload():
             return params
         host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), self.shardings(params))
-        return jax.device_put(params, host)
+        return shapes_of(params, host) if self.abstract else jax.device_put(params, host)
 
     def onload(self, params: Any) -> Any:
         """A device-memory copy of (possibly offloaded) params, in their rule shardings."""
         if params is None:
             return None
+        if self.abstract:  # already in device memory: the same buffers, as device_put gives
+            on_device = all(getattr(x.sharding, "memory_kind", None) in (None, "device")
+                            for x in jax.tree.leaves(params))
+            return params if on_device else shapes_of(params, self.shardings(params))
         return jax.device_put(params, self.shardings(params))
+
+
+def shapes_of(tree: Any, shardings: Any) -> Any:
+    """`jax.ShapeDtypeStruct`s of every leaf of `tree` (arrays, numpy values or structs) with
+    the shardings `shardings` (a same-structure tree, or a function of the leaf)."""
+    def one(x, sharding):
+        x = x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    if callable(shardings):
+        return jax.tree.map(lambda x: one(x, shardings(x)), tree)
+    return jax.tree.map(one, tree, shardings)

@@ -18,15 +18,18 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import get_advantage_estimator, uses_critic
+from ppo_jax.models import abstract_model, load_model, load_tokenizer, split_model
 from ppo_jax.models import load_config as load_model_config
-from ppo_jax.models import load_model, load_tokenizer, split_model
 from ppo_jax.models.hf_io import SafetensorsReader
 from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
-from ppo_jax.models.tiny_random import ensure_tiny_random
+from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab
 from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
 from ppo_jax.trainer.data import PromptSet, read_prompts, tokenize_prompts
 
 TINY_RANDOM = "tiny-random"
+# config.json-only directories of real models, for `train.py --compile-for` (no weights)
+MODEL_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "model_shapes"
+SMOLLM2_SHAPES = "smollm2-135m-instruct"
 
 
 def resolve_model_path(source: str, key: str) -> Path:
@@ -45,6 +48,27 @@ def resolve_model_path(source: str, key: str) -> Path:
         raise FileNotFoundError(f"{key}={source!r}: no HF checkpoint directory (config.json) there; "
                                 f"use a local directory, {SMOLLM2!r} or {TINY_RANDOM!r}")
     return path
+
+
+def model_shape_config(source: str, key: str, **overrides):
+    """The `ModelConfig` of a model source from its config.json alone (no weights, no
+    tokenizer, nothing written): `tiny-random`'s built-in config, `smollm2`'s shipped
+    `configs/model_shapes/smollm2-135m-instruct`, or a directory holding a config.json (a full
+    checkpoint or a shape-only directory of `configs/model_shapes/`).
+
+    Raises:
+      FileNotFoundError: naming `key`, when `source` is none of these.
+      ValueError: an unsupported or malformed config.json.
+    """
+    if source == TINY_RANDOM:
+        return tiny_config(len(tiny_vocab()), **overrides)
+    path = MODEL_SHAPES / SMOLLM2_SHAPES if source == SMOLLM2 else Path(source).expanduser()
+    if not (path / "config.json").is_file():
+        shipped = sorted(p.name for p in MODEL_SHAPES.glob("*") if (p / "config.json").is_file())
+        raise FileNotFoundError(f"{key}={source!r}: no config.json there; use a local HF "
+                                f"directory, {SMOLLM2!r}, {TINY_RANDOM!r} or one of the shapes "
+                                f"in configs/model_shapes/ ({', '.join(shipped)})")
+    return load_model_config(path, **overrides)
 
 
 @dataclass
@@ -125,6 +149,56 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
         raise ConfigError(f"model.reference vocab_size {reference.cfg.vocab_size} != actor "
                           f"vocab_size {actor.cfg.vocab_size}")
     return Models(actor, reference, critic, reward, tokenizer, actor_path, normalizer)
+
+
+def abstract_split(source: str, key: str, kind: str, *, sharding_fn=None, **overrides) -> Split:
+    """A `Split` whose params are `jax.ShapeDtypeStruct`s placed by `sharding_fn`
+    (`models.abstract_model`), from `model_shape_config(source, key, **overrides)`."""
+    model_cfg = model_shape_config(source, key, **overrides)
+    graphdef, params = abstract_model(model_cfg, kind, sharding_fn=sharding_fn)
+    return Split(graphdef, nnx.to_pure_dict(params), model_cfg)
+
+
+def abstract_models(cfg: Config, sharding_fn=None) -> Models:
+    """`build_models` with shapes in place of arrays (`train.py --compile-for`): the same four
+    models, kinds, dtypes and remat, built from config.json alone; no tokenizer (stop and pad
+    ids come from the actor's config.json), no weights, nothing written. The reward model's
+    score normaliser is (0, 1) when `reward.normalize` (its value changes no shape).
+
+    Raises:
+      FileNotFoundError / ValueError / ConfigError: as `model_shape_config` and `build_models`.
+    """
+    m = cfg.model
+    if m.shared_critic and m.critic:
+        raise ConfigError(f"model.critic={m.critic!r} cannot be used with model.shared_critic=true "
+                          "(the value head sits on the actor)")
+    trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
+    frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
+                  sharding_fn=sharding_fn)
+    actor = abstract_split(m.actor, "model.actor", "causal_lm", **trained)
+    reference = abstract_split(m.reference or m.actor, "model.reference", "causal_lm", **frozen)
+    by_model = cfg.reward.kind == "model"
+    critic_source, critic_key = ((m.critic, "model.critic") if m.critic else
+                                 (m.reward_model, "model.reward_model") if by_model else
+                                 (m.actor, "model.actor"))
+    critic = (abstract_split(critic_source, critic_key, "value", **trained)
+              if needs_critic(cfg) else None)
+    reward = (abstract_split(m.reward_model, "model.reward_model", "reward", **frozen)
+              if by_model else None)
+    for key, other in (("model.reference", reference), ("model.critic", critic),
+                       ("model.reward_model", reward)):
+        if other is not None and other.cfg.vocab_size != actor.cfg.vocab_size:
+            raise ConfigError(f"{key} vocab_size {other.cfg.vocab_size} != actor vocab_size "
+                              f"{actor.cfg.vocab_size}")
+    normalizer = (0.0, 1.0) if by_model and cfg.reward.normalize else None
+    return Models(actor, reference, critic, reward, None, None, normalizer)
+
+
+def abstract_prompts(rows: int, width: int) -> PromptSet:
+    """`rows` prompts of `width` real tokens each (the widest a batch can be: the shapes
+    `train.py --compile-for` compiles), as a `PromptSet` of zero ids."""
+    ids, mask = np.zeros((rows, width), np.int32), np.ones((rows, width), np.int32)
+    return PromptSet([""] * rows, ids, mask)
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -211,12 +285,18 @@ def stop_token_ids(cfg: Config, tokenizer, model_cfg) -> tuple[int, ...]:
             raise ConfigError(f"generation.stop_token_ids={list(ids)}: {bad} outside the "
                               f"vocabulary [0, {model_cfg.vocab_size})")
         return ids
-    ids = {int(tokenizer.eos_token_id)} | {int(t) for t in model_cfg.eos_token_ids}
+    ids = {int(t) for t in model_cfg.eos_token_ids}
+    if tokenizer is not None:  # None: an abstract build (config.json only)
+        ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
 
 
-def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad id, else its EOS id (masks never rely on token equality)."""
+def pad_token_id(tokenizer, model_cfg=None) -> int:
+    """The tokenizer's pad id, else its EOS id (masks never rely on token equality). Without a
+    tokenizer (an abstract build): the model config's pad id, else its first EOS id, else 0."""
+    if tokenizer is None:
+        pad, eos = model_cfg.pad_token_id, tuple(model_cfg.eos_token_ids)
+        return int(pad if pad is not None else eos[0] if eos else 0)
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
 

@@ -152,6 +152,7 @@ def test_shipped_tokenizer_is_the_converted_smollm2s():
     assert hashlib.sha256(data).hexdigest() == gpu.TOKENIZER_SHA256
 
 
+@pytest.mark.slow  # about 2 minutes: bench/gpu.sh end to end on the CPU
 def test_gpu_sh_dry_run(tmp_path):
     """bench/gpu.sh --dry-run end to end on the CPU (tiny model, both critic layouts), then the
     GPU section bench/report.py makes of its JSON."""

@@ -303,7 +303,7 @@ def test_score_pad_token_avoids_every_eos():
 
 # --- resume -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", ["sft", "reward_model"])
+@pytest.mark.parametrize("stage", ["sft", pytest.param("reward_model", marks=pytest.mark.slow)])
 def test_resume_after_interruption_equals_an_uninterrupted_run(stage, tiny_checkpoint, data_dir, tmp_path):
     from ppo_jax.trainer.stages import trainer_class
 
@@ -325,6 +325,7 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(stage, tiny_check
 
 # --- the pipeline -----------------------------------------------------------------------------
 
+@pytest.mark.slow  # about 2 minutes: three train.py runs
 def test_three_stage_pipeline_through_train_py(tiny_checkpoint, data_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     common = ["--set", "train.progress=false", "--set", "train.steps=2"]

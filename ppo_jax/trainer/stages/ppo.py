@@ -34,8 +34,11 @@ from ppo_jax.trainer.evaluation import EvalSettings, Evaluator, eval_batch, eval
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.optim import optimizer_from_config
 from ppo_jax.trainer.reward_functions import get_reward_function
-from ppo_jax.trainer.setup import build_models, build_prompts, pad_token_id, stop_token_ids
+from ppo_jax.trainer.setup import (
+    abstract_models, abstract_prompts, build_models, build_prompts, pad_token_id, stop_token_ids,
+)
 from ppo_jax.trainer.stages.ppo_checks import check_names, experience_settings, update_settings
+from ppo_jax.trainer.stages.ppo_programs import PPOPrograms
 from ppo_jax.trainer.update import ppo_update
 
 
@@ -49,7 +52,7 @@ def _mean_stats(stats: dict) -> dict:
     return out
 
 
-class PPOTrainer(StageTrainer):
+class PPOTrainer(PPOPrograms, StageTrainer):
     """Owns the models, states and jitted steps of one PPO run.
 
     `PPOTrainer(cfg, resume=False, devices=None)` loads everything (raising ConfigError /
@@ -65,8 +68,11 @@ class PPOTrainer(StageTrainer):
     name = "ppo"
     finite_keys = ("kl",)
 
-    def _check_inputs(self) -> None:
+    def _check_config(self) -> None:
         check_names(self.cfg)
+
+    def _check_inputs(self) -> None:
+        self._check_config()
         read_prompts(self.cfg.data.prompts, self.cfg.data.prompt_field)  # fails before loading
         if eval_enabled(self.cfg.eval):
             read_prompts(self.cfg.eval.prompts, self.cfg.data.prompt_field, "eval.prompts")
@@ -76,12 +82,13 @@ class PPOTrainer(StageTrainer):
         if cfg.ppo.batch_size % place.batch_shards:
             raise ConfigError(f"ppo.batch_size={cfg.ppo.batch_size} is not a multiple of mesh "
                               f"data x fsdp = {place.batch_shards}")
-        models = build_models(cfg, sharding_fn=place.sharding_fn)
+        build = abstract_models if self.is_abstract else build_models
+        models = build(cfg, sharding_fn=place.sharding_fn)
         self.models, self.tokenizer = models, models.tokenizer
-        self.prompts = build_prompts(cfg, self.tokenizer, models.actor.cfg)
+        self.prompts = self._prompt_set(cfg.data.prompts, "data.prompts")
         self.prompt_columns = PromptColumns(self.prompts.mask, cfg.data.prompt_buckets)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
-        self.pad_id = pad_token_id(self.tokenizer)
+        self.pad_id = pad_token_id(self.tokenizer, models.actor.cfg)
         self.reward_fn = get_reward_function(cfg.reward.function) if cfg.reward.kind == "function" else None
 
         p = cfg.ppo
@@ -204,10 +211,9 @@ class PPOTrainer(StageTrainer):
         """
         cfg, e, g, m, place = self.cfg, self.cfg.eval, self.cfg.generation, self.models, self.place
         new_tokens = e.max_new_tokens or g.max_new_tokens
-        prompts = build_prompts(cfg, self.tokenizer, m.actor.cfg, path=e.prompts, key="eval.prompts",
-                                max_new_tokens=new_tokens,
-                                new_tokens_key="eval.max_new_tokens" if e.max_new_tokens
-                                else "generation.max_new_tokens")
+        prompts = self._prompt_set(e.prompts, "eval.prompts", new_tokens, e.num_prompts,
+                                   "eval.max_new_tokens" if e.max_new_tokens
+                                   else "generation.max_new_tokens")
         batch = eval_batch(prompts, e.num_prompts,
                            eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size))
         settings = EvalSettings(
@@ -223,10 +229,32 @@ class PPOTrainer(StageTrainer):
         return Evaluator(batch, settings, place, graphdefs, shardings, seed=e.seed,
                          reward_fn=self.reward_fn, decode=self._decode)
 
+    def _prompt_set(self, path: str, key: str, new_tokens: int | None = None, rows: int = 0,
+                    new_tokens_key: str = "generation.max_new_tokens"):
+        """The tokenised prompt file `path` (`build_prompts`); in an abstract build, `rows`
+        (default a batch) prompts `data.max_prompt_length` wide, checked against the context.
+
+        Raises:
+          ConfigError / FileNotFoundError / ValueError: see `build_prompts`.
+        """
+        cfg, model_cfg = self.cfg, self.models.actor.cfg
+        if not self.is_abstract:
+            return build_prompts(cfg, self.tokenizer, model_cfg, path=path, key=key,
+                                 max_new_tokens=new_tokens, new_tokens_key=new_tokens_key)
+        width, new = cfg.data.max_prompt_length, new_tokens or cfg.generation.max_new_tokens
+        if width + new > model_cfg.max_position_embeddings:
+            raise ConfigError(f"{key}: data.max_prompt_length={width} + {new_tokens_key}={new} "
+                              f"exceeds the model context {model_cfg.max_position_embeddings}")
+        return abstract_prompts(rows or cfg.ppo.batch_size, width)
+
     def reward_eos_id(self) -> int | None:
-        """The tokenizer's EOS id when `reward.eos_at_end` (the reward model reads every response
-        at an EOS), else None."""
-        return int(self.tokenizer.eos_token_id) if self.cfg.reward.eos_at_end else None
+        """The tokenizer's EOS id (the actor config's first, in an abstract build) when
+        `reward.eos_at_end` (the reward model reads every response at an EOS), else None."""
+        if not self.cfg.reward.eos_at_end:
+            return None
+        if self.tokenizer is None:
+            return int(self.stop_ids[0]) if self.stop_ids else 0
+        return int(self.tokenizer.eos_token_id)
 
     def _policy_params(self, params):
         """The actor's CausalLM params (without the shared critic's value head)."""

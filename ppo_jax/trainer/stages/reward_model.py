@@ -107,6 +107,11 @@ class RewardModelTrainer(SupervisedTrainer):
             raise ValueError(f"{key}: {path}: {e}") from None
         return _as_arrays(batch)
 
+    def batch_fields(self) -> dict:
+        return {"chosen_ids": (np.int32, True), "chosen_mask": (np.int32, True),
+                "rejected_ids": (np.int32, True), "rejected_mask": (np.int32, True),
+                "margin": (np.float32, False), "weight": (np.float32, False)}
+
     def normalizer(self, batch: dict) -> jax.Array:
         """Pairs in the whole minibatch."""
         return jnp.maximum(jnp.sum(batch["weight"]), 1.0)

@@ -60,6 +60,10 @@ class SFTTrainer(SupervisedTrainer):
             raise ValueError(f"{key}: {path}: {e}") from None
         return _as_arrays(seqs)
 
+    def batch_fields(self) -> dict:
+        return {"ids": (np.int32, True), "attention_mask": (np.int32, True),
+                "loss_mask": (np.int32, True), "weight": (np.float32, False)}
+
     def normalizer(self, batch: dict) -> jax.Array:
         """Response tokens (targets) of the whole minibatch."""
         _, mask = shift_for_next_token(batch["ids"], batch["loss_mask"])

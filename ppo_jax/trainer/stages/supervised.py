@@ -22,7 +22,10 @@ from ppo_jax.trainer.base import StageTrainer
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data import PromptSampler
 from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
-from ppo_jax.trainer.setup import Split, load_split, pad_token_id, resolve_model_path
+from ppo_jax.trainer.programs import Program, batch_shape
+from ppo_jax.trainer.setup import (
+    Split, abstract_split, load_split, pad_token_id, resolve_model_path,
+)
 from ppo_jax.trainer.text_data import split_holdout
 
 
@@ -67,14 +70,17 @@ class SupervisedTrainer(StageTrainer):
         if sec.batch_size % place.batch_shards:
             raise ConfigError(f"{self.section}.batch_size={sec.batch_size} is not a multiple of "
                               f"mesh data x fsdp = {place.batch_shards}")
-        model = self.load_model()
-        self._check_ids(model.cfg.vocab_size)
+        model = self.abstract_model() if self.is_abstract else self.load_model()
+        if not self.is_abstract:
+            self._check_ids(model.cfg.vocab_size)
         self._check_context(model.cfg.max_position_embeddings)
         self.model = Split(model.graphdef, None, model.cfg)
         self.tx = optimizer_from_config(cfg.optim, sec.lr, cfg.train.steps,
                                         backbone_lr_scale=sec.backbone_lr_scale)
         self.state = {"model": place.create_state(model.params, self.tx)}
-        self.sampler = PromptSampler(len(self.train_data["weight"]), cfg.train.seed, cfg.data.shuffle)
+        if not self.is_abstract:
+            self.sampler = PromptSampler(len(self.train_data["weight"]), cfg.train.seed,
+                                         cfg.data.shuffle)
         self._jit()
 
     def load_model(self) -> Split:
@@ -86,6 +92,33 @@ class SupervisedTrainer(StageTrainer):
     def load_kwargs(self) -> dict:
         return {}
 
+    def abstract_model(self) -> Split:
+        """The model with shapes in place of params (`StageTrainer.abstract`)."""
+        m, key = self.cfg.model, f"model.{'actor' if self.section == 'sft' else 'reward_model'}"
+        source = m.actor if self.section == "sft" else m.reward_model
+        if not source:
+            raise ConfigError(f"{key} is not set")
+        return abstract_split(source, key, self.model_kind, param_dtype=m.param_dtype,
+                              dtype=m.dtype, remat=m.remat, sharding_fn=self.place.sharding_fn)
+
+    def batch_fields(self) -> dict:  # pragma: no cover - abstract
+        """`{name: (dtype, per token)}` of a batch row dict (`tokenize_file`'s arrays): per-token
+        fields are `[B, max_length]`, the others `[B]`."""
+        raise NotImplementedError
+
+    def programs(self) -> list:
+        """The update and the held-out evaluation (`trainer.programs`) on a batch of
+        `batch_size` rows of `max_length` tokens (the widest a batch can be)."""
+        sec, place = self.settings, self.place
+        batch = {k: batch_shape(place, (sec.batch_size, sec.max_length) if per_token
+                                else (sec.batch_size,), dtype)
+                 for k, (dtype, per_token) in self.batch_fields().items()}
+        state = self.state["model"]
+        every = 1.0 / sec.eval_every if sec.eval_every else 0.0
+        return [Program("update", self._update, (state, batch)),
+                Program("eval", self._eval, (state.params, batch), every,
+                        f"every {sec.eval_every} steps" if sec.eval_every else "at the end")]
+
     def _check_ids(self, vocab_size: int) -> None:
         for split, data in (("train", self.train_data), ("eval", self.eval_data)):
             for key, ids in data.items():
@@ -96,8 +129,9 @@ class SupervisedTrainer(StageTrainer):
 
     def _check_context(self, context: int) -> None:
         """Rows no wider than the model's context (a learned position table has no more)."""
-        width = max(ids.shape[1] for data in (self.train_data, self.eval_data)
-                    for key, ids in data.items() if key.endswith("ids"))
+        width = self.settings.max_length if self.is_abstract else max(
+            ids.shape[1] for data in (self.train_data, self.eval_data)
+            for key, ids in data.items() if key.endswith("ids"))
         if width > context:
             raise ConfigError(f"{self.section}.max_length={self.settings.max_length}: rows of "
                               f"{width} tokens exceed the model context {context} "

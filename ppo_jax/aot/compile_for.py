@@ -1,0 +1,233 @@
+"""`train.py --compile-for TOPOLOGY`: compile every program of a run for a TPU slice on this
+host and report per-chip memory, FLOPs, collectives and estimated time.
+
+The trainer of the config is built abstractly (`StageTrainer.abstract`: config.json shapes, no
+weights) on the slice's devices; each program it lists (`programs()`) is lowered and compiled by
+libtpu exactly as a run would call it. Per program:
+
+- memory (`compiled.memory_analysis()`): argument, output, temporary bytes; `peak_bytes` =
+  arguments + outputs - donated aliases + temporaries + the run's other resident arrays (train
+  states and frozen params a program does not take still occupy HBM while it runs). It fits
+  when `peak_bytes` <= the HBM the compiler allows (`topology.Chip.usable_hbm_bytes`). A
+  program the compiler itself refuses (out of HBM) is reported with the bytes it asked for.
+- costs (`aot.hlo_cost`): FLOPs, HBM bytes and collectives per chip with loop trip counts
+  applied; `seconds_estimate` = the roofline of its ops (each at max(FLOPs / peak bf16 rate,
+  HBM bytes / bandwidth)) + its collective bytes over the chip's ICI bandwidth (all-reduce
+  twice), with no overlap. The compiler's own `optimal_seconds` counts each loop body once and
+  is negative for some sharded programs, so it is kept beside it (`compiler_optimal_seconds`),
+  not used.
+- the step: programs weighted by their calls per step; its model FLOPs are the matmul FLOPs of
+  the same programs traced with `model.remat=none` (`aot.flops`), and the implied MFU is
+  model FLOPs / (chips x peak x estimated seconds).
+
+Every figure is an estimate of a program that did not run: "compiled for <slice> with libtpu
+<version>, not run" (or with the CUDA PJRT plugin, for a GPU node; its compiler gives no
+`cost_analysis`, so `compiler_optimal_seconds` is None there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+
+import jax
+import numpy as np
+
+from ppo_jax.aot.flops import jaxpr_matmul_flops
+from ppo_jax.aot.hlo_cost import program_costs
+from ppo_jax.aot.topology import GIB, Slice, compiler_version, slice_devices
+
+LOWER_IT = ("mesh.fsdp / mesh.tensor (shard over more chips)", "ppo.micro_batch_size "
+            "(activations of the forward / backward)", "model.remat (full: recompute layers "
+            "instead of keeping them)", "model.frozen_param_dtype (bfloat16 reference and "
+            "reward model)", "model.offload_frozen (frozen params in host memory between "
+            "phases)", "model.logprob_chunk_size (no [B, N, V] logits)")
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def per_chip_bytes(tree) -> float:
+    """Bytes one chip holds of every array (or `ShapeDtypeStruct`) of `tree` in device memory
+    (leaves placed in host memory are not counted)."""
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or getattr(sharding, "memory_kind", None) not in (None, "device"):
+            continue
+        total += math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def other_resident_bytes(resident: dict, args: tuple) -> float:
+    """Per-chip bytes of the resident arrays that are not among `args` (by identity)."""
+    taken = {id(x) for x in jax.tree.leaves(args)}
+    rest = [x for x in jax.tree.leaves(resident) if id(x) not in taken]
+    return per_chip_bytes(rest)
+
+
+def _oom_bytes(message: str) -> float | None:
+    """The bytes an out-of-memory compile error says the program needs."""
+    m = re.search(r"required[^(]*\(([\d.]+)([KMGT])", message) or re.search(
+        r"Used ([\d.]+)([KMGT])", message)
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
+
+
+def _collective_seconds(collectives: dict, ici: float | None) -> float:
+    if not ici:
+        return 0.0
+    traffic = sum(v["bytes"] * (2 if kind == "all-reduce" else 1)
+                  for kind, v in collectives.items())
+    return traffic / ici
+
+
+def compile_program(program, s: Slice, resident: dict) -> dict:
+    """Compile one `trainer.programs.Program` for slice `s`; its row of the report."""
+    chip, t0 = s.chip, time.perf_counter()
+    other = other_resident_bytes(resident, program.args)
+    row = {"calls_per_step": program.per_step, "note": program.note, "resident_bytes": other}
+    try:
+        compiled = program.lower().compile()
+    except Exception as e:  # noqa: BLE001 - libtpu reports out-of-memory as a runtime error
+        needed = _oom_bytes(str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or needed is None:
+            raise
+        row.update(peak_bytes=needed + other, fits=False, compile_seconds=time.perf_counter() - t0,
+                   error=str(e).splitlines()[0][:300])
+        return row
+    ma = compiled.memory_analysis()
+    costs = program_costs(compiled.as_text(), peak_flops=chip.peak_bf16_flops,
+                          hbm_bandwidth=chip.hbm_bandwidth)
+    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+            + ma.temp_size_in_bytes + other)
+    collective_s = _collective_seconds(costs.collectives, chip.ici_bandwidth)
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    row.update(
+        argument_bytes=ma.argument_size_in_bytes, output_bytes=ma.output_size_in_bytes,
+        alias_bytes=ma.alias_size_in_bytes, temp_bytes=ma.temp_size_in_bytes, peak_bytes=peak,
+        fits=peak <= s.usable_hbm_bytes, flops=costs.flops, matmul_flops=costs.matmul_flops,
+        hbm_bytes_accessed=costs.bytes, collectives=costs.collectives,
+        compute_seconds=costs.compute_seconds, collective_seconds=collective_s,
+        seconds_estimate=costs.compute_seconds + collective_s,
+        compiler_optimal_seconds=(ca or {}).get("optimal_seconds"),
+        loops=[n for n, _ in costs.loops], unknown_loops=costs.unknown_loops,
+        top_ops=costs.top_ops(),
+        compile_seconds=time.perf_counter() - t0)
+    return row
+
+
+def model_flops(trainer_cls, cfg, devices) -> dict[str, float]:
+    """`{program: matmul FLOPs}` (global, one call) of the programs of `cfg` with
+    `model.remat=none` (no recomputation credited), from their jaxprs (`aot.flops`)."""
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
+    trainer = trainer_cls.abstract(plain, devices)
+    return {p.name: float(jaxpr_matmul_flops(p.fn.trace(*p.args).jaxpr, p.while_trips)[0])
+            for p in trainer.programs()}
+
+
+def step_figures(programs: dict, flops: dict, s: Slice) -> dict:
+    """The steady-state step: programs weighted by calls per step."""
+    if not all("seconds_estimate" in r for r in programs.values()):
+        return {"seconds_estimate": None, "model_flops": None, "mfu_estimate": None}
+    seconds = sum(r["calls_per_step"] * r["seconds_estimate"] for r in programs.values())
+    total = sum(r["calls_per_step"] * flops.get(name, 0.0) for name, r in programs.items())
+    mfu = total / (s.chips * s.chip.peak_bf16_flops * seconds) if seconds > 0 else None
+    return {"seconds_estimate": seconds, "model_flops": total, "mfu_estimate": mfu,
+            "flops_per_chip": sum(r["calls_per_step"] * r["flops"] for r in programs.values())}
+
+
+def compile_for(trainer_cls, cfg, s: Slice, *, log=print) -> dict:
+    """Build the trainer of `cfg` abstractly on slice `s` and compile its programs.
+
+    Returns the report (the `--json` document, see `docs/scaling.md`).
+
+    Raises:
+      TopologyError: see `slice_devices`; ConfigError / ValueError: a config that cannot run on
+        this slice (e.g. a mesh that does not fit its chips), as a run would.
+    """
+    devices = slice_devices(s)
+    trainer = trainer_cls.abstract(cfg, devices)
+    resident = trainer.resident()
+    compiler, version = compiler_version(s)
+    programs = {}
+    for program in trainer.programs():
+        log(f"compiling {program.name} for {s.name} ...")
+        programs[program.name] = compile_program(program, s, resident)
+    flops = model_flops(trainer_cls, cfg, devices)
+    for name, row in programs.items():
+        row["model_flops"] = flops.get(name)
+    mesh = dict(trainer.place.mesh.shape)
+    return {
+        "topology": s.name, "topology_desc": s.topology, "chips": s.chips,
+        "hosts": len({d.process_index for d in devices}), "chip_kind": s.chip.kind,
+        "hbm_bytes_per_chip": s.usable_hbm_bytes, "hbm_bytes_published": s.chip.hbm_bytes,
+        "chip_source": s.chip.source, "peak_bf16_flops": s.chip.peak_bf16_flops,
+        "fits": all(r["fits"] for r in programs.values()),
+        "libtpu_version": version if compiler == "libtpu" else None,
+        "compiler": f"{compiler} {version}",
+        "jax_version": jax.__version__, "stage": cfg.stage, "mesh": mesh,
+        "resident_bytes": per_chip_bytes(resident), "programs": programs,
+        "step": step_figures(programs, flops, s),
+        "label": f"compiled for {s.name} ({s.topology}) with {compiler} {version}, not run",
+    }
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GIB:.2f}"
+
+
+def _size(x) -> str:
+    """Bytes in three significant digits: 512, 1.5K, 38.2M, 5.83G (powers of 1024)."""
+    if x is None:
+        return "-"
+    for unit, scale in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.0f}"
+
+
+SHORT = {"all-gather": "ag", "reduce-scatter": "rs", "all-reduce": "ar", "all-to-all": "a2a",
+         "collective-permute": "cp"}
+
+
+def _collectives_text(row: dict) -> str:
+    parts = [f"{SHORT[k]} {int(v['count'])}x {_size(v['bytes'])}"
+             for k, v in row.get("collectives", {}).items() if v["count"]]
+    return ", ".join(parts) or "-"
+
+
+def format_report(report: dict) -> str:
+    """The table `train.py --compile-for` prints: per chip, per call (bytes), per step
+    (FLOPs and seconds are one call's; `calls` says how many a step makes)."""
+    lines = [f"{report['label']}: {report['chips']} chips on {report['hosts']} host(s), mesh "
+             f"{report['mesh']}, {_gib(report['hbm_bytes_per_chip'])} GiB HBM usable per chip",
+             f"{'program':<19}{'calls':>6}{'args':>8}{'out':>8}{'temp':>8}{'other':>8}"
+             f"{'peak':>8}  fits{'FLOP/chip':>11}{'est. s':>10}  collectives (count x bytes)"]
+    for name, r in report["programs"].items():
+        lines.append(
+            f"{name:<19}{r['calls_per_step']:>6.2f}{_size(r.get('argument_bytes')):>8}"
+            f"{_size(r.get('output_bytes')):>8}{_size(r.get('temp_bytes')):>8}"
+            f"{_size(r['resident_bytes']):>8}{_size(r['peak_bytes']):>8}  "
+            f"{'yes' if r['fits'] else 'NO':<4}{r.get('flops', float('nan')):>11.3g}"
+            f"{r.get('seconds_estimate', float('nan')):>10.4g}  {_collectives_text(r)}")
+    st = report["step"]
+    if st["seconds_estimate"] is not None:
+        lines.append(f"step (calls-weighted): {st['seconds_estimate']:.4g} s; model FLOPs "
+                     f"{st['model_flops']:.3g}; MFU {100 * (st['mfu_estimate'] or 0):.1f}% "
+                     "(estimates; remat recomputation not credited)")
+    lines.append("other = the run's resident arrays a program does not take (train states, "
+                 "frozen params); peak = args + out - donated + temp + other")
+    return "\n".join(lines)
+
+
+def over_message(report: dict) -> str:
+    """Why the run does not fit: each program over the HBM, by how much, and what lowers it."""
+    hbm = report["hbm_bytes_per_chip"]
+    over = [f"{name} needs {_gib(r['peak_bytes'])} GiB per chip, {_gib(r['peak_bytes'] - hbm)} "
+            f"GiB over the {_gib(hbm)} GiB of a {report['chip_kind']} chip (arguments "
+            f"{_gib(r.get('argument_bytes'))}, temporaries {_gib(r.get('temp_bytes'))}, other "
+            f"resident {_gib(r['resident_bytes'])})"
+            for name, r in report["programs"].items() if not r["fits"]]
+    return ("does not fit " + report["topology"] + ": " + "; ".join(over)
+            + ". Settings that lower it: " + "; ".join(LOWER_IT) + f". ({report['label']})")

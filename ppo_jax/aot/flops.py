@@ -1,0 +1,57 @@
+"""The project's own count of model FLOPs: the matrix multiplies of a traced program (jaxpr).
+
+`jaxpr_matmul_flops(jaxpr)` counts `2 * prod(out.shape) * K` per `dot_general` (K = product of
+the contracted dimensions; batch dimensions are in the output), each `scan` body `length`
+times, a `cond` by its costliest branch, a `while` body `while_trips` times (the sampler's
+decode loop: `max_new_tokens - 1`; 1 by default). Attention's `q k^T` and `p v` are matmuls and
+are counted; elementwise work (softmax, norms, Adam) is not. Recomputation under remat is in
+the jaxpr and is counted; trace a program built with `model.remat=none` for model FLOPs
+without it.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def dot_general_flops(eqn) -> int:
+    """`2 * prod(out.shape) * K` of one `dot_general` equation (multiply + add per term)."""
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    lhs_shape = eqn.invars[0].aval.shape
+    k = math.prod(lhs_shape[d] for d in lhs_contract)
+    return 2 * math.prod(eqn.outvars[0].aval.shape) * k
+
+
+def _sub_jaxprs(params: dict):
+    """Every jaxpr (closed or open) among an equation's params, tuples included."""
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(v, "jaxpr", v)  # ClosedJaxpr -> Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
+    """`(flops, loops)`: matmul FLOPs of `jaxpr` (a Jaxpr or ClosedJaxpr) and every jaxpr nested
+    in it, and the number of `while` loops met (each body counted `while_trips` times).
+
+    Multipliers: `scan` x `length`; `while` x `while_trips`; `cond`: the largest branch;
+    everything else (pjit, custom_vjp / custom_jvp calls, checkpoint, ...) x 1.
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    flops, loops = 0, 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            flops += dot_general_flops(eqn)
+            continue
+        subs = [jaxpr_matmul_flops(j, while_trips) for j in _sub_jaxprs(eqn.params)]
+        if not subs:
+            continue
+        loops += sum(n for _, n in subs) + (name == "while")
+        if name == "cond":
+            flops += max(f for f, _ in subs)
+        else:
+            mult = eqn.params["length"] if name == "scan" else while_trips if name == "while" else 1
+            flops += sum(f for f, _ in subs) * mult
+    return flops, loops

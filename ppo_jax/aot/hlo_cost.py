@@ -1,0 +1,417 @@
+"""Walk a parsed HLO module (`aot.hlo`) with loop trip counts: FLOPs, HBM bytes, collectives
+and a roofline time per chip. See `aot.hlo` for what is counted and how trip counts are read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ppo_jax.aot.hlo import (
+    COLLECTIVE_KINDS, COLLECTIVES, ELEMENTWISE, FREE, SLICES, Computation, Instr, parse_module,
+    shapes, type_bytes, type_elements,
+)
+
+
+@dataclass
+class Costs:
+    """Per-chip totals of one run of a program, every loop body counted by its trip count."""
+
+    flops: float = 0.0
+    matmul_flops: float = 0.0
+    bytes: float = 0.0
+    compute_seconds: float = 0.0  # sum over top-level ops of max(flops / peak, bytes / bandwidth)
+    collectives: dict = field(default_factory=lambda: {k: {"count": 0.0, "bytes": 0.0}
+                                                       for k in COLLECTIVE_KINDS})
+    loops: list = field(default_factory=list)  # (trip count or None, body name)
+    unknown_loops: int = 0
+    ops: list = field(default_factory=list)  # (seconds, calls, flops, bytes, opcode, op_name)
+
+    def top_ops(self, n: int = 8) -> list[dict]:
+        """The `n` top-level ops with the most roofline time over the run (what to look at)."""
+        rows = sorted(self.ops, key=lambda r: -r[0])[:n]
+        return [{"seconds": t, "calls": c, "flops": f, "bytes": b, "opcode": o, "op_name": name}
+                for t, c, f, b, o, name in rows]
+
+
+def _int_constant(ins: Instr) -> Optional[int]:
+    if ins.opcode != "constant":
+        return None
+    try:
+        return int(ins.args.strip())
+    except ValueError:
+        return None
+
+
+def _value(comps, comp: Computation, name: str, depth: int = 0):
+    """The symbolic value of a scalar: ("const", v) or ("counter", tuple index, offset), through
+    get-tuple-element of the computation's parameter, +/- constants, converts, copies and
+    fusion parameters. None when it is anything else."""
+    ins = comp.instrs.get(name)
+    if ins is None or depth > 12:
+        return None
+    c = _int_constant(ins)
+    if c is not None:
+        return ("const", c)
+    if ins.opcode == "get-tuple-element":
+        src = comp.instrs.get(ins.operands[0])
+        index = re.search(r"index=(\d+)", ins.attrs)
+        if src is not None and src.opcode == "parameter" and index:
+            return ("counter", int(index.group(1)), 0)
+        return None
+    if ins.opcode in ("convert", "copy", "bitcast") and ins.operands:
+        return _value(comps, comp, ins.operands[0], depth + 1)
+    if ins.opcode in ("add", "subtract") and len(ins.operands) == 2:
+        a, b = (_value(comps, comp, o, depth + 1) for o in ins.operands)
+        sign = 1 if ins.opcode == "add" else -1
+        if a and b and a[0] == "counter" and b[0] == "const":
+            return ("counter", a[1], a[2] + sign * b[1])
+        if a and b and a[0] == "const" and b[0] == "counter" and sign == 1:
+            return ("counter", b[1], b[2] + a[1])
+    return None
+
+
+def _fusion_param_value(comps, comp: Computation, ins: Instr, fused: Computation, name: str, depth):
+    """`_value` inside a fused computation, mapping its parameters to the fusion's operands."""
+    p = fused.instrs.get(name)
+    if p is not None and p.opcode == "parameter":
+        return _value(comps, comp, ins.operands[int(p.args)], depth + 1)
+    return _value(comps, fused, name, depth + 1)
+
+
+def _compare_bound(comps, comp: Computation, ins: Instr, depth: int = 0):
+    """`(tuple index, offset, direction, limit)` of `counter + offset <direction> limit`, found
+    at `ins` or inside an `and` / fusion of it; None otherwise."""
+    if depth > 6 or ins is None:
+        return None
+    if ins.opcode == "and":
+        for o in ins.operands:
+            found = _compare_bound(comps, comp, comp.instrs.get(o), depth + 1)
+            if found:
+                return found
+        return None
+    if ins.opcode == "fusion":
+        fused = comps.get(ins.called().get("calls", [None])[0])
+        if fused is None or fused.root is None:
+            return None
+        inner = _compare_bound_in_fusion(comps, comp, ins, fused, fused.root, depth + 1)
+        return inner
+    if ins.opcode != "compare" or len(ins.operands) != 2:
+        return None
+    direction = re.search(r"direction=(\w+)", ins.attrs)
+    a, b = (_value(comps, comp, o) for o in ins.operands)
+    return _bound_from(a, b, direction.group(1) if direction else "")
+
+
+def _compare_bound_in_fusion(comps, comp, fusion: Instr, fused: Computation, ins: Instr, depth):
+    if ins is None or depth > 8:
+        return None
+    if ins.opcode == "and":
+        for o in ins.operands:
+            found = _compare_bound_in_fusion(comps, comp, fusion, fused, fused.instrs.get(o),
+                                             depth + 1)
+            if found:
+                return found
+        return None
+    if ins.opcode != "compare" or len(ins.operands) != 2:
+        return None
+    direction = re.search(r"direction=(\w+)", ins.attrs)
+    a, b = (_fusion_param_value(comps, comp, fusion, fused, o, depth) for o in ins.operands)
+    return _bound_from(a, b, direction.group(1) if direction else "")
+
+
+_MIRROR = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "NE": "NE"}
+
+
+def _bound_from(a, b, direction: str):
+    if a and b and a[0] == "const" and b[0] == "counter":
+        a, b, direction = b, a, _MIRROR.get(direction, "")
+    if a and b and a[0] == "counter" and b[0] == "const" and direction in ("LT", "LE", "NE"):
+        return a[1], a[2], direction, b[1]
+    return None
+
+
+def trip_count(comps, parent: Computation, loop: Instr) -> Optional[int]:
+    """Iterations of a `while` (an upper bound for a loop that may stop early), or None."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+    if known:
+        return int(known.group(1))
+    called = loop.called()
+    cond, body = comps.get(called["condition"][0]), comps.get(called["body"][0])
+    if cond is None or body is None or cond.root is None:
+        return None
+    bound = _compare_bound(comps, cond, cond.root)
+    if bound is None:
+        return None
+    index, offset, direction, limit = bound
+    init = parent.instrs.get(loop.operands[0]) if loop.operands else None
+    start = 0
+    if init is not None and init.opcode == "tuple" and index < len(init.operands):
+        v = _value(comps, parent, init.operands[index])
+        start = v[1] if v and v[0] == "const" else 0
+    step = 1
+    if body.root is not None and body.root.opcode == "tuple" and index < len(body.root.operands):
+        v = _value(comps, body, body.root.operands[index])
+        if v and v[0] == "counter" and v[1] == index and v[2] != 0:
+            step = v[2]
+    span = limit - offset - start
+    if direction == "LE":
+        span += 1
+    return max(0, -(-span // step)) if step > 0 else None
+
+
+def _hbm(type_text: str) -> float:
+    """HBM bytes of a type: arrays in the default memory space only."""
+    return type_bytes(type_text, hbm_only=True)
+
+
+def shapes_text(type_text: str, index: int) -> str:
+    """The text of element `index` of a tuple type (the type itself when it is no tuple)."""
+    if not type_text.startswith("("):
+        return type_text
+    depth, start, parts = 0, 1, []
+    for i, ch in enumerate(type_text):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(type_text[start:i].strip())
+            start = i + 1
+    parts = [re.sub(r"/\*index=\d+\*/", "", p).strip() for p in parts]
+    return parts[index] if index < len(parts) else ""
+
+
+def _operand_type(comp: Computation, name: str) -> str:
+    ins = comp.instrs.get(name)
+    return ins.type if ins is not None else ""
+
+
+def _window(attrs: str, rank: int) -> dict:
+    """A convolution's window: size, stride, pad (lo, hi), lhs_dilate, rhs_dilate per dim."""
+    text = re.search(r"window=\{([^}]*)\}", attrs)
+    fields = dict(re.findall(r"(\w+)=([0-9_x]+)", text.group(1))) if text else {}
+
+    def ints(key, default):
+        return [int(v) for v in fields[key].split("x")] if key in fields else [default] * rank
+
+    pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] \
+        if "pad" in fields else [(0, 0)] * rank
+    return {"size": ints("size", 1), "stride": ints("stride", 1), "pad": pads,
+            "lhs_dilate": ints("lhs_dilate", 1), "rhs_dilate": ints("rhs_dilate", 1)}
+
+
+def _valid_pairs(out: int, lhs: int, size: int, stride: int, pad_lo: int, ld: int, rd: int) -> int:
+    """(output position, kernel position) pairs of one spatial dim that meet a real input
+    element (not padding, not a hole of the input dilation): what a convolution multiplies."""
+    o = np.arange(out)[:, None]
+    k = np.arange(size)[None, :]
+    pos = o * stride - pad_lo + k * rd
+    return int(np.count_nonzero((pos >= 0) & (pos <= (lhs - 1) * ld) & (pos % ld == 0)))
+
+
+def conv_flops(comp: Computation, ins: Instr) -> float:
+    """`2 x` the multiply-adds of a convolution, counting only kernel positions that meet real
+    input elements (XLA:TPU writes batched matmuls as convolutions whose batch dims are
+    spatial dims with input dilation; XLA's HloCostAnalysis counts them the same way)."""
+    lhs = shapes(_operand_type(comp, ins.operands[0]))
+    rhs = shapes(_operand_type(comp, ins.operands[1]))
+    out = shapes(ins.type)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not (lhs and rhs and out and labels):
+        return 0.0
+    (lhs_dims, rhs_dims, out_dims) = (lhs[0][1], rhs[0][1], out[0][1])
+    lhs_l, rhs_l, out_l = labels.groups()
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    w = _window(ins.attrs, len(spatial))
+    pairs = 1
+    for i, d in enumerate(spatial):
+        pairs *= _valid_pairs(out_dims[out_l.index(d)], lhs_dims[lhs_l.index(d)], w["size"][i],
+                              w["stride"][i], w["pad"][i][0], w["lhs_dilate"][i],
+                              w["rhs_dilate"][i])
+    batch, features = out_dims[out_l.index("b")], out_dims[out_l.index("f")]
+    return 2.0 * batch * features * rhs_dims[rhs_l.index("i")] * pairs
+
+
+def instr_flops(comp: Computation, ins: Instr) -> tuple[float, float]:
+    """`(matmul flops, other flops)` of one instruction (not of what it calls)."""
+    if ins.opcode == "dot":
+        lhs = shapes(_operand_type(comp, ins.operands[0]))
+        dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+        if not lhs or dims is None:
+            return 0.0, 0.0
+        k = math.prod(lhs[0][1][int(d)] for d in dims.group(1).split(",") if d)
+        return 2.0 * type_elements(ins.type) * k, 0.0
+    if ins.opcode == "convolution":
+        return conv_flops(comp, ins), 0.0
+    if ins.opcode in ELEMENTWISE:
+        return 0.0, float(type_elements(ins.type))
+    if ins.opcode == "reduce" and ins.operands:
+        return 0.0, float(type_elements(_operand_type(comp, ins.operands[0])))
+    return 0.0, 0.0
+
+
+def _in_place_root(fused: Computation) -> tuple[set, float]:
+    """Parameters updated in place by the fused root's dynamic-update-slices, and the bytes the
+    root writes (the updates for those, the whole value for other outputs)."""
+    root = fused.root
+    outs = [fused.instrs.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+    in_place, written = set(), 0.0
+    for out in outs:
+        while out is not None and out.opcode == "bitcast" and out.operands:
+            out = fused.instrs.get(out.operands[0])
+        if out is not None and out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
+            in_place.add(out.operands[0])
+            written += _hbm(_operand_type(fused, out.operands[1]))
+        elif out is not None:
+            written += _hbm(out.type)
+    return in_place, written
+
+
+def _users(comp: Computation) -> dict[str, list[Instr]]:
+    users: dict[str, list[Instr]] = {}
+    for inner in comp.instrs.values():
+        for o in inner.operands:
+            users.setdefault(o, []).append(inner)
+    return users
+
+
+def _param_read(comps, fused: Computation, param: Instr, depth: int = 0) -> float:
+    """Bytes a fused computation reads of its parameter `param`: the slices taken when every
+    use slices it (through nested fusions), else the whole operand."""
+    full = _hbm(param.type)
+    used = _users(fused).get(param.name, [])
+    if not used or depth > 6:
+        return full
+    read = 0.0
+    for u in used:
+        if u.opcode in SLICES and u.operands[0] == param.name:
+            read += _hbm(u.type) if full else 0.0
+        elif u.opcode == "fusion" and u.called().get("calls"):
+            inner = comps.get(u.called()["calls"][0])
+            if inner is None:
+                return full
+            params = {int(i.args): i for i in inner.instrs.values() if i.opcode == "parameter"}
+            for j, o in enumerate(u.operands):
+                if o == param.name and j in params:
+                    read += _param_read(comps, inner, params[j], depth + 1)
+        else:
+            return full
+    return min(read, full)
+
+
+def fusion_bytes(comps, comp: Computation, ins: Instr) -> float:
+    """HBM bytes of a fusion: each operand read once (only the slices of an operand that is only
+    sliced; nothing for a buffer updated in place) plus what the root writes."""
+    fused = comps.get(ins.called().get("calls", [None])[0])
+    if fused is None or fused.root is None:
+        return sum(_hbm(_operand_type(comp, o)) for o in ins.operands) + _hbm(ins.type)
+    in_place, written = _in_place_root(fused)
+    read = sum(_param_read(comps, fused, p) for p in fused.instrs.values()
+               if p.opcode == "parameter" and p.name not in in_place)
+    return read + written
+
+
+def instr_bytes(comps, comp: Computation, ins: Instr) -> float:
+    """HBM bytes of a top-level (unfused) instruction."""
+    if ins.opcode in FREE or (ins.opcode == "custom-call" and "AllocateBuffer" in ins.attrs):
+        return 0.0
+    if ins.opcode == "fusion":
+        return fusion_bytes(comps, comp, ins)
+    if ins.opcode in ("dynamic-slice", "slice"):
+        return 2.0 * _hbm(ins.type)
+    if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
+        return 2.0 * _hbm(_operand_type(comp, ins.operands[1]))
+    if ins.opcode == "copy-start":  # (destination, source, context): one read, one write
+        return _hbm(_operand_type(comp, ins.operands[0])) + _hbm(shapes_text(ins.type, 0))
+    return sum(_hbm(_operand_type(comp, o)) for o in ins.operands) + _hbm(ins.type)
+
+
+def _collective(costs: Costs, comp: Computation, ins: Instr, mult: float) -> None:
+    kind = COLLECTIVES.get(ins.opcode)
+    if kind is None:
+        return
+    done = comp.root is not None and "AsyncCollectiveDone" in comp.root.attrs
+    if done:  # the same collective appears in its start and its done computation
+        return
+    if kind == "all-reduce" and "reduce-scatter" in comp.name:
+        kind = "reduce-scatter"  # an all-reduce fused with the slice of its shard
+    size = max(type_bytes(ins.type), sum(type_bytes(_operand_type(comp, o)) for o in ins.operands))
+    costs.collectives[kind]["count"] += mult
+    costs.collectives[kind]["bytes"] += mult * size
+
+
+class _Walker:
+    def __init__(self, comps, peak_flops: Optional[float], hbm_bandwidth: Optional[float]):
+        self.comps, self.peak, self.bandwidth = comps, peak_flops, hbm_bandwidth
+        self.costs = Costs()
+
+    def inner_flops(self, name: str, mult: float) -> float:
+        """Flops of a fused (or called) computation, counted into the totals; returns them."""
+        comp, total = self.comps.get(name), 0.0
+        if comp is None:
+            return 0.0
+        for ins in comp.instrs.values():
+            mm, other = instr_flops(comp, ins)
+            self.costs.matmul_flops += mult * mm
+            self.costs.flops += mult * (mm + other)
+            total += mm + other
+            _collective(self.costs, comp, ins, mult)
+            for callee in ins.called().get("calls", []):
+                total += self.inner_flops(callee, mult)
+        return total
+
+    def visit(self, name: str, mult: float) -> None:
+        comp = self.comps[name]
+        for ins in comp.instrs.values():
+            called = ins.called()
+            if ins.opcode == "while":
+                trips = trip_count(self.comps, comp, ins)
+                self.costs.loops.append((trips, called["body"][0]))
+                self.costs.unknown_loops += trips is None
+                self.visit(called["body"][0], mult * (1 if trips is None else trips))
+                continue
+            if ins.opcode == "conditional":
+                for branch in called.get("branch_computations", []) + called.get(
+                        "true_computation", []) + called.get("false_computation", []):
+                    self.visit(branch, mult)  # every branch: an upper bound
+                continue
+            if ins.opcode == "call":
+                for callee in called.get("to_apply", []) + called.get("calls", []):
+                    self.visit(callee, mult)
+                continue
+            mm, other = instr_flops(comp, ins)
+            flops = mm + other
+            self.costs.matmul_flops += mult * mm
+            self.costs.flops += mult * flops
+            _collective(self.costs, comp, ins, mult)
+            for callee in called.get("calls", []):
+                flops += self.inner_flops(callee, mult)
+            nbytes = instr_bytes(self.comps, comp, ins)
+            self.costs.bytes += mult * nbytes
+            if self.peak and self.bandwidth and (flops or nbytes):
+                seconds = mult * max(flops / self.peak, nbytes / self.bandwidth)
+                self.costs.compute_seconds += seconds
+                where = re.search(r'op_name="([^"]*)"', ins.attrs)
+                self.costs.ops.append((seconds, mult, mult * flops, mult * nbytes, ins.opcode,
+                                       where.group(1) if where else ins.name))
+
+
+def program_costs(hlo_text: str, *, peak_flops: Optional[float] = None,
+                  hbm_bandwidth: Optional[float] = None) -> Costs:
+    """`Costs` of one run of the program whose optimized HLO text is `hlo_text` (per chip).
+
+    Args:
+      hlo_text: `compiled.as_text()` of a `jax.stages.Compiled`.
+      peak_flops: the chip's peak FLOP/s (bf16), for `compute_seconds`; None: not computed.
+      hbm_bandwidth: the chip's HBM bytes/s, for `compute_seconds`.
+
+    Raises:
+      ValueError: the text holds no ENTRY computation.
+    """
+    comps, entry = parse_module(hlo_text)
+    walker = _Walker(comps, peak_flops, hbm_bandwidth)
+    walker.visit(entry, 1.0)
+    return walker.costs

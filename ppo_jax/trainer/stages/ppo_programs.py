@@ -1,0 +1,64 @@
+"""The ahead-of-time view of `PPOTrainer` (`train.py --compile-for`): the jitted programs of a
+PPO step with abstract arguments, and what stays in device memory between them. A mixin of
+`PPOTrainer`: it reads the trainer's own jitted functions (`_generate`, `_experience`,
+`_update`, ...), states and placement, so what is compiled is what `step()` calls.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ppo_jax.core import get_advantage_estimator, needs_greedy_baseline
+from ppo_jax.trainer.programs import Program, batch_shape, out_shapes
+
+
+class PPOPrograms:
+    """`programs()` and `resident()` of a built `PPOTrainer` (see `trainer.programs`)."""
+
+    def programs(self) -> list[Program]:
+        """The jitted functions of one PPO step (`trainer.programs`) with the arguments of the
+        widest batch: prompts `data.max_prompt_length` wide, responses `max_new_tokens` long;
+        the ReMax greedy pass when the estimator needs it, the critic-only update when
+        `ppo.critic_warmup_steps` > 0 (`per_step` 0: warm-up steps only) and the evaluation
+        (`per_step` 1 / eval.every)."""
+        cfg, place = self.cfg, self.place
+        size, new = cfg.ppo.batch_size, cfg.generation.max_new_tokens
+        width = self.prompt_columns.full
+        ids = lambda *shape: batch_shape(place, shape, jnp.int32)  # noqa: E731
+        q, qm, resp, resp_mask = ids(size, width), ids(size, width), ids(size, new), ids(size, new)
+        _, gen_key, upd_key = out_shapes(self._split, (self.state["rng"],), place.replicated)
+        actor, critic = self.state["actor"], self.state["critic"]
+        scores = None if self.reward_fn is None else batch_shape(place, (size,), jnp.float32)
+        remax = needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator))
+        baseline = batch_shape(place, (size,), jnp.float32) if remax else None
+        ref, reward = place.onload(self.ref_params), place.onload(self.reward_params)
+        exp_args = (actor.params, ref, None if critic is None else critic.params, reward,
+                    self.state["kl"], q, qm, resp, resp_mask, scores, ids(size), baseline)
+        exp = out_shapes(lambda *a: self._experience(*a)[0], exp_args, place.rows)
+        sample_args = (actor.params, q, qm, gen_key)
+        out = [Program("sampler", self._generate, sample_args, while_trips=new - 1)]
+        if remax:
+            out.append(Program("greedy_sampler", self._generate_greedy, sample_args,
+                               while_trips=new - 1))
+            if self.reward_fn is None:
+                out.append(Program("greedy_scores", self._rm_scores,
+                                   (reward, q, qm, resp, resp_mask)))
+        out += [Program("experience", self._experience, exp_args),
+                Program("update", self._update, (actor, critic, exp, upd_key))]
+        if cfg.ppo.critic_warmup_steps:
+            out.append(Program("update_critic_only", self._update_critic_only,
+                               (actor, critic, exp, upd_key), per_step=0.0,
+                               note=f"steps 1-{cfg.ppo.critic_warmup_steps}, in place of update"))
+        if self.evaluator is not None:
+            out += self.evaluator.programs(self._policy_params(actor.params), ref, reward,
+                                           per_step=1.0 / cfg.eval.every)
+        return out
+
+    def resident(self) -> dict:
+        """Train states, the KL controller and RNG, the frozen params (host memory when
+        `model.offload_frozen`) and the eval prompts: held between the programs of a step."""
+        out = {"state": self.state, "reference": self.ref_params,
+               "reward_model": self.reward_params}
+        if self.evaluator is not None:
+            out["eval_prompts"] = self.evaluator.inputs()
+        return out

@@ -1,0 +1,57 @@
+"""The abstract trainer `--compile-for` compiles is the trainer a run builds: same train states,
+frozen params, shapes, dtypes and shardings, and its programs are the trainer's own jitted
+functions (issue 22: "compile from the functions the trainer really runs, not a copy")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import pytest
+
+from ppo_jax.trainer.config import load_config
+from ppo_jax.trainer.stages.ppo import PPOTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def layout(tree):
+    return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype), str(x.sharding.spec),
+                                   x.sharding.memory_kind), tree)
+
+
+@pytest.mark.parametrize("extra", [
+    [], pytest.param(["model.shared_critic=true"], marks=pytest.mark.slow),
+    pytest.param(["ppo.advantage_estimator=grpo", "generation.samples_per_prompt=2"],
+                 marks=pytest.mark.slow)])
+def test_abstract_build_has_the_real_builds_arrays(tmp_path, monkeypatch, extra):
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    sets = [f"train.output_dir={tmp_path / 'run'}",
+            f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
+            f"eval.prompts={ROOT / 'configs/prompts/quotes_eval.jsonl'}", "train.progress=false",
+            *extra]
+    cfg = load_config(ROOT / "configs/tiny.yaml", sets)
+    real, abstract = PPOTrainer(cfg), PPOTrainer.abstract(cfg)
+    assert layout(abstract.state) == layout(real.state)
+    assert layout(abstract.ref_params) == layout(real.ref_params)
+    assert abstract.stop_ids == real.stop_ids and abstract.pad_id == real.pad_id
+    programs = {p.name: p for p in abstract.programs()}
+    assert programs["update"].fn is abstract._update
+    assert programs["sampler"].fn is abstract._generate
+    # the widest batch a run can meet: prompts max_prompt_length wide (the real set's width is
+    # at most that), responses max_new_tokens long
+    exp = programs["update"].args[2]
+    assert real.prompts.ids.shape[1] <= cfg.data.max_prompt_length
+    assert exp.query_ids.shape == (cfg.ppo.batch_size, cfg.data.max_prompt_length)
+    assert exp.response_ids.shape == (cfg.ppo.batch_size, cfg.generation.max_new_tokens)
+
+
+def test_abstract_build_reads_no_weights_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    cfg = load_config(ROOT / "configs/default.yaml", [f"train.output_dir={out}"])
+    trainer = PPOTrainer.abstract(cfg)  # smollm2: the shipped config.json, no GGUF conversion
+    assert trainer.models.actor.cfg.num_layers == 30 and trainer.tokenizer is None
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainer.state))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -1,0 +1,149 @@
+"""`train.py --compile-for`: every program of a run compiled for a TPU slice on this CPU, with
+per-chip memory, FLOPs with trip counts, collectives and estimated time (issue 22).
+
+Each run is a subprocess, as a user runs it (libtpu starts once per process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libtpu")
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs/tiny.yaml")
+KEYS = {"topology", "chips", "hosts", "chip_kind", "hbm_bytes_per_chip", "fits",
+        "libtpu_version", "programs", "step"}
+PROGRAM_KEYS = {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "fits",
+                "calls_per_step", "flops", "seconds_estimate", "collectives"}
+
+
+def compile_for(topology: str, tmp_path: Path, *sets: str, config: str = TINY):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", config, "--compile-for", topology,
+           "--json", str(out), *sum((["--set", s] for s in sets), [])]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    report = json.loads(out.read_text()) if out.is_file() else None
+    return proc, report
+
+
+@pytest.fixture(scope="module")
+def tiny_v5e8(tmp_path_factory):
+    """The tiny config on v5e-8 with one row per chip in every micro-batch (mesh data=8), so no
+    chip repeats another's matmuls and per-chip FLOPs x 8 is the whole program's."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    return compile_for("v5e-8", tmp, "mesh.data=8", "ppo.batch_size=8", "ppo.mini_batch_size=8",
+                       "ppo.micro_batch_size=8", "eval.every=2")
+
+
+def test_tiny_config_compiles_for_v5e8_and_fits(tiny_v5e8):
+    proc, report = tiny_v5e8
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert KEYS <= set(report) and report["fits"] is True
+    assert (report["topology"], report["chips"], report["chip_kind"]) == ("v5e-8", 8, "v5e")
+    assert set(report["programs"]) == {"sampler", "experience", "update", "eval_sampler",
+                                       "eval_scoring"}
+    for name, row in report["programs"].items():
+        assert PROGRAM_KEYS <= set(row), name
+        assert row["fits"] and 0 < row["peak_bytes"] <= report["hbm_bytes_per_chip"]
+        assert row["seconds_estimate"] > 0 and row["flops"] > 0
+    assert report["programs"]["eval_sampler"]["calls_per_step"] == 0.5  # eval.every=2
+    assert {"seconds_estimate", "model_flops", "mfu_estimate"} <= set(report["step"])
+    assert f"with libtpu {report['libtpu_version']}, not run" in proc.stdout
+
+
+def test_update_flops_with_trip_counts_equal_the_model_flop_count(tiny_v5e8):
+    """Per-chip matmul FLOPs read from the compiled TPU program, loop trip counts applied, x 8
+    chips == the project's jaxpr count of the same update (`aot.flops`), within 5%."""
+    _, report = tiny_v5e8
+    for name in ("update", "experience"):
+        row = report["programs"][name]
+        assert row["matmul_flops"] * report["chips"] == pytest.approx(row["model_flops"], rel=0.05)
+    # one row per chip: XLA writes the decode step's matrix-vector products as multiply +
+    # reduce, counted in `flops` (with the elementwise work), not in `matmul_flops`
+    sampler = report["programs"]["sampler"]
+    assert 1.0 <= sampler["flops"] * report["chips"] / sampler["model_flops"] < 1.15
+    assert 2 in report["programs"]["update"]["loops"]  # the 2 epochs and 2 layers, at least
+
+
+def test_update_arguments_are_the_train_states_sharded(tiny_v5e8):
+    """The update's arguments per chip: actor and critic params with their two Adam moments
+    (float32: 4 + 8 bytes a param) split over the 8 chips where the rules shard them, plus the
+    experience; the frozen reference is resident but not an argument."""
+    _, report = tiny_v5e8
+    update = report["programs"]["update"]
+    assert update["alias_bytes"] > 0  # the train states are donated
+    assert update["resident_bytes"] > 0  # reference params held while the update runs
+    assert update["argument_bytes"] > update["resident_bytes"]
+
+
+def test_a_program_too_large_for_its_chip_exits_3_naming_it(tmp_path):
+    """SFT of a 2-layer model with a 16M-token vocabulary on one v5e chip: 4 GiB of embedding,
+    12 GiB with its Adam moments, and the update's gradient on top: more than the chip's
+    15.75 GiB."""
+    shape = tmp_path / "wide-vocab"
+    shape.mkdir()
+    shape.joinpath("config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 2 ** 24, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "eos_token_id": 1, "pad_token_id": 0}))
+    proc, report = compile_for("v5e-1", tmp_path, f"model.actor={shape}", "sft.max_length=64",
+                               "data.max_prompt_length=32", config=str(ROOT / "configs/sft.yaml"))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert report["fits"] is False and not report["programs"]["update"]["fits"]
+    message = proc.stderr.split("error: ")[-1]
+    assert "update needs" in message and "GiB over the 15.75 GiB of a v5e chip" in message
+    for key in ("mesh.fsdp", "ppo.micro_batch_size", "model.remat", "model.frozen_param_dtype",
+                "model.offload_frozen", "model.logprob_chunk_size"):
+        assert key in message
+
+
+def test_an_unknown_topology_exits_2(tmp_path):
+    """(test_topology.py checks the names; this is the exit code.)"""
+    proc, report = compile_for("v9z-8", tmp_path)
+    assert proc.returncode == 2 and report is None
+    assert "unknown TPU" in proc.stderr and "v5p-128" in proc.stderr
+
+
+def test_a_mesh_that_does_not_fit_the_slice_is_a_config_error():
+    from ppo_jax.aot.topology import resolve_slice, slice_devices
+    from ppo_jax.trainer.config import ConfigError, load_config
+    from ppo_jax.trainer.stages.ppo import PPOTrainer
+
+    devices = slice_devices(resolve_slice("v5e-8"))
+    with pytest.raises(ConfigError, match="mesh: .*8"):
+        PPOTrainer.abstract(load_config(TINY, ["mesh.data=3"]), devices)
+    with pytest.raises(ConfigError, match="ppo.batch_size=4 is not a multiple of mesh"):
+        PPOTrainer.abstract(load_config(TINY, []), devices)
+
+
+def test_sft_and_reward_model_compile_their_update(tmp_path):
+    for stage, config in (("sft", "configs/sft.yaml"),
+                          ("reward_model", "configs/reward_model.yaml")):
+        proc, report = compile_for("v5e-8", tmp_path, "model.actor=tiny-random",
+                                   "model.reward_model=tiny-random", f"{stage}.batch_size=8",
+                                   f"{stage}.micro_batch_size=8", f"{stage}.max_length=64",
+                                   "data.max_prompt_length=32", config=str(ROOT / config))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert report["stage"] == stage and set(report["programs"]) == {"update", "eval"}
+        assert report["programs"]["update"]["matmul_flops"] > 0
+        assert report["programs"]["update"]["collectives"]["all-reduce"]["count"] > 0  # gradients
+
+
+def test_an_8_gpu_node_compiles_without_a_gpu(tmp_path):
+    """The CUDA PJRT plugin compiles for an H100 target config on this CPU host (the gpu-aot
+    extra; skipped without it). Memory analysis comes from the compiler; FLOPs, bytes and
+    collectives from the HLO walk, as on TPU."""
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    proc, report = compile_for("h100-8", tmp_path, "mesh.data=8", "ppo.batch_size=8",
+                               "ppo.mini_batch_size=8", "ppo.micro_batch_size=8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (report["chip_kind"], report["chips"], report["hosts"]) == ("h100", 8, 1)
+    assert report["hbm_bytes_per_chip"] == pytest.approx(0.75 * 84978434048)
+    update = report["programs"]["update"]
+    assert update["matmul_flops"] * 8 == pytest.approx(update["model_flops"], rel=0.05)
+    assert "jax-cuda12-pjrt" in report["label"] and report["libtpu_version"] is None
