@@ -27,28 +27,40 @@ LLAMA = ["model.actor=configs/model_shapes/meta-llama-3-8b-instruct"]
 LLAMA_CFG = "configs/llama_8b_gpu_tpu.yaml"
 GIB = 2 ** 30
 
-# (name, slice, config, --set overrides): the shipped 8B config on four slices, then one
-# choice changed at a time on v5p-64, then the SmolLM2 default run
+# (name, slice, config, --set overrides): the 8B config as it was (tensor 4, full remat) on
+# four slices, then one choice changed at a time on v5p-64, then the SmolLM2 default run; the
+# shipped config now has tensor 8 and dots remat (the "shipped" rows)
+OLD = ["mesh.tensor=4", "model.remat=full"]
 VARIANTS = [
-    ("base-v5p-64", "v5p-64", LLAMA_CFG, LLAMA),
-    ("base-v5p-128", "v5p-128", LLAMA_CFG, LLAMA),
-    ("base-v6e-64", "v6e-64", LLAMA_CFG, LLAMA),
-    ("base-v5e-256", "v5e-256", LLAMA_CFG, LLAMA),
-    ("v5e-256-micro64", "v5e-256", LLAMA_CFG, LLAMA + ["ppo.micro_batch_size=64"]),
-    ("tensor1", "v5p-64", LLAMA_CFG, LLAMA + ["mesh.tensor=1"]),
-    ("tensor8", "v5p-64", LLAMA_CFG, LLAMA + ["mesh.tensor=8"]),
-    ("remat-none", "v5p-64", LLAMA_CFG, LLAMA + ["model.remat=none"]),
-    ("remat-dots", "v5p-64", LLAMA_CFG, LLAMA + ["model.remat=dots_with_no_batch_dims_saveable"]),
-    ("micro-32", "v5p-64", LLAMA_CFG, LLAMA + ["ppo.micro_batch_size=32"]),
-    ("frozen-f32", "v5p-64", LLAMA_CFG, LLAMA + ["model.frozen_param_dtype=float32"]),
-    ("params-bf16", "v5p-64", LLAMA_CFG, LLAMA + ["model.param_dtype=bfloat16"]),
-    ("offload-frozen", "v5p-64", LLAMA_CFG, LLAMA + ["model.offload_frozen=true"]),
-    ("full-logits", "v5p-64", LLAMA_CFG, LLAMA + ["model.logprob_chunk_size=0"]),
+    ("shipped-v5p-64", "v5p-64", LLAMA_CFG, LLAMA),
+    ("shipped-h100-8", "h100-8", LLAMA_CFG, LLAMA + ["mesh.fsdp=8", "mesh.tensor=1"]),
+    ("base-v5p-64", "v5p-64", LLAMA_CFG, LLAMA + OLD),
+    ("base-v5p-128", "v5p-128", LLAMA_CFG, LLAMA + OLD),
+    ("base-v6e-64", "v6e-64", LLAMA_CFG, LLAMA + OLD),
+    ("base-v5e-256", "v5e-256", LLAMA_CFG, LLAMA + OLD),
+    ("v5e-256-micro64", "v5e-256", LLAMA_CFG, LLAMA + OLD + ["ppo.micro_batch_size=64"]),
+    ("tensor1", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["mesh.tensor=1"]),
+    ("tensor8", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["mesh.tensor=8"]),
+    ("remat-none", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["model.remat=none"]),
+    ("remat-dots", "v5p-64", LLAMA_CFG,
+     LLAMA + OLD + ["model.remat=dots_with_no_batch_dims_saveable"]),
+    ("micro-32", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["ppo.micro_batch_size=32"]),
+    ("frozen-f32", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["model.frozen_param_dtype=float32"]),
+    ("params-bf16", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["model.param_dtype=bfloat16"]),
+    ("offload-frozen", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["model.offload_frozen=true"]),
+    ("full-logits", "v5p-64", LLAMA_CFG, LLAMA + OLD + ["model.logprob_chunk_size=0"]),
+    # the best of the single changes together, and v5p-128 with a micro-batch per batch shard
+    ("tensor8-dots", "v5p-64", LLAMA_CFG,
+     LLAMA + OLD + ["mesh.tensor=8", "model.remat=dots_with_no_batch_dims_saveable"]),
+    ("tensor8-dots-micro32", "v5p-64", LLAMA_CFG,
+     LLAMA + OLD + ["mesh.tensor=8", "model.remat=dots_with_no_batch_dims_saveable",
+                    "ppo.micro_batch_size=32"]),
+    ("v5p-128-micro16", "v5p-128", LLAMA_CFG, LLAMA + OLD + ["ppo.micro_batch_size=16"]),
     ("smollm2-v5e-8", "v5e-8", "configs/default.yaml", []),
     ("smollm2-v6e-8", "v6e-8", "configs/default.yaml", []),
     # one 8-GPU node (the CUDA PJRT plugin: pip install -e .[gpu-aot]), FSDP over the 8 GPUs
-    ("h100-8", "h100-8", LLAMA_CFG, LLAMA + ["mesh.fsdp=8", "mesh.tensor=1"]),
-    ("h200-8", "h200-8", LLAMA_CFG, LLAMA + ["mesh.fsdp=8", "mesh.tensor=1"]),
+    ("h100-8", "h100-8", LLAMA_CFG, LLAMA + OLD + ["mesh.fsdp=8", "mesh.tensor=1"]),
+    ("h200-8", "h200-8", LLAMA_CFG, LLAMA + OLD + ["mesh.fsdp=8", "mesh.tensor=1"]),
 ]
 
 
@@ -81,21 +93,25 @@ def row(r: dict) -> str:
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     mesh = "x".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
     mfu = step.get("mfu_estimate")
+    upd = programs.get("update", {})
+    xmodel = (upd["matmul_flops"] * r["chips"] / upd["model_flops"]
+              if upd.get("matmul_flops") and upd.get("model_flops") else None)
     peak = programs[worst]["peak_bytes"] / GIB
     return (f"| {r['variant']} | {r['topology']} | {mesh} | {peak:.1f} "
             f"({worst}) | {'yes' if r['fits'] else '**no**'} | "
-            f"{programs.get('update', {}).get('argument_bytes', 0) / GIB:.2f} | "
+            f"{upd.get('argument_bytes', 0) / GIB:.2f} | {fmt(xmodel)} | "
             f"{fmt(sec['sampler'])} | {fmt(sec['experience'])} | {fmt(sec['update'])} | "
             f"{fmt(step.get('seconds_estimate'))} | "
             f"{'-' if mfu is None else f'{100 * mfu:.0f}%'} |")
 
 
 def table(reports: list[dict]) -> str:
-    label = sorted({r["label"].split(" with ")[1] for r in reports})
+    label = sorted({r["label"].split(" with ")[1].split(", not run")[0] for r in reports})
     head = ("| variant | slice | mesh d x f x t | peak GiB/chip (program) | fits | update args "
-            "GiB/chip | sampler s | experience s | update s | step s | MFU |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    return (f"Compiled with {', '.join(label)}; estimates of programs that did not run.\n\n"
+            "GiB/chip | update xmodel | sampler s | experience s | update s | step s | MFU |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    return (f"Compiled with {' / '.join(label)}, not run: estimates of programs that did not "
+            "run.\n\n"
             + head + "\n" + "\n".join(row(r) for r in reports))
 
 

@@ -157,6 +157,8 @@ def compile_for(trainer_cls, cfg, s: Slice, *, log=print) -> dict:
     flops = model_flops(trainer_cls, cfg, devices)
     for name, row in programs.items():
         row["model_flops"] = flops.get(name)
+        if row.get("matmul_flops") and row["model_flops"]:  # > 1: recomputed or repeated work
+            row["flops_vs_model"] = row["matmul_flops"] * s.chips / row["model_flops"]
     mesh = dict(trainer.place.mesh.shape)
     return {
         "topology": s.name, "topology_desc": s.topology, "chips": s.chips,
@@ -203,13 +205,15 @@ def format_report(report: dict) -> str:
     lines = [f"{report['label']}: {report['chips']} chips on {report['hosts']} host(s), mesh "
              f"{report['mesh']}, {_gib(report['hbm_bytes_per_chip'])} GiB HBM usable per chip",
              f"{'program':<19}{'calls':>6}{'args':>8}{'out':>8}{'temp':>8}{'other':>8}"
-             f"{'peak':>8}  fits{'FLOP/chip':>11}{'est. s':>10}  collectives (count x bytes)"]
+             f"{'peak':>8}  fits{'FLOP/chip':>11}{'xmodel':>7}{'est. s':>10}  collectives "
+             "(count x bytes)"]
     for name, r in report["programs"].items():
         lines.append(
             f"{name:<19}{r['calls_per_step']:>6.2f}{_size(r.get('argument_bytes')):>8}"
             f"{_size(r.get('output_bytes')):>8}{_size(r.get('temp_bytes')):>8}"
             f"{_size(r['resident_bytes']):>8}{_size(r['peak_bytes']):>8}  "
             f"{'yes' if r['fits'] else 'NO':<4}{r.get('flops', float('nan')):>11.3g}"
+            f"{r.get('flops_vs_model', float('nan')):>7.2f}"
             f"{r.get('seconds_estimate', float('nan')):>10.4g}  {_collectives_text(r)}")
     st = report["step"]
     if st["seconds_estimate"] is not None:
@@ -217,7 +221,9 @@ def format_report(report: dict) -> str:
                      f"{st['model_flops']:.3g}; MFU {100 * (st['mfu_estimate'] or 0):.1f}% "
                      "(estimates; remat recomputation not credited)")
     lines.append("other = the run's resident arrays a program does not take (train states, "
-                 "frozen params); peak = args + out - donated + temp + other")
+                 "frozen params); peak = args + out - donated + temp + other; xmodel = matmul "
+                 "FLOPs x chips / model FLOPs (> 1: remat recomputation, or work repeated on "
+                 "chips when a micro-batch has fewer rows than data x fsdp)")
     return "\n".join(lines)
 
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import math
 import re
-
-import numpy as np
 from dataclasses import dataclass, field
 from typing import Optional
+
+import numpy as np
 
 from ppo_jax.aot.hlo import (
     COLLECTIVE_KINDS, COLLECTIVES, ELEMENTWISE, FREE, SLICES, Computation, Instr, parse_module,
     shapes, type_bytes, type_elements,
 )
+from ppo_jax.aot.loops import trip_count
 
 
 @dataclass
@@ -36,132 +37,6 @@ class Costs:
         rows = sorted(self.ops, key=lambda r: -r[0])[:n]
         return [{"seconds": t, "calls": c, "flops": f, "bytes": b, "opcode": o, "op_name": name}
                 for t, c, f, b, o, name in rows]
-
-
-def _int_constant(ins: Instr) -> Optional[int]:
-    if ins.opcode != "constant":
-        return None
-    try:
-        return int(ins.args.strip())
-    except ValueError:
-        return None
-
-
-def _value(comps, comp: Computation, name: str, depth: int = 0):
-    """The symbolic value of a scalar: ("const", v) or ("counter", tuple index, offset), through
-    get-tuple-element of the computation's parameter, +/- constants, converts, copies and
-    fusion parameters. None when it is anything else."""
-    ins = comp.instrs.get(name)
-    if ins is None or depth > 12:
-        return None
-    c = _int_constant(ins)
-    if c is not None:
-        return ("const", c)
-    if ins.opcode == "get-tuple-element":
-        src = comp.instrs.get(ins.operands[0])
-        index = re.search(r"index=(\d+)", ins.attrs)
-        if src is not None and src.opcode == "parameter" and index:
-            return ("counter", int(index.group(1)), 0)
-        return None
-    if ins.opcode in ("convert", "copy", "bitcast") and ins.operands:
-        return _value(comps, comp, ins.operands[0], depth + 1)
-    if ins.opcode in ("add", "subtract") and len(ins.operands) == 2:
-        a, b = (_value(comps, comp, o, depth + 1) for o in ins.operands)
-        sign = 1 if ins.opcode == "add" else -1
-        if a and b and a[0] == "counter" and b[0] == "const":
-            return ("counter", a[1], a[2] + sign * b[1])
-        if a and b and a[0] == "const" and b[0] == "counter" and sign == 1:
-            return ("counter", b[1], b[2] + a[1])
-    return None
-
-
-def _fusion_param_value(comps, comp: Computation, ins: Instr, fused: Computation, name: str, depth):
-    """`_value` inside a fused computation, mapping its parameters to the fusion's operands."""
-    p = fused.instrs.get(name)
-    if p is not None and p.opcode == "parameter":
-        return _value(comps, comp, ins.operands[int(p.args)], depth + 1)
-    return _value(comps, fused, name, depth + 1)
-
-
-def _compare_bound(comps, comp: Computation, ins: Instr, depth: int = 0):
-    """`(tuple index, offset, direction, limit)` of `counter + offset <direction> limit`, found
-    at `ins` or inside an `and` / fusion of it; None otherwise."""
-    if depth > 6 or ins is None:
-        return None
-    if ins.opcode == "and":
-        for o in ins.operands:
-            found = _compare_bound(comps, comp, comp.instrs.get(o), depth + 1)
-            if found:
-                return found
-        return None
-    if ins.opcode == "fusion":
-        fused = comps.get(ins.called().get("calls", [None])[0])
-        if fused is None or fused.root is None:
-            return None
-        inner = _compare_bound_in_fusion(comps, comp, ins, fused, fused.root, depth + 1)
-        return inner
-    if ins.opcode != "compare" or len(ins.operands) != 2:
-        return None
-    direction = re.search(r"direction=(\w+)", ins.attrs)
-    a, b = (_value(comps, comp, o) for o in ins.operands)
-    return _bound_from(a, b, direction.group(1) if direction else "")
-
-
-def _compare_bound_in_fusion(comps, comp, fusion: Instr, fused: Computation, ins: Instr, depth):
-    if ins is None or depth > 8:
-        return None
-    if ins.opcode == "and":
-        for o in ins.operands:
-            found = _compare_bound_in_fusion(comps, comp, fusion, fused, fused.instrs.get(o),
-                                             depth + 1)
-            if found:
-                return found
-        return None
-    if ins.opcode != "compare" or len(ins.operands) != 2:
-        return None
-    direction = re.search(r"direction=(\w+)", ins.attrs)
-    a, b = (_fusion_param_value(comps, comp, fusion, fused, o, depth) for o in ins.operands)
-    return _bound_from(a, b, direction.group(1) if direction else "")
-
-
-_MIRROR = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "NE": "NE"}
-
-
-def _bound_from(a, b, direction: str):
-    if a and b and a[0] == "const" and b[0] == "counter":
-        a, b, direction = b, a, _MIRROR.get(direction, "")
-    if a and b and a[0] == "counter" and b[0] == "const" and direction in ("LT", "LE", "NE"):
-        return a[1], a[2], direction, b[1]
-    return None
-
-
-def trip_count(comps, parent: Computation, loop: Instr) -> Optional[int]:
-    """Iterations of a `while` (an upper bound for a loop that may stop early), or None."""
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
-    if known:
-        return int(known.group(1))
-    called = loop.called()
-    cond, body = comps.get(called["condition"][0]), comps.get(called["body"][0])
-    if cond is None or body is None or cond.root is None:
-        return None
-    bound = _compare_bound(comps, cond, cond.root)
-    if bound is None:
-        return None
-    index, offset, direction, limit = bound
-    init = parent.instrs.get(loop.operands[0]) if loop.operands else None
-    start = 0
-    if init is not None and init.opcode == "tuple" and index < len(init.operands):
-        v = _value(comps, parent, init.operands[index])
-        start = v[1] if v and v[0] == "const" else 0
-    step = 1
-    if body.root is not None and body.root.opcode == "tuple" and index < len(body.root.operands):
-        v = _value(comps, body, body.root.operands[index])
-        if v and v[0] == "counter" and v[1] == index and v[2] != 0:
-            step = v[2]
-    span = limit - offset - start
-    if direction == "LE":
-        span += 1
-    return max(0, -(-span // step)) if step > 0 else None
 
 
 def _hbm(type_text: str) -> float:

@@ -110,8 +110,7 @@ class Placement:
         jax >= 0.4.3x all do)."""
         try:
             return all(HOST_MEMORY in {m.kind for m in d.addressable_memories()}
-                       for d in self.mesh.devices.flat
-                       if self.abstract or d.process_index == jax.process_index())
+                       for d in self.mesh.devices.flat if d.process_index == jax.process_index())
         except (AttributeError, NotImplementedError):
             return False
 

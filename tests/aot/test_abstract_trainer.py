@@ -55,3 +55,19 @@ def test_abstract_build_reads_no_weights_and_writes_nothing(tmp_path, monkeypatc
     assert trainer.models.actor.cfg.num_layers == 30 and trainer.tokenizer is None
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainer.state))
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_offloaded_frozen_params_leave_hbm_on_a_multi_host_slice():
+    """model.offload_frozen on v5p-16 (two hosts; process 0 sees only its own devices'
+    memories): the reference lives in pinned host memory, so no program counts it in HBM."""
+    pytest.importorskip("libtpu")
+    from ppo_jax.aot.compile_for import per_chip_bytes
+    from ppo_jax.aot.topology import resolve_slice, slice_devices
+
+    devices = slice_devices(resolve_slice("v5p-16"))
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.offload_frozen=true", "mesh.tensor=2"])
+    trainer = PPOTrainer.abstract(cfg, devices)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.ref_params)} == {"pinned_host"}
+    assert per_chip_bytes(trainer.resident()["reference"]) == 0
+    experience = {p.name: p for p in trainer.programs()}["experience"]
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(experience.args[1])} == {"device"}

@@ -67,7 +67,7 @@ def test_inconsistent_fields_name_the_field(overrides, field):
 def test_shipped_configs_load():
     assert load_config(CONFIGS / "default.yaml").model.actor == "smollm2"
     big = load_config(CONFIGS / "llama_8b_gpu_tpu.yaml", ["model.actor=/ckpt/llama"])
-    assert big.mesh.tensor == 4 and big.model.frozen_param_dtype == "bfloat16"
+    assert big.mesh.tensor == 8 and big.model.frozen_param_dtype == "bfloat16"
     assert big.model.logprob_chunk_size == 4096  # no [B, T, V] float32 logits at V = 128k
 
 
