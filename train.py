@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.compile_for:  # libtpu only compiles here; the host's own devices do the tracing
+    if args.compile_for is not None:  # libtpu compiles; the host's own devices do the tracing
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from ppo_jax.trainer.config import ConfigError, load_config
@@ -76,8 +76,12 @@ def main(argv=None) -> int:
 
         print(describe(cfg, args.config + (" + --set" if args.overrides else "")))
         return 0
-    if args.compile_for:
+    if args.compile_for is not None:
         return compile_only(args, cfg)
+    if args.json:
+        print("error: --json goes with --compile-for (a training run writes its metrics to "
+              "train.output_dir)", file=sys.stderr)
+        return 2
     from ppo_jax.trainer.distributed import initialize
 
     initialize(cfg.distributed)
@@ -108,6 +112,10 @@ def compile_only(args, cfg) -> int:
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
+    if args.json and (os.path.isdir(args.json)
+                      or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        print(f"error: --json {args.json}: not a file in an existing directory", file=sys.stderr)
+        return 2
     try:
         target = resolve_slice(args.compile_for)
         report = compile_for(trainer_class(cfg.stage), cfg, target, log=log)

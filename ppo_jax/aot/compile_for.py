@@ -39,11 +39,18 @@ from ppo_jax.aot.flops import jaxpr_matmul_flops
 from ppo_jax.aot.hlo_cost import program_costs
 from ppo_jax.aot.topology import GIB, Slice, compiler_version, slice_devices
 
-LOWER_IT = ("mesh.fsdp / mesh.tensor (shard over more chips)", "ppo.micro_batch_size "
-            "(activations of the forward / backward)", "model.remat (full: recompute layers "
-            "instead of keeping them)", "model.frozen_param_dtype (bfloat16 reference and "
-            "reward model)", "model.offload_frozen (frozen params in host memory between "
-            "phases)", "model.logprob_chunk_size (no [B, N, V] logits)")
+_SHARED = ("mesh.fsdp / mesh.tensor (shard over more chips)",)
+_LAST = ("model.remat (full: recompute layers instead of keeping them)",
+         "model.logprob_chunk_size (no [B, N, V] logits)")
+LOWER_IT = {  # per stage: the config keys that lower a program's per-chip memory
+    "ppo": _SHARED + ("ppo.micro_batch_size (activations of the forward / backward)",) + _LAST
+    + ("model.frozen_param_dtype (bfloat16 reference and reward model)",
+       "model.offload_frozen (frozen params in host memory between phases)"),
+    "sft": _SHARED + ("sft.micro_batch_size (activations of the forward / backward)",
+                      "sft.max_length (shorter sequences)") + _LAST,
+    "reward_model": _SHARED + ("reward_model.micro_batch_size (activations of the forward / "
+                               "backward)", "reward_model.max_length (shorter pairs)") + _LAST,
+}
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
@@ -92,8 +99,11 @@ def compile_program(program, s: Slice, resident: dict) -> dict:
         needed = _oom_bytes(str(e))
         if "RESOURCE_EXHAUSTED" not in str(e) or needed is None:
             raise
-        row.update(peak_bytes=needed + other, fits=False, compile_seconds=time.perf_counter() - t0,
-                   error=str(e).splitlines()[0][:300])
+        # the compiler stops at its own memory check: only the total it needed is known
+        row.update(dict.fromkeys(("argument_bytes", "output_bytes", "temp_bytes", "flops",
+                                  "seconds_estimate")), collectives={},
+                   peak_bytes=needed + other, fits=False,
+                   compile_seconds=time.perf_counter() - t0, error=str(e).splitlines()[0][:300])
         return row
     ma = compiled.memory_analysis()
     costs = program_costs(compiled.as_text(), peak_flops=chip.peak_bf16_flops,
@@ -127,11 +137,12 @@ def model_flops(trainer_cls, cfg, devices) -> dict[str, float]:
 
 
 def step_figures(programs: dict, flops: dict, s: Slice) -> dict:
-    """The steady-state step: programs weighted by calls per step."""
-    if not all("seconds_estimate" in r for r in programs.values()):
-        return {"seconds_estimate": None, "model_flops": None, "mfu_estimate": None}
-    seconds = sum(r["calls_per_step"] * r["seconds_estimate"] for r in programs.values())
+    """The steady-state step: programs weighted by calls per step (no time, MFU or per-chip
+    FLOPs when a program did not compile)."""
     total = sum(r["calls_per_step"] * flops.get(name, 0.0) for name, r in programs.items())
+    if any(r.get("seconds_estimate") is None for r in programs.values()):
+        return {"seconds_estimate": None, "model_flops": total, "mfu_estimate": None}
+    seconds = sum(r["calls_per_step"] * r["seconds_estimate"] for r in programs.values())
     mfu = total / (s.chips * s.chip.peak_bf16_flops * seconds) if seconds > 0 else None
     return {"seconds_estimate": seconds, "model_flops": total, "mfu_estimate": mfu,
             "flops_per_chip": sum(r["calls_per_step"] * r["flops"] for r in programs.values())}
@@ -189,6 +200,10 @@ def _size(x) -> str:
     return f"{x:.0f}"
 
 
+def _num(x) -> float:
+    return float("nan") if x is None else x
+
+
 SHORT = {"all-gather": "ag", "reduce-scatter": "rs", "all-reduce": "ar", "all-to-all": "a2a",
          "collective-permute": "cp"}
 
@@ -212,9 +227,9 @@ def format_report(report: dict) -> str:
             f"{name:<19}{r['calls_per_step']:>6.2f}{_size(r.get('argument_bytes')):>8}"
             f"{_size(r.get('output_bytes')):>8}{_size(r.get('temp_bytes')):>8}"
             f"{_size(r['resident_bytes']):>8}{_size(r['peak_bytes']):>8}  "
-            f"{'yes' if r['fits'] else 'NO':<4}{r.get('flops', float('nan')):>11.3g}"
-            f"{r.get('flops_vs_model', float('nan')):>7.2f}"
-            f"{r.get('seconds_estimate', float('nan')):>10.4g}  {_collectives_text(r)}")
+            f"{'yes' if r['fits'] else 'NO':<4}{_num(r.get('flops')):>11.3g}"
+            f"{_num(r.get('flops_vs_model')):>7.2f}"
+            f"{_num(r.get('seconds_estimate')):>10.4g}  {_collectives_text(r)}")
     st = report["step"]
     if st["seconds_estimate"] is not None:
         lines.append(f"step (calls-weighted): {st['seconds_estimate']:.4g} s; model FLOPs "
@@ -231,9 +246,11 @@ def over_message(report: dict) -> str:
     """Why the run does not fit: each program over the HBM, by how much, and what lowers it."""
     hbm = report["hbm_bytes_per_chip"]
     over = [f"{name} needs {_gib(r['peak_bytes'])} GiB per chip, {_gib(r['peak_bytes'] - hbm)} "
-            f"GiB over the {_gib(hbm)} GiB of a {report['chip_kind']} chip (arguments "
-            f"{_gib(r.get('argument_bytes'))}, temporaries {_gib(r.get('temp_bytes'))}, other "
-            f"resident {_gib(r['resident_bytes'])})"
+            f"GiB over the {_gib(hbm)} GiB of a {report['chip_kind']} chip ("
+            + (f"arguments {_gib(r['argument_bytes'])}, temporaries {_gib(r['temp_bytes'])}, "
+               if r.get("argument_bytes") is not None else "the compiler's own total, ")
+            + f"other resident {_gib(r['resident_bytes'])})"
             for name, r in report["programs"].items() if not r["fits"]]
     return ("does not fit " + report["topology"] + ": " + "; ".join(over)
-            + ". Settings that lower it: " + "; ".join(LOWER_IT) + f". ({report['label']})")
+            + ". Settings that lower it: " + "; ".join(LOWER_IT[report["stage"]])
+            + f". ({report['label']})")

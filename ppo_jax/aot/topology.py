@@ -155,7 +155,9 @@ def resolve_slice(name: str) -> Slice:
     raw = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)+)", name.strip().lower())
     named = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
     kind = (raw or named).group(1) if (raw or named) else None
-    if named and kind in GPUS and int(named.group(2)) > 0:
+    if named and kind in GPUS:
+        if int(named.group(2)) < 1:
+            raise TopologyError(f"--compile-for {name!r}: a GPU count must be >= 1")
         return _gpu_slice(name, GPUS[kind], int(named.group(2)))
     chip = CHIPS.get(ALIASES.get(kind, kind)) if kind else None
     if chip is None:
@@ -165,15 +167,21 @@ def resolve_slice(name: str) -> Slice:
         shape = tuple(int(d) for d in raw.group(2).split("x"))
         if len(shape) != chip.dims or min(shape) < 1:
             raise TopologyError(f"--compile-for {name!r}: a {chip.kind} topology has "
-                                f"{chip.dims} dimensions; known slices: {_known()}")
+                                f"{chip.dims} dimensions, each >= 1 (e.g. {_example(chip)}); "
+                                f"known slices: {_known()}")
         return Slice(name, chip, shape)
     count = int(named.group(2))
     shapes = SHAPES_3D if chip.dims == 3 else SHAPES_2D
     chips, rest = divmod(count, chip.cores_per_chip)
     if rest or chips not in shapes:
         raise TopologyError(f"--compile-for {name!r}: not a known {chip.kind} slice; known: "
-                            f"{_known()}; or give a topology such as {chip.kind}:2x2x2")
+                            f"{_known()}; or give a topology such as {_example(chip)}")
     return Slice(name, chip, shapes[chips])
+
+
+def _example(chip) -> str:
+    """A valid raw topology of `chip`'s kind, for error messages."""
+    return f"{chip.kind}:2x2x2" if chip.dims == 3 else f"{chip.kind}:2x4"
 
 
 def gpu_devices(s: Slice) -> list:

@@ -95,11 +95,41 @@ def test_a_program_too_large_for_its_chip_exits_3_naming_it(tmp_path):
                                "data.max_prompt_length=32", config=str(ROOT / "configs/sft.yaml"))
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert report["fits"] is False and not report["programs"]["update"]["fits"]
+    assert PROGRAM_KEYS <= set(report["programs"]["update"])  # None where the compiler stopped
+    assert report["step"]["model_flops"] > 0 and report["step"]["seconds_estimate"] is None
     message = proc.stderr.split("error: ")[-1]
     assert "update needs" in message and "GiB over the 15.75 GiB of a v5e chip" in message
+    for key in ("mesh.fsdp", "sft.micro_batch_size", "sft.max_length", "model.remat",
+                "model.logprob_chunk_size"):
+        assert key in message
+    assert "ppo." not in message  # the advice is the stage's own
+
+
+def test_the_advice_of_a_ppo_run_that_does_not_fit_names_its_memory_keys():
+    from ppo_jax.aot.compile_for import over_message
+
+    report = {"hbm_bytes_per_chip": 2 ** 30, "chip_kind": "v5e", "topology": "v5e-8",
+              "stage": "ppo", "label": "compiled for v5e-8 with libtpu X, not run",
+              "programs": {"update": {"fits": False, "peak_bytes": 3 * 2 ** 30,
+                                      "argument_bytes": 2 ** 30, "temp_bytes": 2 ** 30,
+                                      "resident_bytes": 2 ** 30}}}
+    message = over_message(report)
+    assert "update needs 3.00 GiB per chip, 2.00 GiB over the 1.00 GiB of a v5e chip" in message
     for key in ("mesh.fsdp", "ppo.micro_batch_size", "model.remat", "model.frozen_param_dtype",
                 "model.offload_frozen", "model.logprob_chunk_size"):
         assert key in message
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_compiling(tmp_path):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", TINY, "--compile-for", "v5e-8"]
+    missing = subprocess.run(cmd + ["--json", str(tmp_path / "no" / "r.json")], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "--json" in missing.stderr
+    assert "compiling" not in missing.stderr and not (tmp_path / "no").exists()
+    alone = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", TINY, "--json",
+                            str(tmp_path / "r.json")], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert alone.returncode == 2 and "--json goes with --compile-for" in alone.stderr
 
 
 def test_an_unknown_topology_exits_2(tmp_path):

@@ -31,6 +31,15 @@ def test_unknown_slices_are_refused_with_the_known_names(name):
         resolve_slice(name)
 
 
+@pytest.mark.parametrize("name, hint", [("v5e-7", "such as v5e:2x4"), ("v5p-6", "such as v5p:2x2x2"),
+                                        ("v5p:0x2x2", "each >= 1"), ("h100-0", "GPU count")])
+def test_the_hint_of_a_refused_name_is_a_name_that_works(name, hint):
+    with pytest.raises(TopologyError, match=hint):
+        resolve_slice(name)
+    if "such as" in hint:
+        assert resolve_slice(hint.split("such as ")[1]).chips == 8
+
+
 def test_gpu_nodes_are_eight_gpus_a_host():
     one, two = resolve_slice("h100-8"), resolve_slice("h200-16")
     assert (one.chips, one.topology, one.chip.platform) == (8, "1 x 1 x 8", "cuda")
