@@ -5,11 +5,12 @@ ARGS ?=
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
-# bench/decode_floor.py and bench/logprob_memory.py (each writes JSON under $(BENCH_RAW), with
-# the git commit it measured),
-# then bench/report.py writes bench/results.md (with a GPU section when bench/gpu.sh --json left
-# a gpu.json there; each benchmark's wall time is in it). Run it on a quiet machine from a clean
-# tree (other load inflates every figure; results.md warns about a dirty tree or mixed commits).
+# bench/decode_floor.py and bench/logprob_memory.py (each prints its table against its peer and
+# writes it with its figures, the git commit and the CPU under $(BENCH_RAW); bench/harness.py),
+# then bench/report.py collects them into bench/results.md (with a GPU section when bench/gpu.sh
+# --json left a gpu.json there; each benchmark's wall time is in it). Run it on a quiet machine
+# from a clean tree (other load inflates every figure; results.md warns about a dirty tree, and
+# bench/report.py refuses raw files from commits whose measured code differs).
 # `make bench-quick` runs the same pipeline with tiny sizes (a smoke check of the scripts, not
 # figures to quote; ~5 minutes) and writes bench/results_raw/quick/results.md instead.
 BENCH_RAW ?= bench/results_raw
@@ -23,7 +24,7 @@ test:
 	scripts/setup_venv.sh test
 	.venv/bin/python -m pytest -q $(ARGS)
 
-# The three stages of RLHF on SmolLM2 (README "The three stages"): preference data, SFT, reward
+# The three stages of RLHF on SmolLM2 (docs/stages.md "The three stages"): preference data, SFT, reward
 # model, PPO with four models, held-out evaluation; writes runs/pipeline (about 30 minutes).
 pipeline:
 	scripts/setup_venv.sh gguf
@@ -64,7 +65,8 @@ bench-quick:
 # 2 interleaved rounds, 5 steps of the default config with and without train.py's malloc settings
 # and 10 steps of the earlier default (batch 8, reviews.jsonl) with responses that stop at a
 # sentence end, with and without the column buckets; then bench/report.py rewrites results.md
-# from $(BENCH_RAW): give the BENCH_RAW of your `make bench` run so that its sections stay.
+# from $(BENCH_RAW): give the BENCH_RAW of your `make bench` run so that its sections stay (of
+# the same measured code: bench/report.py refuses to mix commits whose ppo_jax differs).
 TRAIN_AB_MALLOC = --set train.steps=5 --set eval.every=0
 TRAIN_AB_COLUMNS = --set train.steps=10 --set eval.every=0 --set ppo.batch_size=8 \
 	--set data.prompts=configs/prompts/reviews.jsonl --set generation.stop_token_ids=[2,30,17,47]

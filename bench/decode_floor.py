@@ -1,66 +1,38 @@
-"""How fast can a decode step be on this machine? The weight-matmul floor of the sampler.
+"""The sampler's decode step against its floor: the weight matmuls alone (every weight read once
+per step, the model's own weights and rows, layers scanned and unrolled, the faster is the floor),
+with transformers `generate` in the same alternating run; the best-case ratio is an estimate.
 
-`bench/generate.py` compares whole `generate` calls. This script splits ours into prefill and
-per-token decode, and times the part of a decode step that no sampler can skip: the matmuls
-that read every weight once (q, k, v, o, gate, up, down in each layer, then the LM head), with
-the model's own weights, batch rows and dtype, in a jitted loop of steps, and nothing else
-but an RMS normalisation per layer that keeps the numbers finite (no attention, RoPE, cache
-or sampling). Layers run both as a scan over the stacked weights (as the model does) and as an
-unrolled loop over per-layer arrays; the faster form is the floor.
-In the same run it times transformers' `generate` (PyTorch CPU) and prints the ratio the
-sampler would reach if everything but those matmuls were free:
-
-    best-case ratio = transformers' time / (our prefill + (new_tokens - 1) * floor step)
-
-Our prefill is timed as a `generate` call with one new token (the prefill pass, its LM head
-and one sample: N tokens take the prefill and N - 1 one-token passes). Greedy, float32, no stop tokens, on the converted SmolLM2 by default.
-
-Usage: ``python bench/decode_floor.py [--batch 8] [--new-tokens 64] [--runs 5]
-[--torch-threads 2] [--model-dir DIR] [--json PATH]``. `--json` writes the figures (medians with min-max over the
-runs, the git commit they came from): the `decode_floor.json` that `bench/report.py` turns into
-results.md's "Decode floor" section.
+Usage: python bench/decode_floor.py [--batch 8] [--new-tokens 64] [--runs 5] [--model-dir DIR]
+    [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import shlex
 import statistics
-import sys
-import time
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_info, cpu_line, machine_load, run_record, under_malloc_settings, stats, write_json  # noqa: E402
-from generate import chat_batch  # noqa: E402
-from ppo_jax.models import flat_params, load_model, load_tokenizer, split_model  # noqa: E402
-from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
-from ppo_jax.rollout.sampler import generate  # noqa: E402
+from generate import load_sides
+from harness import (finish, fmt, interleaved, log, options, ratio, spread, stats, table,
+                     under_malloc_settings)
+from ppo_jax.models import flat_params
+from ppo_jax.models.smollm2 import ensure_smollm2
 
 MATMULS = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj", "mlp/gate_proj",
            "mlp/up_proj", "mlp/down_proj")
 
 
 def weight_matmul_steps(params, cfg, batch: int, steps: int, unrolled: bool):
-    """A jitted function running `steps` decode steps of weight matmuls only; returns it, its
-    input and the bytes of weights one step reads. Layers run as a `lax.scan` over the stacked
-    weights (as the model does; XLA:CPU copies each layer's slice out first), or, with
-    unrolled=True, as a Python loop over per-layer arrays (no copies)."""
+    """(a jitted loop of `steps` decode steps of the weight matmuls alone, its input, the weight
+    bytes a step reads). Layers as a `lax.scan` over the stacked weights (as the model; XLA:CPU
+    copies each slice out) or, `unrolled`, a Python loop over per-layer arrays (no copies)."""
     flat = flat_params(params)
     kernels = {m: flat[f"backbone/layers/{m}/kernel"] for m in MATMULS}  # [L, in, out]
-    if cfg.tie_word_embeddings:
-        head = flat["backbone/embed_tokens/embedding"]  # [V, D]
-        spec = "bd,vd->bv"
-    else:
-        head = flat["unembed/kernel"]  # [D, V]
-        spec = "bd,dv->bv"
+    head, spec = ((flat["backbone/embed_tokens/embedding"], "bd,vd->bv") if cfg.tie_word_embeddings
+                  else (flat["unembed/kernel"], "bd,dv->bv"))  # [V, D] / [D, V]
     d = cfg.hidden_size
 
     def widen(y, n):  # [B, m] -> [B, n] by repeating columns (cheap; feeds the next matmul)
@@ -93,19 +65,10 @@ def weight_matmul_steps(params, cfg, batch: int, steps: int, unrolled: bool):
     return partial(run, kernels=kernels, head=head), jnp.ones((batch, d), jnp.float32), nbytes
 
 
-def timed(fn) -> float:
-    """Wall seconds of one call."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def floor_figures(times: dict[str, list[float]], new_tokens: int, weight_bytes: int,
                   weight_flops: float) -> dict:
-    """The derived figures of one run from its seconds per call (`prefill`, `generate`,
-    `transformers`, and one key per layer form of the weight-matmul loop, which ran
-    `new_tokens - 1` steps): medians, per-step times, the floor (fastest form), the ratio now and
-    the best-case ratio transformers / (prefill + (new_tokens - 1) * floor)."""
+    """The figures from seconds per call of `prefill`, `generate`, `transformers` and each layer
+    form of the weight-matmul loop (`new_tokens - 1` steps); the floor is the fastest form."""
     med, n = statistics.median, new_tokens
     prefill, whole, hf = med(times["prefill"]), med(times["generate"]), med(times["transformers"])
     step = (whole - prefill) / (n - 1)
@@ -125,93 +88,58 @@ def floor_figures(times: dict[str, list[float]], new_tokens: int, weight_bytes: 
             "step_for_2x_s": (hf / 2 - prefill) / (n - 1)}
 
 
+def markdown(d: dict) -> str:
+    n, ms = d["new_tokens"], lambda x: fmt(x * 1e3, 1)
+    rows = [["ppo_jax `generate`, whole call", spread(d["generate_s"], 1, 1e3)] + ["—"] * 4,
+            ["ppo_jax prefill (`generate` with 1 new token)", spread(d["prefill_s"], 1, 1e3)] + ["—"] * 4,
+            ["ppo_jax decode step", "—", ms(d["decode_step_s"]), "—", fmt(d["decode_gflops_per_s"], 1),
+             "100%"]]
+    for form, f in d["forms"].items():
+        rows.append([f"weight matmuls alone, layers {form}" + (" (floor)" if form == d["floor_form"] else ""),
+                     spread(d["floor_loop_s"][form], 1, 1e3), ms(f["step_s"]), fmt(f["gb_per_s"], 1),
+                     fmt(f["gflops_per_s"], 1), f"{f['fraction_of_decode_step']:.0%}"])
+    rows.append(["transformers `generate`, whole call", spread(d["transformers_s"], 1, 1e3)] + ["—"] * 4)
+    return "\n".join([
+        f"Model `{d['model']}`, {d['dtype']}, batch {d['batch']}, prompt width {d['prompt_width']}, "
+        f"{n} new tokens, greedy; ms per call: median (min–max) of {d['runs']} alternating runs "
+        f"after a warm-up call. Weight matmuls: q/k/v/o/gate/up/down per layer and the LM head "
+        f"({d['weight_bytes'] / 1e6:.0f} MB read per step, {d['weight_flops_per_step'] / 1e9:.2f} "
+        f"GFLOP = 2 x rows x weights) in a jitted loop of {n - 1} steps, an RMS norm per layer "
+        f"besides; our decode step = (generate - prefill) / {n - 1}; torch {d['torch_threads']} threads.", "",
+        table(["what", "ms per call", "ms per decode step", "weights GB/s",
+               "weight-matmul GFLOP/s", "of our decode step"], rows), "",
+        f"Ratio transformers / ppo_jax (medians of whole calls): {ratio(d['ratio_now'])}; "
+        f"estimate if everything but the weight matmuls were free (prefill + {n - 1} floor steps): "
+        f"**{ratio(d['best_case_ratio'])}**; a ×2 sampler needs decode steps of "
+        f"{ms(d['step_for_2x_s'])} ms."])
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--torch-threads", type=int, default=0, help="0 = torch's default")
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="HF dir (default: ensure_smollm2())")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = parser.parse_args()
+    args = options(__doc__, batch=8, new_tokens=64, runs=5, model_dir=None, json=None)
     if args.new_tokens < 2 or args.batch < 1:
-        parser.error(f"--new-tokens {args.new_tokens} must be >= 2 (the floor is per decode step "
-                     f"after the first token) and --batch {args.batch} >= 1")
-    print(f"CPU: {cpu_line(cpu_info())}", flush=True)
+        raise SystemExit(f"--new-tokens {args.new_tokens} must be >= 2 (the floor is per decode "
+                         f"step after the first token) and --batch {args.batch} >= 1")
     n, runs = args.new_tokens, max(args.runs, 3)
-
     model_dir = args.model_dir or ensure_smollm2()
-    tok = load_tokenizer(model_dir)
-    ids, mask = chat_batch(tok, args.batch)
-    model, cfg = load_model(model_dir)
-    graphdef, params = split_model(model)
-    key = jax.random.PRNGKey(0)
-
-    def ours(new_tokens):
-        return lambda: jax.block_until_ready(generate(
-            graphdef, params, ids, mask, key, max_new_tokens=new_tokens, greedy=True,
-            stop_token_ids=(), pad_token_id=int(tok.pad_token_id)))
-
-    floors = {form: weight_matmul_steps(params, cfg, ids.shape[0], n - 1, form == "unrolled")
-              for form in ("scan", "unrolled")}
-
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-
-    def theirs():
-        with torch.inference_mode():
-            hf.generate(t_ids, attention_mask=t_mask, max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
-                        temperature=None, top_p=None, top_k=None)
-
-    # alternate the measurements so drifting load from other processes hits all alike
-    fns = {"prefill": ours(1), "generate": ours(n), "transformers": theirs}
-    nbytes = floors["scan"][2]
-    itemsize = flat_params(params)["backbone/embed_tokens/embedding"].dtype.itemsize
-    weight_flops = 2.0 * ids.shape[0] * nbytes / itemsize  # 2 x rows x weights read, per step
-    for form, (fn, h0, _) in floors.items():
-        fns[form] = partial(lambda fn, h0: jax.block_until_ready(fn(h0)), fn, h0)
+    sides = load_sides(model_dir, args.batch)
+    rows = sides.ids.shape[0]
+    fns = {"prefill": sides.ours(1), "generate": sides.ours(n), "transformers": sides.theirs(n)}
+    nbytes = 0
+    for form in ("scan", "unrolled"):
+        run, h0, nbytes = weight_matmul_steps(sides.params, sides.cfg, rows, n - 1, form == "unrolled")
+        fns[form] = partial(lambda run, h0: jax.block_until_ready(run(h0)), run, h0)
+    itemsize = flat_params(sides.params)["backbone/embed_tokens/embedding"].dtype.itemsize
+    weight_flops = 2.0 * rows * nbytes / itemsize  # 2 x rows x weights read, per step
+    log(f"model {model_dir.name}, batch {rows}, {n} new tokens; {runs} alternating runs")
     for fn in fns.values():
         fn()  # warm-up: compile
-    times = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, fn in fns.items():
-            times[k].append(timed(fn))
-
-    fig = floor_figures(times, n, nbytes, weight_flops)
-    step, whole = fig["decode_step_s"], fig["generate_s"]["median"]
-    print(f"model {model_dir.name}, float32, batch {ids.shape[0]}, prompt width {ids.shape[1]}, "
-          f"{n} new tokens, greedy; jax {jax.__version__} ({jax.default_backend()}), torch "
-          f"{torch.__version__} ({torch.get_num_threads()} threads), CPUs {os.cpu_count()}; "
-          f"medians of {runs} alternating runs")
-    print(f"ppo_jax generate: {whole * 1e3:.0f} ms = prefill {fig['prefill_s']['median'] * 1e3:.0f}"
-          f" ms + {n - 1} decode steps of {step * 1e3:.1f} ms ({weight_flops / 1e9:.2f} GFLOP of "
-          f"weight matmuls each -> {fig['decode_gflops_per_s']:.1f} GFLOP/s)")
-    for f, d in fig["forms"].items():
-        print(f"weight matmuls alone, layers {f}: {d['step_s'] * 1e3:.1f} ms per step "
-              f"({nbytes / 1e6:.0f} MB of weights -> {d['gb_per_s']:.1f} GB/s, "
-              f"{d['gflops_per_s']:.1f} GFLOP/s); {d['fraction_of_decode_step']:.0%} of our "
-              "decode step")
-    print(f"transformers generate: {fig['transformers_s']['median'] * 1e3:.0f} ms; ratio now "
-          f"{fig['ratio_now']:.2f}x")
-    print(f"best-case ratio (everything but the weight matmuls free, layers {fig['floor_form']}): "
-          f"{fig['best_case_ratio']:.2f}x; a 2x sampler needs decode steps of "
-          f"{fig['step_for_2x_s'] * 1e3:.1f} ms")
-
-    if args.json:
-        write_json(args.json, {
-            "bench": "decode_floor", "model": model_dir.name, "dtype": "float32",
-            "batch": int(ids.shape[0]), "prompt_width": int(ids.shape[1]), "new_tokens": n,
-            "runs": runs, "weight_bytes": nbytes, "weight_flops_per_step": weight_flops, **fig,
-            "versions": {"jax": jax.__version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__},
-            "torch_threads": torch.get_num_threads(), **machine_load(), **run_record(),
-            "command": ".venv/bin/python bench/decode_floor.py " + shlex.join(sys.argv[1:]),
-        })
+    blocks = interleaved(fns, runs)
+    times = {k: [t for b in v for t in b] for k, v in blocks.items()}
+    finish({"bench": "decode_floor", "model": model_dir.name, "dtype": "float32", "batch": rows,
+            "prompt_width": int(sides.ids.shape[1]), "new_tokens": n, "runs": runs, "weight_bytes": nbytes,
+            "weight_flops_per_step": weight_flops, **floor_figures(times, n, nbytes, weight_flops),
+            "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": sides.transformers},
+            "torch_threads": torch.get_num_threads()}, markdown, args.json)
 
 
 if __name__ == "__main__":

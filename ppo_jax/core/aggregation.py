@@ -13,7 +13,7 @@ minibatch with ``N`` valid tokens, ``S`` rows (sequences) and padded response le
   (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", section 3.1:
   ``1/|o_i|`` replaced by a constant, the maximum response length).
   ``T`` is the width of the mask unless the caller pins it (``loss_normalizers(mask,
-  horizon)``): a trainer that drops all-pad columns keeps ``T`` = the maximum response length.
+  max_response_length)``): a trainer that drops all-pad columns keeps ``T`` = the maximum response length.
 
 Exactness: the caller computes ``Normalizers`` ONCE from the whole minibatch's mask
 (``loss_normalizers``) and passes them to every micro-batch; each micro-batch's ``aggregate`` is
@@ -46,12 +46,12 @@ class Normalizers(NamedTuple):
     Attributes:
       tokens: ``N``, valid tokens of the minibatch (token-mean).
       seqs: ``S``, rows of the minibatch (the seq modes).
-      horizon: ``T``, the padded (maximum) response length (seq-mean-token-sum).
+      max_response_length: ``T``, the padded (maximum) response length (seq-mean-token-sum).
     """
 
     tokens: Any
     seqs: Any
-    horizon: Any
+    max_response_length: Any
 
 
 def check_aggregation(mode: str) -> None:
@@ -61,24 +61,25 @@ def check_aggregation(mode: str) -> None:
         raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
 
 
-def loss_normalizers(mask: Any, horizon: Optional[int] = None) -> Normalizers:
+def loss_normalizers(mask: Any, max_response_length: Optional[int] = None) -> Normalizers:
     """``Normalizers`` of a (whole minibatch) ``[B, T]`` mask: float32 ``N``, ``B`` and the
-    horizon, ``T`` or the given ``horizon``.
+    max_response_length, ``T`` or the given ``max_response_length``.
 
-    ``horizon`` pins seq-mean-token-sum's constant when the mask is narrower than the maximum
+    ``max_response_length`` pins seq-mean-token-sum's constant when the mask is narrower than the maximum
     response length (a trainer that drops all-pad columns passes ``max_new_tokens``, so the
     loss does not change with the columns it keeps).
 
     Raises:
-      ValueError: ``mask`` is not a rank-2 bool / int / float array; ``horizon`` not >= 1.
+      ValueError: ``mask`` is not a rank-2 bool / int / float array; ``max_response_length`` not >= 1.
     """
     valid = V.as_valid("mask", mask)
     if valid.ndim != 2:
         raise ValueError(f"mask must have rank 2, got shape {tuple(valid.shape)}")
     b, t = valid.shape
-    if horizon is not None and horizon < 1:
-        raise ValueError(f"horizon={horizon!r} must be >= 1 (or None: the mask's width)")
-    t = t if horizon is None else horizon
+    if max_response_length is not None and max_response_length < 1:
+        raise ValueError(f"max_response_length={max_response_length!r} must be >= 1 (or None: "
+                         "the mask's width)")
+    t = t if max_response_length is None else max_response_length
     return Normalizers(jnp.sum(valid, dtype=jnp.float32), jnp.float32(b), jnp.float32(t))
 
 
@@ -119,7 +120,7 @@ def aggregate(per_token: jax.Array, mask: Any, mode: str = "token-mean",
     if mode == "seq-mean-token-mean":
         row_means = safe_divide(row_sums, jnp.sum(valid, axis=1, dtype=x.dtype))
         return safe_divide(jnp.sum(row_means), den["seqs"])
-    return safe_divide(jnp.sum(row_sums), den["seqs"] * den["horizon"])
+    return safe_divide(jnp.sum(row_sums), den["seqs"] * den["max_response_length"])
 
 
 def token_mean_stats(stats: Mapping[str, jax.Array], mask: Any,

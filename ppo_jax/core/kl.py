@@ -99,3 +99,20 @@ def full_kl(logits: jax.Array, ref_logits: jax.Array, temperature: Any = 1.0) ->
     live = p > 0
     term = jnp.where(live, p * (jnp.where(live, logp, 0) - jnp.where(live, logq, 0)), 0)
     return jnp.sum(term, axis=-1)
+
+
+def sequence_kl(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
+    """The k1 KL of each response: ``sum_t (logprobs - ref_logprobs)`` over its real tokens.
+
+    TRL 0.11's logged ``objective/kl`` is the mean of this over the batch (``kl.sum(1).mean()``),
+    and the adaptive KL controller is updated with that mean.
+
+    Args:
+      logprobs, ref_logprobs: ``[B, T]`` float, policy and reference log-probs of the sampled
+        tokens (any values on masked slots, NaN included).
+      mask: ``[B, T]``, nonzero on real response tokens.
+
+    Returns:
+      ``[B]`` float, 0 for a row with no real token.
+    """
+    return jnp.sum(jnp.where(mask > 0, logprobs - ref_logprobs, 0.0), axis=1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from flax import nnx
+from flax import nnx, struct
 
 from ppo_jax.models.kv_cache import KVCache
 
@@ -28,6 +28,23 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     if jax.tree_util.tree_leaves(rest):
         raise ValueError(f"model holds non-Param state: {rest}")
     return graphdef, params
+
+
+@struct.dataclass
+class Model:
+    """One model as one value: its static graph definition and its params pytree.
+
+    A pytree whose only children are the params: `jax.jit` takes it as one argument, and
+    `jax.tree.map(fn, model)` (a sharding per param, `jax.device_put`, an abstract shape)
+    gives a `Model` of the same graph, so shardings follow the model by tree-map, not by
+    position. `model.merge()` inside a traced function is the `nnx.Module`.
+    """
+
+    graphdef: Any = struct.field(pytree_node=False)
+    params: Any
+
+    def merge(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.params)
 
 
 def merge_model(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.Module:

@@ -1,6 +1,7 @@
-"""The three model kinds over one shared backbone: `CausalLM`, `ValueModel`, `RewardModel`.
+"""The model kinds over one shared backbone: `CausalLM`, `ValueModel`, `RewardModel`, and
+`CausalLMWithValueHead` (the shared actor-critic).
 
-All three are called as `model(input_ids [B, L] int32, attention_mask [B, S] int32, *,
+All of them are called as `model(input_ids [B, L] int32, attention_mask [B, S] int32, *,
 cache=None, cache_index=None)` and return `(output float32, cache)` (docs/contracts.md).
 Heads compute in float32 whatever the compute dtype. Value and score heads keep float32
 params (they are tiny); an untied LM head uses `cfg.param_dtype`.
@@ -21,7 +22,7 @@ from ppo_jax.models.gpt2 import GPT2Backbone
 from ppo_jax.models.kv_cache import KVCache
 from ppo_jax.models.llama import LlamaBackbone
 
-KINDS = ("causal_lm", "value", "reward")
+KINDS = ("causal_lm", "value", "reward", "causal_lm_value")
 
 
 def make_backbone(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -97,6 +98,28 @@ class ValueModel(nnx.Module):
         return v[..., 0], cache
 
 
+class CausalLMWithValueHead(CausalLM):
+    """A CausalLM with a value head on its own backbone: the shared actor-critic (TRL 0.11
+    `AutoModelForCausalLMWithValueHead`, `model.shared_critic`).
+
+    As a `CausalLM` it is called for logits (sampling, log-probs); `values_from_hidden` reads
+    the value of each position from the same final hidden states, so one backbone pass gives
+    both. Param paths: a CausalLM's plus `value_head/kernel [D, 1]`, `value_head/bias [1]`
+    (float32; zeros when `head_init_std == 0`, as TRL's ValueHead is trained from scratch).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, head_init_std: float = 0.0):
+        super().__init__(cfg, rngs=rngs)
+        init = (nnx.initializers.zeros_init() if head_init_std == 0.0
+                else nnx.initializers.normal(head_init_std))
+        self.value_head = nnx.Linear(cfg.hidden_size, 1, use_bias=True, param_dtype=jnp.float32,
+                                     kernel_init=init, rngs=rngs)
+
+    def values_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """hidden `[..., D]` -> values `[...]` float32 (float32 head, as `ValueModel`)."""
+        return _f32_head(hidden, self.value_head.kernel[...], self.value_head.bias[...])[..., 0]
+
+
 def last_real_index(attention_mask: jax.Array, length: int, cache_index=None) -> jax.Array:
     """`[B]` int32: index (0..L-1) of the last new token whose mask is 1; L-1 for a row with none.
 
@@ -131,11 +154,12 @@ class RewardModel(nnx.Module):
         return _f32_head(last, self.score.kernel[...], None)[:, 0], cache
 
 
-MODEL_CLASSES = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel}
+MODEL_CLASSES = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel,
+                 "causal_lm_value": CausalLMWithValueHead}
 
 
 def model_class(kind: str):
-    """Class for `kind` in ("causal_lm", "value", "reward"). Raises ValueError on another kind."""
+    """Class for `kind` in `KINDS`. Raises ValueError on another kind."""
     if kind not in MODEL_CLASSES:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS}")
     return MODEL_CLASSES[kind]

@@ -156,7 +156,8 @@ def _fresh_head(path: str, shape, std: float, seed: int) -> np.ndarray:
 def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
                dtype: str = "float32", remat: str = "none", head_init_std: float = 0.0,
                seed: int = 0, sharding_fn: Callable | None = None, fresh_score_head: bool = False):
-    """Load a local HF checkpoint directory into `kind` ("causal_lm" | "value" | "reward").
+    """Load a local HF checkpoint directory into `kind` ("causal_lm" | "value" | "reward" |
+    "causal_lm_value").
 
     - causal_lm: backbone + LM head (`lm_head.weight` when untied).
     - reward: backbone + `score.weight` ([1, D], HF `*ForSequenceClassification`, num_labels=1).
@@ -165,6 +166,8 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     - value: backbone + value head copied from `score.weight` (and `score.bias`) when present
       (critic from a reward model, DeepSpeed-Chat); otherwise a fresh head: zeros, or
       N(0, head_init_std^2) (critic from an SFT / causal-LM checkpoint, TRL).
+    - causal_lm_value: a causal LM with a fresh value head on its backbone (zeros, or
+      N(0, head_init_std^2)): the shared actor-critic.
     sharding_fn(path_str, shape) -> jax.sharding.Sharding places each param as it is read.
     Returns (model, cfg). Raises FileNotFoundError, ValueError, CheckpointError (see module doc);
     warns when backbone tensors of the checkpoint were left unread.
@@ -184,8 +187,10 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     def fill(key_path, sds):
         p = path_str(key_path)
         no_score = "score.weight" not in reader.names
-        fresh = no_score and ((kind == "value" and p.startswith("value_head/"))
-                              or (kind == "reward" and fresh_score_head and p.startswith("score/")))
+        fresh = ((kind == "causal_lm_value" and p.startswith("value_head/"))
+                 or no_score and ((kind == "value" and p.startswith("value_head/"))
+                                  or (kind == "reward" and fresh_score_head
+                                      and p.startswith("score/"))))
         if fresh:
             arr = _fresh_head(p, sds.shape, head_init_std, seed)
         elif p == "value_head/bias" and "score.bias" not in reader.names:
@@ -242,7 +247,8 @@ def load_tokenizer(path, *, padding_side: str = "left"):
 
 
 def model_kind(model: nnx.Module) -> str:
-    """"causal_lm" | "value" | "reward" for a model instance. Raises TypeError otherwise."""
+    """"causal_lm" | "value" | "reward" for a model instance (a `CausalLMWithValueHead` is a
+    "causal_lm": it is exported as its LM). Raises TypeError otherwise."""
     for cls, kind in ((CausalLM, "causal_lm"), (ValueModel, "value"), (RewardModel, "reward")):
         if isinstance(model, cls):
             return kind
@@ -255,7 +261,10 @@ def hf_state_dict(model: nnx.Module, cfg: ModelConfig, dtype: str | None = None)
     dtype: None keeps each param's dtype; "float32" / "bfloat16" / "float16" casts all.
     """
     out = {}
+    lm_only = model_kind(model) == "causal_lm"  # a shared actor-critic's value head stays out
     for p, arr in flat_params(nnx.state(model, nnx.Param)).items():
+        if lm_only and p.startswith("value_head/"):
+            continue
         spec = hf_names.hf_tensor(cfg, p)
         a = np.asarray(jax.device_get(arr))
         if dtype is not None:

@@ -117,7 +117,7 @@ def shard_like_params(tree: Any, mesh: Optional[Mesh]) -> Any:
 
 
 def describe(tree: Any, mesh: Mesh) -> dict[str, str]:
-    """`{path: "shape -> spec"}` (for logs and the README's rules table)."""
+    """`{path: "shape -> spec"}` (for logs and docs)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {path_str(kp): f"{tuple(x.shape)} -> {param_spec(path_str(kp), x.shape, mesh)}"
             for kp, x in flat}

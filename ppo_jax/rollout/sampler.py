@@ -14,14 +14,17 @@ distribution (`rollout.scoring`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from functools import partial
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from ppo_jax.models.functional import Model
 from ppo_jax.models.kv_cache import KVCache, init_cache
 from ppo_jax.parallel.mesh import shard_rows
 
@@ -264,21 +267,30 @@ def _is_key(rng) -> bool:
     return dtype == jnp.uint32 and tuple(rng.shape[-1:]) == (2,)
 
 
-def bucket_length(length: int, buckets: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024, 2048,
-                                                          4096, 8192)) -> int:
-    """The smallest bucket >= length (prompt widths are padded to buckets so a run compiles a
-    bounded number of shapes). Raises ValueError when length exceeds the largest bucket."""
-    for b in buckets:
-        if length <= b:
-            return b
-    raise ValueError(f"length {length} exceeds the largest bucket {buckets[-1]}")
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Static settings of `generate` (hashable: a static jit argument); see `generate`."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    mesh: Optional[Mesh] = None
 
 
-def pad_prompts_to(prompt_ids, prompt_mask, width: int, pad_token_id: int):
-    """Left-pad `[B, P]` prompts to `[B, width]` (numpy or jax arrays). Raises ValueError if P > width."""
-    p = prompt_ids.shape[1]
-    if p > width:
-        raise ValueError(f"prompt width {p} exceeds the bucket width {width}")
-    pad = ((0, 0), (width - p, 0))
-    return (jnp.pad(jnp.asarray(prompt_ids), pad, constant_values=pad_token_id),
-            jnp.pad(jnp.asarray(prompt_mask), pad, constant_values=0))
+def sample(model: Model, prompt_ids, prompt_mask, rng, *, settings: SamplingSettings):
+    """`generate` with a `Model` and `SamplingSettings`: `(response_ids, response_mask)`
+    `[B, N]` int32 for `[B, P]` left-padded prompts."""
+    kwargs = {f.name: getattr(settings, f.name) for f in fields(settings)}
+    return generate(model.graphdef, model.params, prompt_ids, prompt_mask, rng, **kwargs)
+
+
+def ended_rows(response_ids: jax.Array, response_mask: jax.Array,
+               stop_token_ids: Sequence[int]) -> jax.Array:
+    """`[B]` bool: the response holds one of `stop_token_ids` (it stopped, rather than being
+    cut at max_new_tokens) and has at least one real token. No stop ids: all False."""
+    stops = jnp.asarray(tuple(stop_token_ids) or (-1,), jnp.int32)
+    return jnp.isin(response_ids, stops).any(axis=1) & (response_mask.sum(axis=1) > 0)

@@ -12,13 +12,51 @@ PPO minibatch sees `ratio == 1` exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
+from jax.sharding import Mesh
 
 from ppo_jax.core import chunked_logprobs_and_entropy, entropy_from_logits, logprobs_from_logits
+from ppo_jax.models.functional import Model
 from ppo_jax.parallel.mesh import shard_rows
 from ppo_jax.parallel.rules import vocab_shards
+
+
+@struct.dataclass
+class Rollout:
+    """Prompts and sampled responses, the input of every scoring pass: `query_ids`,
+    `query_mask` `[B, P]` int32 (left-padded prompts), `response_ids`, `response_mask` `[B, N]`
+    int32 (mask 1 up to and including the stop token)."""
+
+    query_ids: jax.Array
+    query_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+
+    def arrays(self) -> tuple:
+        return self.query_ids, self.query_mask, self.response_ids, self.response_mask
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    """Static settings of the forward passes that score a rollout (hashable: a static jit
+    argument). Shared by experience making and the held-out evaluation."""
+
+    temperature: float = 1.0  # the sampling temperature: log-probs of softmax(logits / T)
+    micro_batch_size: int = 4  # rows per forward pass (`map_in_chunks`)
+    # vocabulary columns per block of the log-prob / entropy head (`head_logprobs`); 0: the
+    # full [B, N, V] logits
+    logprob_chunk_size: int = 0
+    mesh: Optional[Mesh] = None  # split the rows of every chunk over ("data", "fsdp")
+    # (mean, std): reward-model scores become (score - mean) / std (reward.normalize)
+    score_normalizer: Optional[tuple[float, float]] = None
+    # EOS id written over the last response token before the reward model reads it
+    # (reward.eos_at_end; `end_with_eos`); None: the response as sampled
+    reward_eos_id: Optional[int] = None
 
 
 def _sequence(query_ids, query_mask, response_ids, response_mask):
@@ -137,36 +175,62 @@ def map_in_chunks(fn, chunk_size: int, *arrays, mesh=None):
     return jax.tree.map(lambda y: shard_rows(y.reshape(batch, *y.shape[2:]), mesh), out)
 
 
-def value_head(head_params, hidden: jax.Array) -> jax.Array:
-    """A scalar per position: `hidden [..., D] @ kernel [D, 1] + bias [1]` in float32 -> `[...]`.
-
-    The TRL `ValueHead` (a Linear on the last hidden state, after the final norm)."""
-    out = jnp.dot(hidden.astype(jnp.float32), head_params["kernel"].astype(jnp.float32))
-    return (out + head_params["bias"].astype(jnp.float32))[..., 0]
-
-
-def init_value_head(hidden_size: int) -> dict:
-    """Zero-initialised value head params `{"kernel": [D, 1], "bias": [1]}` float32."""
-    return {"kernel": jnp.zeros((hidden_size, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
-
-
 def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response_ids, response_mask,
                                *, temperature: float = 1.0, logprob_chunk_size: int = 0,
                                mesh=None):
-    """Shared-backbone policy and critic (TRL's `AutoModelForCausalLMWithValueHead`).
+    """Shared-backbone policy and critic (`models.CausalLMWithValueHead`, TRL's
+    `AutoModelForCausalLMWithValueHead`).
 
     Args:
-      graphdef: the CausalLM graph.
-      params: `{"policy": CausalLM params, "value_head": value_head params}`.
+      graphdef, params: a split `CausalLMWithValueHead`.
       (others as `policy_logprobs`)
 
     Returns:
       `(logprobs [B, N], entropy [B, N], values [B, N])`, float32, from ONE backbone pass.
     """
-    model = nnx.merge(graphdef, params["policy"])
+    model = nnx.merge(graphdef, params)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
     hidden, _ = model.backbone(ids, mask)
     h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
     logprobs, entropy = head_logprobs(model, h, response_ids, temperature,
                                       chunk_size=logprob_chunk_size, mesh=mesh)
-    return logprobs, entropy, value_head(params["value_head"], h)
+    return logprobs, entropy, model.values_from_hidden(h)
+
+
+def _chunked(fn, rollout: Rollout, s: ScoringSettings):
+    return map_in_chunks(fn, s.micro_batch_size, *rollout.arrays(), mesh=s.mesh)
+
+
+def rollout_logprobs(model: Model, rollout: Rollout, s: ScoringSettings, *,
+                     with_entropy: bool = False):
+    """`policy_logprobs` of a CausalLM (actor or reference) over a rollout, in micro-batch
+    chunks: logprobs `[B, N]` float32, or `(logprobs, entropy)`."""
+    return _chunked(lambda *r: policy_logprobs(
+        model.graphdef, model.params, *r, temperature=s.temperature, with_entropy=with_entropy,
+        logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh), rollout, s)
+
+
+def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ScoringSettings):
+    """`policy_logprobs_and_values` of the shared policy / value model, in micro-batch chunks:
+    `(logprobs, entropy, values)`, each `[B, N]` float32."""
+    return _chunked(lambda *r: policy_logprobs_and_values(
+        model.graphdef, model.params, *r, temperature=s.temperature,
+        logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh), rollout, s)
+
+
+def rollout_values(critic: Model, rollout: Rollout, s: ScoringSettings) -> jax.Array:
+    """`critic_values` over a rollout, in micro-batch chunks: `[B, N]` float32."""
+    return _chunked(lambda *r: critic_values(critic.graphdef, critic.params, *r), rollout, s)
+
+
+def rollout_scores(reward: Model, rollout: Rollout, s: ScoringSettings) -> jax.Array:
+    """The reward model's scores `[B]` float32 of a rollout (`reward_model_scores`, in
+    micro-batch chunks), normalised by `s.score_normalizer` when set: `(score - mean) / std`
+    with the mean / std measured when the reward model was trained (OpenRLHF's
+    `normalize_reward`)."""
+    scores = _chunked(lambda *r: reward_model_scores(reward.graphdef, reward.params, *r,
+                                                     eos_id=s.reward_eos_id), rollout, s)
+    if s.score_normalizer is None:
+        return scores
+    mean, std = s.score_normalizer
+    return (scores - mean) / std

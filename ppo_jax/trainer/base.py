@@ -6,7 +6,7 @@ A stage subclasses `StageTrainer` and fills in four steps, called in this order 
 
     _check_inputs()   read and validate config names and data files (nothing written yet)
     _build()          load models, create `self.state` (a pytree of arrays, what a checkpoint
-                      holds) and `self.sampler` (the data order), jit the update
+                      holds) and `self.prompt_order` (the data order), jit the update
     step() -> dict    one optimiser step (or one PPO step); its metrics as floats
     export()          write the trained model as an HF directory
 
@@ -180,7 +180,7 @@ class StageTrainer:
 
     def save(self) -> None:
         """Write an orbax checkpoint of the current step (collective over processes)."""
-        meta = {"step": self.step_count, "data_position": self.sampler.position}
+        meta = {"step": self.step_count, "data_position": self.prompt_order.position}
         self.checkpointer.save(self.step_count, self.state, meta)
         release_host_memory()  # orbax's write buffers, freed on its threads
 
@@ -197,7 +197,7 @@ class StageTrainer:
                 "train state: was it written with other stage or model.* settings (shared_critic, "
                 f"actor, critic, param_dtype)? ({type(e).__name__}: {str(e)[:300]})") from None
         self.step_count = int(meta["step"])
-        self.sampler.position = int(meta["data_position"])
+        self.prompt_order.position = int(meta["data_position"])
         print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
 
     def write_hf(self, graphdef, params, model_cfg, out_dir: Path, select=None) -> Path:

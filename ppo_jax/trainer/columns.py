@@ -22,7 +22,7 @@ for experience making and the update); `k = 1` is the full width, the behaviour 
 
 The one value that depends on the width itself is the constant `T` of the
 `seq-mean-token-sum` loss aggregation: the trainer pins it to `max_new_tokens`
-(`UpdateSettings.horizon`), never the bucket width.
+(`UpdateSettings.max_response_length`), never the bucket width.
 """
 
 from __future__ import annotations

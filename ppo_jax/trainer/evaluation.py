@@ -21,38 +21,30 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from ppo_jax.core import masked_mean
+from ppo_jax.core import masked_mean, sequence_kl
 from ppo_jax.parallel.host import local_rows
-from ppo_jax.rollout.sampler import generate
-from ppo_jax.rollout.scoring import map_in_chunks, policy_logprobs, reward_model_scores
+from ppo_jax.rollout.experience import PPOModels
+from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, sample
+from ppo_jax.rollout.scoring import Rollout, ScoringSettings, rollout_logprobs, rollout_scores
 from ppo_jax.trainer.data import PromptSet
 from ppo_jax.trainer.programs import Program, batch_shape
+from ppo_jax.trainer.reward_functions import score_texts
 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Static settings of an evaluation pass (hashable: a static jit argument)."""
+    """Static settings of an evaluation pass (hashable: a static jit argument): its sampling
+    (`eval.*` temperature, greedy and length) and its scoring (the log-prob temperature is the
+    sampling temperature; `micro_batch_size` rows per forward pass)."""
 
-    max_new_tokens: int
-    temperature: float = 1.0  # sampling (unless greedy) and log-prob temperature
-    greedy: bool = False
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    micro_batch_size: int = 1  # rows per forward pass of the log-prob / reward-model chunks
-    mesh: Optional[Mesh] = None
-    score_normalizer: Optional[tuple[float, float]] = None  # reward model (mean, std)
-    reward_eos_id: Optional[int] = None  # reward.eos_at_end (see ExperienceSettings)
-    logprob_chunk_size: int = 0  # model.logprob_chunk_size (scoring.head_logprobs)
+    sampling: SamplingSettings
+    scoring: ScoringSettings
 
 
 @dataclass
@@ -82,16 +74,6 @@ def eval_batch(prompts: PromptSet, num_prompts: int, multiple: int) -> EvalBatch
                      list(prompts.texts[:n]))
 
 
-def sample_eval_responses(graphdef, params, query_ids, query_mask, key, *,
-                          settings: EvalSettings):
-    """The actor's responses to the eval prompts (`rollout.sampler.generate` with the eval
-    settings): `[B, P]` prompts -> `(response_ids [B, N], response_mask [B, N])` int32."""
-    s = settings
-    return generate(graphdef, params, query_ids, query_mask, key, max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy,
-                    stop_token_ids=s.stop_token_ids, pad_token_id=s.pad_token_id, mesh=s.mesh)
-
-
 def eval_summary(scores, logprobs, ref_logprobs, response_mask, ended, valid) -> dict:
     """The eval figures over the valid rows (NaN-safe on padding rows and tokens).
 
@@ -109,7 +91,7 @@ def eval_summary(scores, logprobs, ref_logprobs, response_mask, ended, valid) ->
     valid = valid.astype(bool)
     scores = scores.astype(jnp.float32)
     mean = masked_mean(scores, valid)
-    kl_rows = jnp.sum(jnp.where(response_mask > 0, logprobs - ref_logprobs, 0.0), axis=1)
+    kl_rows = sequence_kl(logprobs, ref_logprobs, response_mask)
     return {
         "reward_mean": mean,
         "reward_std": jnp.sqrt(masked_mean(jnp.square(jnp.where(valid, scores - mean, 0.0)), valid)),
@@ -119,15 +101,12 @@ def eval_summary(scores, logprobs, ref_logprobs, response_mask, ended, valid) ->
     }
 
 
-def eval_stats(actor_graphdef, actor_params, ref_graphdef, ref_params, reward_graphdef,
-               reward_params, query_ids, query_mask, response_ids, response_mask, scores, valid,
-               *, settings: EvalSettings):
+def eval_stats(models: PPOModels, rollout: Rollout, scores, valid, *, settings: EvalSettings):
     """Score the eval responses and summarise them (jit with `settings` static).
 
     Args:
-      *_graphdef, *_params: split CausalLMs (actor, reference) and the reward model (None
-        when `scores` come from a reward function).
-      query_ids, query_mask: `[B, P]`; response_ids, response_mask: `[B, N]` int32.
+      models: the actor, the reference and (when `scores` is None) the reward model.
+      rollout: the eval prompts `[B, P]` and responses `[B, N]` int32.
       scores: `[B]` float32 from the reward function, or None for the reward model.
       valid: `[B]` bool, False on padding rows.
 
@@ -135,30 +114,17 @@ def eval_stats(actor_graphdef, actor_params, ref_graphdef, ref_params, reward_gr
       `(eval_summary(...) dict, scores [B] float32)`.
 
     Raises:
-      ValueError: B is not a multiple of `settings.micro_batch_size`.
+      ValueError: B is not a multiple of `settings.scoring.micro_batch_size`.
     """
-    s = settings
-    rollout = (query_ids, query_mask, response_ids, response_mask)
-    chunks = partial(map_in_chunks, mesh=s.mesh)
-
-    def logprobs_of(graphdef, params):
-        return chunks(lambda *r: policy_logprobs(graphdef, params, *r, temperature=s.temperature,
-                                                 logprob_chunk_size=s.logprob_chunk_size,
-                                                 mesh=s.mesh),
-                      s.micro_batch_size, *rollout)
-
+    s = settings.scoring
     if scores is None:
-        scores = chunks(lambda *r: reward_model_scores(reward_graphdef, reward_params, *r,
-                                                          eos_id=s.reward_eos_id),
-                        s.micro_batch_size, *rollout)
-        if s.score_normalizer is not None:
-            mean, std = s.score_normalizer
-            scores = (scores - mean) / std
+        scores = rollout_scores(models.reward, rollout, s)
     scores = scores.astype(jnp.float32)
-    stops = jnp.asarray(s.stop_token_ids or (-1,), jnp.int32)
-    ended = jnp.isin(response_ids, stops).any(axis=1) & (response_mask.sum(axis=1) > 0)
-    stats = eval_summary(scores, logprobs_of(actor_graphdef, actor_params),
-                         logprobs_of(ref_graphdef, ref_params), response_mask, ended, valid)
+    ended = ended_rows(rollout.response_ids, rollout.response_mask,
+                       settings.sampling.stop_token_ids)
+    stats = eval_summary(scores, rollout_logprobs(models.actor, rollout, s),
+                         rollout_logprobs(models.reference, rollout, s), rollout.response_mask,
+                         ended, valid)
     return stats, scores
 
 
@@ -168,17 +134,17 @@ class Evaluator:
 
     Args:
       batch: `eval_batch(...)`; B must be a multiple of the mesh's batch shards and of
-        `settings.micro_batch_size`.
+        `settings.scoring.micro_batch_size`.
       settings: `EvalSettings`.
       place: the run's `Placement`.
-      graphdefs: (actor, reference, reward model or None) graph definitions.
-      shardings: the shardings of the (actor, reference, reward model) params the call gets.
+      shardings: `PPOModels` of the shardings of the actor, reference and reward model params
+        (`Placement.shardings(models)`; critic None).
       seed: `eval.seed`, the PRNG key of every evaluation.
       reward_fn: `fn(prompts, responses) -> [n] scores` on text, or None for the reward model.
       decode: `fn(ids [n, N], mask [n, N]) -> n strings`.
     """
 
-    def __init__(self, batch: EvalBatch, settings: EvalSettings, place, graphdefs, shardings, *,
+    def __init__(self, batch: EvalBatch, settings: EvalSettings, place, shardings: PPOModels, *,
                  seed: int, reward_fn: Optional[Callable], decode: Callable):
         self.batch, self.place, self.reward_fn, self.decode = batch, place, reward_fn, decode
         self.settings = settings
@@ -189,37 +155,36 @@ class Evaluator:
         self.qm = place.put_rows(batch.mask[self.lo:self.hi], (size, width))
         self.valid = place.put_rows(batch.valid[self.lo:self.hi], (size,))
         self.key = place.replicate(jax.random.PRNGKey(seed))
-        actor_gd, ref_gd, reward_gd = graphdefs
-        actor_sh, ref_sh, reward_sh = shardings
 
-        def stats(actor, ref, reward, q, qm, r, rm, scores, valid):
-            return eval_stats(actor_gd, actor, ref_gd, ref, reward_gd, reward, q, qm, r, rm,
-                              scores, valid, settings=settings)
+        def sample_responses(actor, q, qm, key):
+            return sample(actor, q, qm, key, settings=settings.sampling)
 
-        self._sample = jax.jit(partial(sample_eval_responses, actor_gd, settings=settings),
-                               in_shardings=(actor_sh, rows, rows, rep), out_shardings=(rows, rows))
-        self._stats = jax.jit(stats, in_shardings=(actor_sh, ref_sh, reward_sh) + (rows,) * 6,
+        def stats(models, q, qm, r, rm, scores, valid):
+            return eval_stats(models, Rollout(q, qm, r, rm), scores, valid, settings=settings)
+
+        self._sample = jax.jit(sample_responses, in_shardings=(shardings.actor, rows, rows, rep),
+                               out_shardings=(rows, rows))
+        self._stats = jax.jit(stats, in_shardings=(shardings,) + (rows,) * 6,
                               out_shardings=(rep, rows))
 
     def inputs(self) -> tuple:
         """The eval prompts, validity mask and key this evaluator holds on the devices."""
         return self.q, self.qm, self.valid, self.key
 
-    def programs(self, actor_params, ref_params, reward_params, *, per_step: float) -> list:
+    def programs(self, models: PPOModels, *, per_step: float) -> list:
         """Its two jitted calls with abstract arguments (`trainer.programs.Program`): the eval
-        sampler and the scoring, responses `settings.max_new_tokens` long."""
-        size, new = self.batch.ids.shape[0], self.settings.max_new_tokens
+        sampler and the scoring, responses `settings.sampling.max_new_tokens` long."""
+        size, new = self.batch.ids.shape[0], self.settings.sampling.max_new_tokens
         resp = batch_shape(self.place, (size, new), jnp.int32)
         scores = None if self.reward_fn is None else batch_shape(self.place, (size,), jnp.float32)
         note = f"every {round(1 / per_step)} steps" if per_step else ""
-        return [Program("eval_sampler", self._sample, (actor_params, self.q, self.qm, self.key),
+        return [Program("eval_sampler", self._sample, (models.actor, self.q, self.qm, self.key),
                         per_step, note, while_trips=new - 1),
-                Program("eval_scoring", self._stats, (actor_params, ref_params, reward_params,
-                                                      self.q, self.qm, resp, resp, scores,
+                Program("eval_scoring", self._stats, (models, self.q, self.qm, resp, resp, scores,
                                                       self.valid), per_step, note)]
 
-    def __call__(self, actor_params, ref_params, reward_params, num_samples: int = 0):
-        """Evaluate the actor params (a CausalLM's) against the reference.
+    def __call__(self, models: PPOModels, num_samples: int = 0):
+        """Evaluate the actor (a CausalLM's params in `models.actor`) against the reference.
 
         Returns:
           `(metrics, samples)`: `{"eval/reward_mean", "eval/reward_std", "eval/kl",
@@ -228,13 +193,12 @@ class Evaluator:
           `{"prompt", "response", "score", "eval": True}` dicts.
         """
         t0 = time.perf_counter()
-        resp, resp_mask = self._sample(actor_params, self.q, self.qm, self.key)
+        resp, resp_mask = self._sample(models.actor, self.q, self.qm, self.key)
         texts, scores = None, None
         if self.reward_fn is not None:
             texts, local_scores = self._score_text(local_rows(resp), local_rows(resp_mask))
             scores = self.place.put_rows(local_scores, (self.batch.ids.shape[0],))
-        stats, scores = self._stats(actor_params, ref_params, reward_params, self.q, self.qm, resp,
-                                    resp_mask, scores, self.valid)
+        stats, scores = self._stats(models, self.q, self.qm, resp, resp_mask, scores, self.valid)
         metrics = {f"eval/{k}": float(v) for k, v in jax.device_get(stats).items()}
         samples = self._samples(num_samples, resp, resp_mask, scores, texts)
         metrics["time/eval"] = time.perf_counter() - t0
@@ -247,10 +211,10 @@ class Evaluator:
     def _score_text(self, resp: np.ndarray, resp_mask: np.ndarray):
         """Decode and score this process's real rows; padding rows score 0 (left out later)."""
         n = self._real_rows()
-        texts = self.decode(resp[:n], resp_mask[:n])
+        texts, real = score_texts(self.reward_fn, self.decode, self.batch.texts[self.lo:self.lo + n],
+                                  resp[:n], resp_mask[:n])
         scores = np.zeros(len(resp), np.float32)
-        scores[:n] = np.asarray(self.reward_fn(self.batch.texts[self.lo:self.lo + n], texts),
-                                np.float32)
+        scores[:n] = real
         return texts, scores
 
     def _samples(self, num: int, resp, resp_mask, scores, texts) -> list[dict]:

@@ -14,7 +14,7 @@ serves the large ones with `mmap` and unmaps them on free, so each call of a jit
 faults its whole working set in again (SmolLM2-135M, one minibatch's forward + backward: ~490k
 page faults and ~1 s of system time per ~4.5 s call). With `MALLOC_SETTINGS` in the environment
 when the process starts (one arena, no `mmap`'d chunks, no trimming, a 1 GiB top pad) freed
-buffers stay mapped and every thread reuses them: the faults drop to ~0 (README "Benchmarks").
+buffers stay mapped and every thread reuses them: the faults drop to ~0 (docs/benchmarks.md).
 One arena also removes the per-thread arenas `malloc_trim` was for, so `release_host_memory`
 leaves the memory mapped when the settings are on. glibc reads them only at start-up:
 `train.py` re-executes itself with them (`malloc_env`; `PPO_JAX_MALLOC_TUNING=0` turns it off).

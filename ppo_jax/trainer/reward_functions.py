@@ -65,3 +65,15 @@ def response_length() -> RewardFunction:
         return np.asarray([len(r.split()) / 10.0 for r in responses], np.float32)
 
     return score
+
+
+def score_texts(reward_fn: RewardFunction, decode: Callable, prompts: list[str], ids: np.ndarray,
+                mask: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Decode response rows `ids`, `mask` `[n, N]` (this process's) with `decode(ids, mask) ->
+    n strings` and score them against their `prompts` with `reward_fn`.
+
+    Returns:
+      `(responses, scores [n] float32)`.
+    """
+    responses = decode(ids, mask)
+    return responses, np.asarray(reward_fn(prompts, responses), np.float32)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -72,8 +71,8 @@ def model_shape_config(source: str, key: str, **overrides):
 
 
 @dataclass
-class Split:
-    """A model split for functional use: static graphdef, params pytree (nested dict), config."""
+class LoadedModel:
+    """A loaded model: its static graphdef, params pytree (nested dict) and `ModelConfig`."""
 
     graphdef: Any
     params: Any
@@ -81,21 +80,21 @@ class Split:
 
 
 def load_split(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0,
-          sharding_fn=None, **kwargs) -> Split:
+          sharding_fn=None, **kwargs) -> LoadedModel:
     model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed,
                             sharding_fn=sharding_fn, **kwargs)
     graphdef, params = split_model(model)
-    return Split(graphdef, nnx.to_pure_dict(params), cfg)
+    return LoadedModel(graphdef, nnx.to_pure_dict(params), cfg)
 
 
 @dataclass
 class Models:
     """actor / reference / critic, the optional reward model, and the tokenizer."""
 
-    actor: Split
-    reference: Split
-    critic: Optional[Split]  # None with model.shared_critic (the value head sits on the actor)
-    reward: Optional[Split]
+    actor: LoadedModel
+    reference: LoadedModel
+    critic: Optional[LoadedModel]  # None with model.shared_critic (a CausalLMWithValueHead actor)
+    reward: Optional[LoadedModel]
     tokenizer: Any
     actor_path: Path
     score_normalizer: Optional[tuple[float, float]] = None  # the reward model's (mean, std)
@@ -108,8 +107,8 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
 
     Critic: from `model.critic` when set; else from the reward model (DeepSpeed-Chat: value head
     initialised from its score head) when `reward.kind == "model"`; else from the actor with a
-    fresh zero value head. With `model.shared_critic` no critic is loaded: the trainer puts a
-    value head on the actor's own backbone (TRL's `AutoModelForCausalLMWithValueHead`), and
+    fresh zero value head. With `model.shared_critic` no critic is loaded: the actor is a
+    `CausalLMWithValueHead` (TRL's `AutoModelForCausalLMWithValueHead`), and
     none with a critic-free advantage estimator (`needs_critic`).
 
     Raises:
@@ -140,7 +139,7 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
     frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
                   sharding_fn=sharding_fn)
-    actor = load_split(actor_path, "causal_lm", **trained)
+    actor = load_split(actor_path, actor_kind(cfg), **trained)
     reference = load_split(ref_path, "causal_lm", **frozen)
     critic = None if not needs_critic(cfg) else load_split(critic_path, "value", **trained,
                                                              seed=cfg.train.seed)
@@ -151,12 +150,12 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     return Models(actor, reference, critic, reward, tokenizer, actor_path, normalizer)
 
 
-def abstract_split(source: str, key: str, kind: str, *, sharding_fn=None, **overrides) -> Split:
-    """A `Split` whose params are `jax.ShapeDtypeStruct`s placed by `sharding_fn`
+def abstract_split(source: str, key: str, kind: str, *, sharding_fn=None, **overrides) -> LoadedModel:
+    """A `LoadedModel` whose params are `jax.ShapeDtypeStruct`s placed by `sharding_fn`
     (`models.abstract_model`), from `model_shape_config(source, key, **overrides)`."""
     model_cfg = model_shape_config(source, key, **overrides)
     graphdef, params = abstract_model(model_cfg, kind, sharding_fn=sharding_fn)
-    return Split(graphdef, nnx.to_pure_dict(params), model_cfg)
+    return LoadedModel(graphdef, nnx.to_pure_dict(params), model_cfg)
 
 
 def abstract_models(cfg: Config, sharding_fn=None) -> Models:
@@ -175,7 +174,7 @@ def abstract_models(cfg: Config, sharding_fn=None) -> Models:
     trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
     frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
                   sharding_fn=sharding_fn)
-    actor = abstract_split(m.actor, "model.actor", "causal_lm", **trained)
+    actor = abstract_split(m.actor, "model.actor", actor_kind(cfg), **trained)
     reference = abstract_split(m.reference or m.actor, "model.reference", "causal_lm", **frozen)
     by_model = cfg.reward.kind == "model"
     critic_source, critic_key = ((m.critic, "model.critic") if m.critic else
@@ -199,6 +198,12 @@ def abstract_prompts(rows: int, width: int) -> PromptSet:
     `train.py --compile-for` compiles), as a `PromptSet` of zero ids."""
     ids, mask = np.zeros((rows, width), np.int32), np.ones((rows, width), np.int32)
     return PromptSet([""] * rows, ids, mask)
+
+
+def actor_kind(cfg: Config) -> str:
+    """The actor's model kind: "causal_lm_value" (`models.CausalLMWithValueHead`, a zero value
+    head on its own backbone) with `model.shared_critic`, else "causal_lm"."""
+    return "causal_lm_value" if cfg.model.shared_critic else "causal_lm"
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -337,5 +342,21 @@ def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
     return prompts
 
 
-def count(params) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+def prompt_set(cfg: Config, tokenizer, model_cfg, path: str, key: str, *, abstract: bool = False,
+               new_tokens: int | None = None, rows: int = 0,
+               new_tokens_key: str = "generation.max_new_tokens") -> PromptSet:
+    """The tokenised prompt file `path` (`build_prompts`); in an abstract build
+    (`abstract=True`: `train.py --compile-for`), `rows` (default a batch) prompts
+    `data.max_prompt_length` wide, checked against the context.
+
+    Raises:
+      ConfigError / FileNotFoundError / ValueError: see `build_prompts`.
+    """
+    if not abstract:
+        return build_prompts(cfg, tokenizer, model_cfg, path=path, key=key,
+                             max_new_tokens=new_tokens, new_tokens_key=new_tokens_key)
+    width, new = cfg.data.max_prompt_length, new_tokens or cfg.generation.max_new_tokens
+    if width + new > model_cfg.max_position_embeddings:
+        raise ConfigError(f"{key}: data.max_prompt_length={width} + {new_tokens_key}={new} "
+                          f"exceeds the model context {model_cfg.max_position_embeddings}")
+    return abstract_prompts(rows or cfg.ppo.batch_size, width)

@@ -60,7 +60,7 @@ class UpdateSettings:
     entropy_coef: float = 0.0  # per-token -entropy_coef * entropy added to the policy loss
     kl_loss_coef: float = 0.0  # per-token kl_loss_coef * KL(pi || ref) added to the policy loss
     kl_loss_estimator: str = "low_var_kl"  # core.KL_ESTIMATORS
-    shared_critic: bool = False  # one state {"policy", "value_head"}; loss = pg + vf_coef * vf
+    shared_critic: bool = False  # a CausalLMWithValueHead actor; loss = pg + vf_coef * vf
     vf_coef: float = 0.1
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
     train_actor: bool = True  # False: critic-only update (ppo.critic_warmup_steps)
@@ -69,7 +69,7 @@ class UpdateSettings:
     logprob_chunk_size: int = 0
     # seq-mean-token-sum's constant T (generation.max_new_tokens); None: the experience's width.
     # Pinned so that cutting all-pad response columns (trainer.columns) changes no loss.
-    horizon: Optional[int] = None
+    max_response_length: Optional[int] = None
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call."""
@@ -168,7 +168,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
 
     Args:
       actor_state, critic_state: `TrainState`s. With `settings.shared_critic` the actor state
-        holds `{"policy", "value_head"}` params, trained on `pg_loss + vf_coef * vf_loss` (TRL
+        holds a `CausalLMWithValueHead`'s params, trained on `pg_loss + vf_coef * vf_loss` (TRL
         0.11 `PPOTrainer.loss`), and `critic_state` / `critic_graphdef` / `critic_tx` are None.
       exp: `Experience` with batch B (a multiple of mini_batch_size); its rows' group ids are
         `exp.group_ids` when it has that field, else `arange(B)` (every row its own group).
@@ -205,7 +205,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
     def minibatch_step(carry, idx):
         a_state, c_state = carry
         mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], data), s.mesh)
-        norms = loss_normalizers(mb[0].response_mask, s.horizon)
+        norms = loss_normalizers(mb[0].response_mask, s.max_response_length)
         a_stats = {}
         if s.train_actor:
             a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,

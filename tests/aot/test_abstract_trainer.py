@@ -34,7 +34,8 @@ def test_abstract_build_has_the_real_builds_arrays(tmp_path, monkeypatch, extra)
     real, abstract = PPOTrainer(cfg), PPOTrainer.abstract(cfg)
     assert layout(abstract.state) == layout(real.state)
     assert layout(abstract.ref_params) == layout(real.ref_params)
-    assert abstract.stop_ids == real.stop_ids and abstract.pad_id == real.pad_id
+    assert abstract.stop_ids == real.stop_ids
+    assert abstract.settings.sampling.pad_token_id == real.settings.sampling.pad_token_id
     programs = {p.name: p for p in abstract.programs()}
     assert programs["update"].fn is abstract._update
     assert programs["sampler"].fn is abstract._generate

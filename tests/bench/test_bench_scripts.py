@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # the benchmark scripts import each other by name
 
 
 def _load(name: str):
@@ -30,10 +31,8 @@ def _load(name: str):
 
 
 ppo_step, gpu, report = _load("ppo_step"), _load("gpu"), _load("report")
-core_bench = _load("core")
-flops, common, trl_step = _load("flops"), _load("common"), _load("ppo_step_trl")
-provenance = _load("provenance")
-sections, gpu_figures = _load("sections"), _load("gpu_figures")
+core_bench, generate, roofline = _load("core"), _load("generate"), _load("roofline")
+flops, harness, trl_step = _load("flops"), _load("harness"), _load("ppo_step_trl")
 logprob_memory = _load("logprob_memory")
 
 
@@ -64,7 +63,7 @@ def test_matmul_params_equal_the_model_params():
     mc = {"vocab_size": 211, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
           "num_layers": cfg.num_layers, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
           "head_dim": cfg.head_dim}
-    n_lm, n_value = gpu_figures.matmul_params(mc)
+    n_lm, n_value = gpu.matmul_params(mc)
     assert n_lm == n
     assert n_value == n - 211 * cfg.hidden_size + cfg.hidden_size
 
@@ -73,12 +72,12 @@ def test_flops_per_phase():
     r = {"model_config": {"vocab_size": 10, "hidden_size": 4, "intermediate_size": 8,
                           "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 2},
          "seq_tokens_mean": 100, "epochs": 4, "mode": "separate"}
-    f = gpu_figures.phase_flops(r)
+    f = gpu.phase_flops(r)
     n_lm, n_v = f["n_lm"], f["n_value"]
     assert f["generation"] == 2 * n_lm * 100
     assert f["scoring"] == 2 * 100 * (2 * n_lm + n_v)
     assert f["update"] == 4 * 6 * 100 * (n_lm + n_v)
-    shared = gpu_figures.phase_flops({**r, "mode": "shared"})
+    shared = gpu.phase_flops({**r, "mode": "shared"})
     assert shared["update"] == 4 * 6 * 100 * n_lm and shared["scoring"] == 4 * 100 * n_lm
 
 
@@ -86,8 +85,8 @@ def test_flops_per_phase():
                                        ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                        ("NVIDIA L40S", 362.0), ("TPU v5 lite", 197.0), ("cpu", None)])
 def test_peak_table(kind, peak):
-    assert gpu_figures.peak_tflops(kind, None)[0] == peak
-    assert gpu_figures.peak_tflops(kind, 123.0) == (123.0, "override")
+    assert gpu.lookup(gpu.PEAK_BF16_TFLOPS, kind, None)[0] == peak
+    assert gpu.lookup(gpu.PEAK_BF16_TFLOPS, kind, 123.0) == (123.0, "override")
 
 
 @pytest.mark.parametrize("kind,tbs", [("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35),
@@ -95,8 +94,8 @@ def test_peak_table(kind, peak):
                                       ("NVIDIA A100-SXM4-80GB", 2.039), ("TPU v5 lite", 0.819),
                                       ("cpu", None)])
 def test_hbm_table(kind, tbs):
-    assert gpu_figures.peak_hbm_tbs(kind, None)[0] == tbs
-    assert gpu_figures.peak_hbm_tbs(kind, 2.5) == (2.5, "override")
+    assert gpu.lookup(gpu.HBM_TBS, kind, None)[0] == tbs
+    assert gpu.lookup(gpu.HBM_TBS, kind, 2.5) == (2.5, "override")
 
 
 def test_shapes_match_their_models():
@@ -105,7 +104,7 @@ def test_shapes_match_their_models():
         mc = {"vocab_size": 49152, "hidden_size": dims["hidden"], "num_layers": dims["layers"],
               "intermediate_size": dims["intermediate"], "num_heads": dims["heads"],
               "num_kv_heads": dims["kv_heads"], "head_dim": dims["head_dim"]}
-        return gpu_figures.matmul_params(mc)[0]  # tied: every param is a matmul weight or a norm
+        return gpu.matmul_params(mc)[0]  # tied: every param is a matmul weight or a norm
 
     assert n_params(gpu.SHAPES["smollm2"]) == 134_515_008  # SmolLM2-135M's count
     assert 1.0e9 < n_params(gpu.SHAPES["llama1b"]) < 1.1e9
@@ -116,15 +115,15 @@ def test_sampler_bytes_and_bandwidth():
           "num_heads": 2, "num_kv_heads": 1, "head_dim": 2}
     r = {"model_config": mc, "dtype": "bfloat16", "new_tokens": 5, "prompt_width": 7, "batch": 6,
          "stats": {"time/generation": {"median": 2.0}, "tokens_per_s/generation": {"median": 15.0}}}
-    b = gpu_figures.sampler_bytes(r)
-    n_lm = gpu_figures.matmul_params(mc)[0]
+    b = gpu.sampler_bytes(r)
+    n_lm = gpu.matmul_params(mc)[0]
     kv = 2 * 3 * 6 * (7 + 5 - 1) * 1 * 2 * 2  # k and v, layers, rows, slots, kv heads, dim, bf16
     assert b["weight_bytes"] == 2 * n_lm and b["kv_cache_bytes"] == kv
     assert b["bytes"] == 5 * 2 * n_lm + 4 * kv  # prefill + 4 decode passes read the weights
-    f = gpu_figures.sampler_figures(r, hbm_tbs=1e-9)  # 1 kB/s
+    f = gpu.sampler_figures(r, hbm_tbs=1e-9)  # 1 kB/s
     assert f["tokens_per_s"] == 15.0 and f["gb_per_s"] == pytest.approx(b["bytes"] / 2 / 1e9)
     assert f["hbm_fraction"] == pytest.approx(b["bytes"] / 2 / 1e3)
-    assert gpu_figures.sampler_figures(r, None)["hbm_fraction"] is None
+    assert gpu.sampler_figures(r, None)["hbm_fraction"] is None
 
 
 def test_configurations_run_every_model_before_the_second_mode():
@@ -170,16 +169,16 @@ def test_gpu_sh_dry_run(tmp_path):
         assert r["model"] == "tiny-3M" and r["dtype"] == "bfloat16" and r["gen_tokens"] == 8
         assert r["sampler_bytes"]["bytes"] > 0 and r["flops"]["update"] > 0
     assert "| tiny-3M | separate | 1 |" in proc.stdout and "sampler GB/s" in proc.stdout
-    text = gpu_figures.gpu_section(data)
+    text = gpu.gpu_section(data)
     assert "DRY RUN" in text and "| tiny-3M | shared | 1 |" in text
 
 
 def test_replace_gpu_section():
     doc = "# R\n\n## A\n\na\n"
-    once = gpu_figures.replace_gpu_section(doc, "## PPO step on X\n\nx")
+    once = gpu.replace_gpu_section(doc, "## PPO step on X\n\nx")
     assert once == "# R\n\n## A\n\na\n\n## PPO step on X\n\nx\n"
-    assert gpu_figures.replace_gpu_section(once, "## PPO step on Y\n\ny") == once.replace("X\n\nx", "Y\n\ny")
-    middle = gpu_figures.replace_gpu_section(once + "\n## B\n\nb\n", "## PPO step on Z\n\nz")
+    assert gpu.replace_gpu_section(once, "## PPO step on Y\n\ny") == once.replace("X\n\nx", "Y\n\ny")
+    middle = gpu.replace_gpu_section(once + "\n## B\n\nb\n", "## PPO step on Z\n\nz")
     assert middle == "# R\n\n## A\n\na\n\n## PPO step on Z\n\nz\n\n## B\n\nb\n"
 
 
@@ -187,8 +186,7 @@ def _result(config, t_gen, t_score, t_upd, tokens=400):
     st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
     t_step = t_gen + t_score + t_upd
     return {"config": config, "label": config, "epochs": 1, "peak_rss_mib": 1000.0,
-            "compile_s": None if config == "trl" else {f"time/{k}": 1.0 for k in
-                                                       ("generation", "scoring", "update", "step")},
+            "compile_s": None if config == "trl" else 1.0,
             "load_s": 1.0, "first_step_s": 2.0,
             "stats": {"time/generation": st(t_gen), "time/scoring": st(t_score),
                       "time/update": st(t_upd), "time/step": st(t_step),
@@ -202,11 +200,11 @@ def test_ppo_step_markdown_ratios():
     data = {"settings": {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48,
                          "kl_coef": 0.05, "max_grad_norm": 1.0, "warmup": 1, "steps": 3},
             "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
-    text = sections.ppo_step_markdown(data)
-    ratio_rows = [ln for ln in text.splitlines() if ln.startswith("| jax-shared:")]
-    assert len(ratio_rows) == 2
-    for row in ratio_rows:  # generation x2, scoring x3, update x4, step 13/4
-        assert row.split(" | ")[1:] == ["×2.00", "×3.00", "×4.00", "×3.25 |"]
+    text = ppo_step.markdown(data)
+    ratios = text.split("TRL time / ours time")[1]
+    # generation x2, scoring x3, update x4, step 13/4
+    assert "| jax-shared | ×2.00 | ×3.00 | ×4.00 | ×3.25 |" in ratios
+    assert "tok/s" not in text and "tokens/s" not in text  # the time ratios say it
     assert text.index("| trl |") < text.index("| jax-shared |")  # TRL row first
 
 
@@ -229,7 +227,7 @@ def test_merge_rounds_takes_median_of_round_medians_and_extremes_of_steps():
     assert ours["stats"]["time/generation"] == {"median": 2.5, "min": 0.5, "max": 9.0, "n": 9}
     assert ours["rounds"] == 3 and "round" not in ours
     assert ours["peak_rss_mib"] == 950.0 and ours["load_s"] == 2.0 and ours["wall_s"] == 30.0
-    assert ours["compile_s"]["time/step"] == 1.0
+    assert ours["compile_s"] == 1.0 and "trl_ratio" not in ours  # TRL ran in one round only
     assert merged["trl"]["rounds"] == 1 and merged["trl"]["compile_s"] is None
     assert merged["trl"]["stats"]["time/generation"]["median"] == 4.5
 
@@ -241,30 +239,29 @@ def test_ppo_step_markdown_reports_per_round_ratio_spread():
     for rnd, (ours, trl) in enumerate([(2.0, 4.0), (4.0, 4.0), (1.0, 3.0)]):  # x2, x1, x3
         rounds += [_spread_result("trl", rnd, [trl]), _spread_result("jax-shared", rnd, [ours])]
     rounds.append(_spread_result("jax-separate", 0, [1.0]))  # one round only: no spread row
-    assert sections.round_ratios(rounds, 1)["jax-shared"]["generation"] == [2.0, 1.0, 3.0]
-    data = {"settings": settings, "results": ppo_step.merge_rounds(rounds), "rounds": rounds}
-    text = sections.ppo_step_markdown(data)
+    merged = {r["config"]: r for r in ppo_step.merge_rounds(rounds)}
+    assert merged["jax-shared"]["trl_ratio"]["time/generation"] == {
+        "median": 2.0, "min": 1.0, "max": 3.0, "n": 3}  # x2, x1, x3
+    assert "trl_ratio" not in merged["jax-separate"]
+    data = {"settings": settings, "results": list(merged.values()), "rounds": rounds}
+    text = ppo_step.markdown(data)
     assert "in each of 3 interleaved rounds" in text
-    assert "TRL time / ours time per round (3 rounds" in text
-    row = next(ln for ln in text.splitlines() if ln.startswith("| jax-shared | ×"))
+    row = next(ln for ln in text.splitlines() if ln.startswith("| jax-shared, per round (3 rounds) |"))
     # generation: x2.00 (x1.00-x3.00); scoring and update equal every round
     assert row.split(" | ")[1:4] == ["×2.00 (×1.00–×3.00)", "×1.00 (×1.00–×1.00)", "×1.00 (×1.00–×1.00)"]
-    assert not any(ln.startswith("| jax-separate | ×") for ln in text.splitlines())
-    one = sections.ppo_step_markdown({**data, "settings": {**settings, "rounds": 1}, "rounds": []})
+    assert "| jax-separate, per round" not in text
+    one = ppo_step.markdown({**data, "settings": {**settings, "rounds": 1},
+                             "results": ppo_step.merge_rounds([r for r in rounds if r["round"] == 0])})
     assert "per round" not in one and "median (min–max)." in one
 
 
 def test_report_renders_missing_sections(tmp_path):
-    (tmp_path / "core.json").write_text(json.dumps({
-        "batch": 4, "length": 8, "runs": 3, "jax_runs": 10, "default_gae": "scan(unroll=1)",
-        "torch": {"median_ms": 2.0, "min_ms": 1.5},
-        "jax": {"scan(unroll=1)": {"median_ms": 0.5, "min_ms": 0.4, "compile_s": 0.3}},
-        "gae_alone": {}, "load_average": 0.5, "command": ".venv/bin/python bench/core.py"}))
-    text = report.render(tmp_path)  # a core.json from before interleaving and commits
-    assert "| jax jit, GAE scan(unroll=1) (default) | 0.500 (0.400) | ×4.0 | n/a | n/a | 0.30 |" in text
+    (tmp_path / "core.json").write_text(json.dumps({  # a file without a commit or a section
+        "batch": 4, "load_average": 0.5, "command": ".venv/bin/python bench/core.py"}))
+    text = report.render(tmp_path)
+    assert "_core.json carries no section" in text
     assert "_not run (no ppo_step.json)_" in text and "_not run (no generate.json)_" in text
-    assert "_not run (no decode_floor.json)_" in text
-    assert "no commit recorded for core" in text and "(not interleaved)" in text
+    assert "_not run (no decode_floor.json)_" in text and "no commit recorded for core" in text
 
 
 @pytest.mark.slow
@@ -274,10 +271,10 @@ def test_jax_worker_runs_a_tiny_step(tiny_checkpoint):
          "--model-dir", str(tiny_checkpoint), "--epochs", "1", "--batch", "2", "--new-tokens", "3",
          "--steps", "1", "--warmup", "1", "--max-prompt-length", "16"],
         stdout=subprocess.PIPE, text=True, cwd=ROOT, check=True).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith(ppo_step.JSON_TAG))
-    r = json.loads(line[len(ppo_step.JSON_TAG):])
+    line = next(ln for ln in out.splitlines() if ln.startswith(harness.JSON_TAG))
+    r = json.loads(line[len(harness.JSON_TAG):])
     assert r["gen_tokens"] == 6 and r["measured_steps"] == 1 and r["peak_rss_mib"] > 0
-    assert set(r["compile_s"]) == {"time/generation", "time/scoring", "time/update", "time/step"}
+    assert r["compile_s"] == r["first_step_s"] - r["stats"]["time/step"]["median"]
 
 
 def _count_primitive(jaxpr, name: str) -> int:
@@ -432,14 +429,13 @@ def test_torch_counter_splits_a_step_at_the_marker():
 def test_cpu_info_reads_model_and_instruction_sets():
     x86 = "processor\t: 0\nmodel name\t: Intel Xeon\nflags\t\t: fpu sse avx avx2 fma avx512f\n"
     arm = "processor\t: 0\nFeatures\t: fp asimd sve\n"
-    assert common.cpu_info(x86)["model"] == "Intel Xeon"
-    assert common.cpu_info(x86)["isa"] == ["avx", "avx2", "fma", "avx512f"]
-    assert common.cpu_info(arm)["isa"] == ["asimd", "sve"]
-    assert "avx512f" in common.cpu_line(common.cpu_info(x86))
+    assert harness.cpu_info(x86)["model"] == "Intel Xeon"
+    assert harness.cpu_info(x86)["isa"] == ["avx", "avx2", "fma", "avx512f"]
+    assert harness.cpu_info(arm)["isa"] == ["asimd", "sve"]
+    assert "avx512f" in harness.cpu_line(harness.cpu_info(x86))
 
 
 def test_matmul_rate_counts_2n3():
-    roofline = _load("roofline")
     r = roofline.matmul_rate(64, runs=2, warmup=1)
     assert r["flops"] == 2 * 64 ** 3 and r["seconds"]["n"] == 2 and r["gflops_per_s"]["median"] > 0
 
@@ -458,25 +454,28 @@ ROOFLINE = {
                "gflops_per_s": {"median": 125.0, "min": 120.0, "max": 130.0, "n": 3},
                "scoring_gflops_per_s": {"median": 90.0, "min": 90.0, "max": 90.0, "n": 3}},
     "ratio": 125.0 / 400.0, "target": 0.5, "command": "python bench/roofline.py",
-    "load_average": 1.0,
+    "load_average": 1.0, "commit": "abc1234", "dirty": False,
 }
 
 
 def test_roofline_section_renders():
-    text = sections.roofline_markdown(ROOFLINE)
-    assert "AMD EPYC 7B13, 2 logical cores, instruction sets avx avx2 fma" in text
+    text = roofline.markdown(ROOFLINE)
+    assert harness.measured_line(ROOFLINE) == ("Measured 2026-01-01T00:00:00+00:00 on AMD EPYC "
+                                               "7B13, 2 logical cores; avx avx2 fma; commit "
+                                               "`abc1234`; load average 1.00 at the end.")
     assert "| matmul 2048x2048x2048 (jitted `x @ y`) | 400 (390–410) | 17.2 (2 N^3) |" in text
     assert "| 125 (120–130) | 500 per step (XLA cost analysis 30, 6N model 520) |" in text
     assert "Update / matmul rate: **0.31** (target ≥ 0.50)" in text
     assert "DRY RUN" not in text
-    assert "DRY RUN" in sections.roofline_markdown({**ROOFLINE, "tiny": True})
+    assert "DRY RUN" in roofline.markdown({**ROOFLINE, "tiny": True})
 
 
 def test_report_has_a_roofline_section(tmp_path):
     assert "_not run (no roofline.json)_" in report.render(tmp_path)
-    (tmp_path / "roofline.json").write_text(json.dumps(ROOFLINE))
+    (tmp_path / "roofline.json").write_text(json.dumps({**ROOFLINE, "markdown": "ROOF TABLE"}))
     text = report.render(tmp_path)
-    assert "## Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)" in text
+    assert ("## Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)\n\n"
+            "ROOF TABLE\n") in text  # the section the benchmark printed, as it printed it
     assert "python bench/roofline.py" in text and "roofline 1.00" in text
 
 
@@ -484,7 +483,7 @@ def test_ppo_step_markdown_shows_counted_flops():
     data = {"settings": {"model": "m", "dtype": "float32", "batch": 8, "new_tokens": 48,
                          "kl_coef": 0.05, "max_grad_norm": 1.0, "warmup": 1, "steps": 3},
             "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
-    assert "Model FLOPs per step" not in sections.ppo_step_markdown(data)
+    assert "Model FLOPs per step" not in ppo_step.markdown(data)
     st = lambda x: {"median": x, "min": x, "max": x, "n": 3}  # noqa: E731
     ours, trl = data["results"]
     ours["model_flops"] = {"source": "jaxpr dot_general count (bench/flops.py)",
@@ -493,7 +492,7 @@ def test_ppo_step_markdown_shows_counted_flops():
     ours["stats"].update({"gflops_per_s/scoring": st(20.0), "gflops_per_s/update": st(30.0)})
     trl["model_flops"] = {"source": "torch FlopCounterMode, one extra untimed step",
                           "scoring": {"flops": 30e9}, "update": {"flops": 90e9}}
-    text = sections.ppo_step_markdown(data)
+    text = ppo_step.markdown(data)
     assert "| trl | 30 | 90 | n/a | n/a | torch FlopCounterMode |" in text
     assert ("| jax-shared | 20 | 60 | 20.0 | 30.0 | jaxpr dot_general count (bench/flops.py) |"
             in text)
@@ -532,31 +531,32 @@ class FakeClock:
 
 def test_warm_runs_until_both_the_calls_and_the_seconds_are_reached():
     clock = FakeClock(step=1.0)  # every reading 1 s later: the k-th check sees k seconds passed
-    assert core_bench.warm(clock.fn("f"), min_calls=2, min_s=0.0, clock=clock) == 2
+    assert harness.warm(clock.fn("f"), min_calls=2, min_s=0.0, clock=clock) == 2
     clock = FakeClock(step=1.0)
-    assert core_bench.warm(clock.fn("f"), min_calls=1, min_s=3.5, clock=clock) == 4
+    assert harness.warm(clock.fn("f"), min_calls=1, min_s=3.5, clock=clock) == 4
     assert clock.log == ["f"] * 4
 
 
 def test_interleaved_warms_each_block_right_before_it_and_alternates_sides():
     clock = FakeClock(step=0.5)
     fns = {"ours": clock.fn("ours"), "torch": clock.fn("torch")}
-    blocks = core_bench.interleaved(fns, rounds=2, block={"ours": 3, "torch": 1}, warmup_calls=2,
+    blocks = harness.interleaved(fns, rounds=2, block={"ours": 3, "torch": 1}, warmup_calls=2,
                                     warmup_s=0.0, clock=clock)
     one_round = ["ours"] * (2 + 3) + ["torch"] * (2 + 1)  # warm-up calls, then the timed block
     assert clock.log == one_round * 2
     assert [len(b) for b in blocks["ours"]] == [3, 3] and [len(b) for b in blocks["torch"]] == [1, 1]
-    assert all(t == 500.0 for b in blocks["ours"] for t in b)  # one clock step, in ms
+    assert all(t == 0.5 for b in blocks["ours"] for t in b)  # one clock step, in seconds
 
 
 def test_compare_quotes_ratio_of_minima_and_per_round_ratios():
     torch_blocks = [[10.0, 12.0, 30.0], [20.0, 8.0, 40.0]]  # block medians 12, 20; min 8
     ours_blocks = [[1.0, 2.0, 3.0], [4.0, 5.0, 2.0]]        # block medians 2, 4; min 1
-    c = core_bench.compare(torch_blocks, ours_blocks)
+    c = harness.compare(torch_blocks, ours_blocks)
     assert c["ratio_of_minima"] == pytest.approx(8.0)
     assert c["ratio_of_medians"] == pytest.approx(16.0 / 2.5)  # medians of all six calls
     assert c["paired_ratio"] == {"median": 5.5, "min": 5.0, "max": 6.0, "n": 2}  # 12/2, 20/4
-    assert core_bench.side_figures(ours_blocks) == {"median_ms": 2.5, "min_ms": 1.0, "calls": 6}
+    assert core_bench.side_figures(ours_blocks) == {"median_ms": 2500.0, "min_ms": 1000.0,
+                                                    "calls": 6}  # seconds in, ms out
 
 
 CORE = {
@@ -572,7 +572,7 @@ CORE = {
 
 
 def test_core_section_shows_minima_and_per_round_ratios_with_their_spread():
-    text = sections.core_markdown(CORE)
+    text = core_bench.markdown(CORE)
     assert ("| jax jit, GAE scan(unroll=1) (default) | 2.500 (1.000) | ×6.4 | ×8.0 | "
             "×5.5 (×5.0–×6.0, 2 rounds) | 0.30 |") in text
     assert "2 interleaved rounds" in text and "blocks of 3 (JAX) and 3 (torch)" in text
@@ -593,24 +593,24 @@ def test_git_state_reads_the_commit_and_whether_tracked_files_changed(tmp_path, 
     _git(tmp_path, "commit", "-q", "-m", "c")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, text=True,
                           capture_output=True, check=True).stdout.strip()
-    assert common.git_state(tmp_path) == {"commit": head, "dirty": False}
+    assert harness.git_state(tmp_path) == {"commit": head, "dirty": False}
     (tmp_path / "new.py").write_text("untracked\n")  # untracked: not dirty
     (tmp_path / "bench/results.md").write_text("regenerated\n")  # generated: not dirty
-    assert common.git_state(tmp_path)["dirty"] is False
+    assert harness.git_state(tmp_path)["dirty"] is False
     (tmp_path / "a.py").write_text("changed\n")
-    assert common.git_state(tmp_path) == {"commit": head, "dirty": True}
+    assert harness.git_state(tmp_path) == {"commit": head, "dirty": True}
     monkeypatch.setenv("PPO_BENCH_COMMIT", "feed123")  # a copied tree without .git
-    assert common.git_state(tmp_path / "bench")["commit"] == head  # still inside the checkout
+    assert harness.git_state(tmp_path / "bench")["commit"] == head  # still inside the checkout
     outside = tmp_path.parent / f"{tmp_path.name}-nogit"
     outside.mkdir()
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    assert common.git_state(outside) == {"commit": "feed123", "dirty": None}
+    assert harness.git_state(outside) == {"commit": "feed123", "dirty": None}
 
 
 def test_run_record_carries_commit_dirty_and_wall_time():
-    r = common.run_record()
-    assert set(r) == {"commit", "dirty", "cpu", "wall_s", "malloc_settings"}
-    assert r["cpu"] == common.cpu_info()
+    r = harness.run_record()
+    assert set(r) == {"date", "commit", "dirty", "cpu", "load_average", "wall_s", "malloc_settings"}
+    assert r["cpu"] == harness.cpu_info()
     assert r["wall_s"] is None or r["wall_s"] > 0
     from ppo_jax.trainer.host_memory import MALLOC_SETTINGS
 
@@ -629,22 +629,22 @@ def test_report_says_which_benchmarks_ran_under_the_malloc_settings():
 
 
 def test_provenance_one_commit_no_warning():
-    lines = provenance.provenance_lines({"core": CORE, "generate": {**CORE, "commit": "abc1234"},
+    lines = report.provenance_lines({"core": CORE, "generate": {**CORE, "commit": "abc1234"},
                                      "ppo_step": None})
     assert lines == ["Code: commit `abc1234` (every raw file)."]
 
 
-def test_provenance_warns_on_mixed_commits_dirty_trees_and_missing_commits():
-    gpu_json = {"commit": "abc1234" + "0" * 33 + "-dirty"}  # bench/gpu.py: full hash + -dirty
-    lines = provenance.provenance_lines({"core": CORE, "generate": {**CORE, "commit": "def5678"},
-                                     "ppo_step": {"results": []}, "gpu": gpu_json})
+def test_provenance_warns_on_dirty_trees_and_missing_commits_and_refuses_unknown_mixes():
+    gpu_json = {"commit": "abc1234" + "0" * 33, "dirty": True}  # a full hash is the same commit
+    lines = report.provenance_lines({"core": CORE, "ppo_step": {"results": []}, "gpu": gpu_json})
     text = "\n".join(lines)
-    assert lines[0].startswith("Code: core `abc1234`, generate `def5678`, ppo_step not recorded, gpu")
-    assert "2 different commits (`abc1234`, `def5678`)" in text  # gpu's full hash is abc1234
+    assert lines[0].startswith("Code: core `abc1234`, ppo_step not recorded, gpu `abc1234")
     assert "dirty tree" in text and "): gpu;" in text
     assert "no commit recorded for ppo_step" in text
-    clean = provenance.provenance_lines({"core": CORE, "gpu": {"commit": "abc1234"}})
-    assert len(clean) == 1
+    clean = report.provenance_lines({"core": CORE, "gpu": {"commit": "abc1234"}})
+    assert clean == ["Code: commit `abc1234` (every raw file)."]
+    with pytest.raises(SystemExit, match="refusing to mix .*`abc1234` vs `def5678`: git cannot tell"):
+        report.provenance_lines({"core": CORE, "generate": {**CORE, "commit": "def5678"}})
 
 
 XEON = {"model": "Intel Xeon", "cores": 2, "isa": ["avx2", "avx512f"]}
@@ -652,17 +652,17 @@ EPYC = {"model": "AMD EPYC", "cores": 2, "isa": ["avx2"]}
 
 
 def test_cpu_lines_name_the_recorded_cpu_not_the_report_machine():
-    lines = provenance.cpu_lines({"core": {"cpu": XEON}, "generate": {"cpu": XEON}, "gpu": None},
+    lines = report.cpu_lines({"core": {"cpu": XEON}, "generate": {"cpu": XEON}, "gpu": None},
                                  here=EPYC)
     assert lines == ["- CPU (recorded by the benchmarks): Intel Xeon, 2 logical cores; avx2 avx512f"]
 
 
 def test_cpu_lines_warn_on_mixed_and_missing_cpus():
-    text = "\n".join(provenance.cpu_lines({"core": {"cpu": XEON}, "generate": {"cpu": EPYC},
+    text = "\n".join(report.cpu_lines({"core": {"cpu": XEON}, "generate": {"cpu": EPYC},
                                            "ppo_step": {"results": []}}, here=XEON))
     assert "core: Intel Xeon" in text and "generate: AMD EPYC" in text
     assert "2 different CPUs" in text and "no CPU recorded for ppo_step" in text
-    none = provenance.cpu_lines({"core": {"commit": "abc"}}, here=EPYC)
+    none = report.cpu_lines({"core": {"commit": "abc"}}, here=EPYC)
     assert none == ["- CPU: not recorded by the raw files; this report was rendered on AMD EPYC, "
                     "2 logical cores; avx2"]
 
@@ -694,15 +694,15 @@ def test_generate_section_shows_every_thread_setting_fastest_first():
                 "1": {"tokens_per_s": st(70.0), "seconds": st(7.3), "first_call_s": 7.5},
                 "2": {"tokens_per_s": st(85.0), "seconds": st(6.0), "first_call_s": 6.1}},
             "ratio": 140 / 85, "ratio_by_threads": {"1": 2.0, "2": 140 / 85},
-            "paired_ratio": st(1.6), "paired_ratio_by_threads": {"1": st(2.0), "2": st(1.6)}}
-    text = sections.generate_markdown(data)
+            "paired_ratio": st(1.6), "paired_ratio_by_threads": {"1": st(2.0), "2": st(1.6)},
+            "compile_s": 3.2, "identical_rows": 8}
+    text = generate.markdown(data)
     fast = ("| transformers `generate` (PyTorch CPU), 2 threads (fastest) | 85.0 | 6.000 | 6.10 | "
             "×1.65 (paired runs ×1.60–×1.60) |")
     slow = "| transformers `generate` (PyTorch CPU), 1 thread | 70.0 | 7.300 | 7.50 | ×2.00 ("
     assert fast in text and slow in text and text.index(fast) < text.index(slow)
     assert "fastest thread setting (2 threads) (medians): ×1.65" in text
-    old = {k: v for k, v in data.items() if k not in ("transformers_by_threads",)}
-    assert "| transformers `generate` (PyTorch CPU) | 85.0 |" in sections.generate_markdown(old)
+    assert "compile: 3.2 s; greedy rows identical token for token: 8/8." in text
 
 
 def test_ppo_step_section_puts_first_step_beside_the_steady_median_and_counts_columns():
@@ -712,9 +712,10 @@ def test_ppo_step_section_puts_first_step_beside_the_steady_median_and_counts_co
     ours, trl = data["results"]
     ours.update(seq_tokens_mean=400.0, padded_seq_len_mean=55.0)
     trl.update(seq_tokens_mean=400.0, padded_seq_len_mean=50.0, first_step_s=17.9)
-    text = sections.ppo_step_markdown(data)
-    assert "| trl | 1.00 | 17.9 | 18.9 | 13.0 | n/a | n/a | n/a | n/a |" in text
-    assert "| jax-shared | 1.00 | 2.00 | 3.00 | 4.00 | 1.00 | 1.00 | 1.00 | 1.00 |" in text
+    text = ppo_step.markdown(data)
+    # phases, then load, first step, compile, peak RSS
+    assert "| trl | 2.00 | 3.00 | 8.00 | 13.0 | 1.00 | 17.9 | none (eager) | 1,000 |" in text
+    assert "| jax-shared | 1.00 | 1.00 | 2.00 | 4.00 | 1.00 | 2.00 | 1.00 | 1,000 |" in text
     assert "| jax-shared | 400 | 55.0 | 440 | 10.0% |" in text  # 8 x 55 columns vs 400 tokens
     assert "| trl | 400 | 50.0 | 400 | 0.0% |" in text
 
@@ -746,15 +747,37 @@ def test_decode_floor_section_renders(tmp_path):
             "prompt_width": 47, "new_tokens": 4, "runs": 3, "weight_bytes": 538e6,
             "weight_flops_per_step": 2.2e9, "torch_threads": 2, **fig, "commit": "abc1234",
             "dirty": False, "command": ".venv/bin/python bench/decode_floor.py --json x"}
-    text = sections.decode_floor_markdown(data)
+    text = floor.markdown(data)
     assert "538 MB read per step, 2.20 GFLOP" in text
     assert "| ppo_jax decode step | — | 400 | — | 5.5 | 100% |" in text
     assert "| weight matmuls alone, layers unrolled (floor) | 600 | 200 | 2.7 | 11.0 | 50% |" in text
     assert "**×2.14**" in text  # 1.5 / (0.1 + 3 x 0.2)
-    (tmp_path / "decode_floor.json").write_text(json.dumps(data))
+    (tmp_path / "decode_floor.json").write_text(json.dumps({**data, "markdown": text}))
     full = report.render(tmp_path)
     assert "## Decode floor: the sampler's decode step vs its weight matmuls alone" in full
-    assert ".venv/bin/python bench/decode_floor.py --json x" in full
+    assert ".venv/bin/python bench/decode_floor.py --json x" in full and text in full
+
+
+def test_ppo_step_record_counts_real_tokens_alike_on_both_sides():
+    """bench/harness.py `ppo_step_record`, shared by ppo_step.py and ppo_step_trl.py: 8 rows x 4
+    new tokens, 100 real prompt tokens, 2 epochs; tokens/s of each phase by hand."""
+    times = {"time/generation": 2.0, "time/scoring": 3.3, "time/update": 6.6, "time/step": 11.0}
+    r = harness.ppo_step_record(times, 32, 100, 2, padded_seq_len=20)
+    assert (r["seq_tokens"], r["prompt_tokens"], r["padded_seq_len"]) == (132, 100, 20)
+    assert r["tokens_per_s/generation"] == 16.0 and r["tokens_per_s/step"] == 12.0
+    assert r["tokens_per_s/scoring"] == pytest.approx(40.0)
+    assert r["tokens_per_s/update"] == pytest.approx(40.0)  # 2 epochs x 132 tokens / 6.6 s
+    s = harness.ppo_step_summary([r, {**r, "time/step": 13.0, "seq_tokens": 134}])
+    assert s["seq_tokens_mean"] == 133 and s["stats"]["time/step"]["median"] == 12.0
+
+
+def test_finish_prints_the_table_under_the_cpu_and_commit_and_writes_it(tmp_path, capsys):
+    data = harness.finish({"x": 2.0}, lambda d: f"| x | {d['x']} |", tmp_path / "b.json")
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["markdown"] == data["markdown"] == capsys.readouterr().out.strip()
+    first, table_ = data["markdown"].split("\n\n")
+    assert first.startswith(f"Measured {data['date']} on {harness.cpu_line(harness.cpu_info())}")
+    assert f"commit `{data['commit']}`" in first and table_ == "| x | 2.0 |"
 
 
 @pytest.mark.slow
@@ -787,12 +810,12 @@ def test_ceiling_puts_counted_flops_at_the_best_matmul_rate_and_generation_at_th
     trl = {"config": "trl", "epochs": 1, "stats": {"time/step": st(10.0)}}
     roof = {"matmul": {"n": 2048, "gflops_per_s": {"median": 150.0, "min": 100.0, "max": 200.0}}}
     floor = {"floor_step_s": 0.05, "decode_step_s": 0.08}
-    text = sections.ceiling_markdown({"results": [trl, ours]}, roof, floor)
+    text = report.ceiling_markdown({"results": [trl, ours]}, roof, floor)
     # generation 4.0 x 0.05 / 0.08 = 2.5 s; 800 GFLOP at 200 GFLOP/s = 4.0 s; best 6.5 s
     assert "| 1 | 12.0 | 2.50 | 4.00 | 6.50 | 10.0 | ×0.83 | **×1.54** |" in text
-    text = sections.ceiling_markdown({"results": [trl, ours]}, roof, None)
+    text = report.ceiling_markdown({"results": [trl, ours]}, roof, None)
     assert "| 1 | 12.0 | 4.00 | 4.00 | 8.00 | 10.0 | ×0.83 | **×1.25** |" in text
-    assert "_needs" in sections.ceiling_markdown({"results": [ours]}, roof, floor)
+    assert "_needs" in report.ceiling_markdown({"results": [ours]}, roof, floor)
 
 
 # --------------------------------------------------------------------------- bench/update_profile.py
@@ -817,11 +840,14 @@ def test_torch_ops_are_sorted_by_kind():
     assert kinds == ["matmul", "matmul", "layout copies", "layout copies", "other"]
 
 
-def test_kinds_table_gives_per_call_time_and_shares():
-    t = update_profile.kinds_table({"matmul": 60.0, "layout copies": 30.0, "other": 10.0}, calls=2)
+def test_op_profile_gives_per_call_time_shares_and_the_largest_ops():
+    events = [("dot.1", "matmul", 40.0), ("dot.2", "matmul", 20.0), ("copy", "layout copies", 30.0),
+              ("add", "other", 10.0), ("ThunkExecutor", None, 99.0)]
+    t = update_profile.op_profile(events, calls=2)
     assert t["total_ms_per_call"] == 50.0
     assert t["kinds"]["matmul"] == {"ms_per_call": 30.0, "share": 0.6}
     assert t["kinds"]["layer-scan stacking"] == {"ms_per_call": 0.0, "share": 0.0}
+    assert t["top_ops"][:2] == [["dot.1", 20.0], ["copy", 15.0]]
 
 
 @pytest.mark.parametrize("side", ["jax", "torch"])
@@ -869,12 +895,12 @@ UPDATE_PROFILE = {
 
 
 def test_update_profile_section_renders():
-    text = sections.update_profile_markdown(UPDATE_PROFILE)
+    text = update_profile.markdown(UPDATE_PROFILE)
     assert "| xnnpack off | `--xla_cpu_use_xnnpack=false` | 4.20 (4.00–4.50) | 1.05 (0.98–1.10) | 133 | 8.0 |" in text
     assert "| torch | PyTorch peer (transformers, eager) | 3.70 (3.50–3.90) | 0.93 (0.90–0.95)" in text
     assert "| layout copies | 16.0 ms (16%) | 5.0 ms (5%) |" in text
     assert "jax 560 GFLOP" in text and "torch 620 GFLOP" in text
-    assert "DRY RUN" not in text and "DRY RUN" in sections.update_profile_markdown({**UPDATE_PROFILE, "tiny": True})
+    assert "DRY RUN" not in text and "DRY RUN" in update_profile.markdown({**UPDATE_PROFILE, "tiny": True})
 
 
 @pytest.mark.slow
@@ -911,19 +937,19 @@ def test_mixed_commits_with_the_same_measured_code_get_a_note_not_a_warning(tmp_
     c = commit("bench/report.py", "rendering only\n")
     d = commit("ppo_jax/core.py", "x = 2\n")
     raws = {"core": {**CORE, "commit": a}, "train_run": {**CORE, "commit": b}}
-    lines = provenance.provenance_lines(raws, root=tmp_path)
+    lines = report.provenance_lines(raws, root=tmp_path)
     assert lines[0] == f"Code: core `{a}`, train_run `{b}`."
     assert lines[1].startswith(f"> **Note:** the raw files come from 2 commits (`{a}`, `{b}`) "
                                "that hold the same measured code")
     assert lines[1].endswith("the benchmark scripts that differ: bench/train_run.py.")
     assert "Warning" not in "\n".join(lines)
-    only_rendering = provenance.provenance_lines(
+    only_rendering = report.provenance_lines(
         {"core": {**CORE, "commit": b}, "x": {**CORE, "commit": c}}, root=tmp_path)
     assert only_rendering[1].endswith("the benchmark scripts are the same too.")
-    changed = provenance.provenance_lines({**raws, "gpu": {"commit": d}}, root=tmp_path)
-    assert "**Warning:** the raw files come from 3 different commits" in "\n".join(changed)
-    assert provenance.code_changes(a, d, tmp_path) == (["ppo_jax/core.py"], ["bench/train_run.py"])
-    assert provenance.code_changes(a, "feedbee", tmp_path) is None  # unknown commit
+    with pytest.raises(SystemExit, match=f"`{a}` vs `{d}`: ppo_jax/core.py"):
+        report.provenance_lines({**raws, "gpu": {"commit": d}}, root=tmp_path)  # code changed
+    assert report.code_changes(a, d, tmp_path) == (["ppo_jax/core.py"], ["bench/train_run.py"])
+    assert report.code_changes(a, "feedbee", tmp_path) is None  # unknown commit
 
 
 def test_logprob_memory_head_json_and_section(tmp_path):
@@ -942,7 +968,7 @@ def test_logprob_memory_head_json_and_section(tmp_path):
     ll = data["llama_8b"]
     assert ll["logits_bytes"] == 8 * 256 * 128256 * 4 and ll["block_bytes"] == 8 * 256 * 32 * 4
     assert data["update"]["settings"] == [] and data["cpu"]["model"]
-    text = sections.logprob_memory_markdown(data)
+    text = logprob_memory.markdown(data)
     assert "blocks of 32 columns" in text and "1,002 MiB" in text
     assert "The whole PPO update" not in text
 
@@ -959,12 +985,12 @@ def test_logprob_memory_update_section_by_hand():
              "temp": t * mib, "peak": (2100 + t) * mib, "micro_batch": 8, "mini_batch": 8,
              "batch": 16, "epochs": 2,
              "prompt_width": 52.0, "response_width": 40.0, "shared_critic": False,
-             "vocab": 49152} for c, t in ((0, 900), (4096, 400))]}}
-    text = sections.logprob_memory_markdown(data)
+             "vocab": 49152} for c, t in ((0, 900), (4096, 400))]},
+        "llama_8b": logprob_memory.llama_8b_arithmetic(4096)}
+    text = logprob_memory.markdown(data)
     assert "Scratch full / blocks: ×7.3; time blocks / full: ×1.20" in text
     assert "| 0 (full logits) | 2,000.0 | 1,900.0 | 1,800.0 | 900.0 | 3,000.0 |" in text
     assert "| 4096 (blocks) | 2,000.0 | 1,900.0 | 1,800.0 | 400.0 | 2,500.0 |" in text
-    assert "scratch 900.0 → 400.0 MiB, peak 3,000.0 → 2,500.0 MiB" in text
     assert "2 epochs over the batch of 16 rows in minibatches of 8, micro-batches of 8" in text
 
 

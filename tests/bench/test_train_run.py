@@ -19,7 +19,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # the benchmark scripts import each other by name
 import report  # noqa: E402
-import train_figures  # noqa: E402
 import train_run  # noqa: E402
 
 
@@ -64,11 +63,11 @@ def test_merge_runs_medians_and_ranges():
                 "median": {"time/step": step, "time/update": step / 2}}
 
     merged = train_run.merge_runs([run(100.0, 5, 10.0), run(130.0, 7, 12.0), run(90.0, 6, 20.0)])
-    assert merged["wall_s"] == 100.0 and merged["range"]["wall_s"] == [90.0, 130.0]
-    assert merged["max_rss_kib"] == 6 and merged["range"]["max_rss_kib"] == [5, 7]
-    assert merged["minor_faults"] == 60 and merged["user_s"] == 150.0
-    assert merged["median"] == {"time/update": 6.0, "time/step": 12.0}
-    assert merged["median_range"]["time/step"] == [10.0, 20.0]
+    assert merged["wall_s"] == {"median": 100.0, "min": 90.0, "max": 130.0, "n": 3}
+    assert merged["max_rss_kib"] == {"median": 6, "min": 5, "max": 7, "n": 3}
+    assert merged["minor_faults"]["median"] == 60 and merged["user_s"]["median"] == 150.0
+    assert {k: v["median"] for k, v in merged["median"].items()} == {"time/update": 6.0, "time/step": 12.0}
+    assert merged["median"]["time/step"] == {"median": 12.0, "min": 10.0, "max": 20.0, "n": 3}
 
 
 @pytest.mark.slow
@@ -84,9 +83,9 @@ def test_a_tiny_run_is_measured(tmp_path):
          "--work-dir", str(tmp_path / "runs"), "--keep", "--title", "tiny", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CPU: " in proc.stdout and "[tiny]" in proc.stdout
+    assert "Measured " in proc.stdout and " logical cores; " in proc.stdout and "[tiny]" in proc.stdout
     data = json.loads(out.read_text())
-    assert data["benchmark"] == "train_run" and data["title"] == "tiny" and data["rounds"] == 1
+    assert data["bench"] == "train_run" and data["title"] == "tiny" and data["rounds"] == 1
     assert data["cpu"]["model"] and "commit" in data and "bench/train_run.py" in data["command"]
     (variant,) = data["variants"]
     assert variant["name"] == "tiny" and variant["env"] == {}
@@ -107,7 +106,7 @@ def test_a_tiny_run_is_measured(tmp_path):
     assert run["wall_s"] > sum(r["time/step"] for r in steps)
     assert run["max_rss_kib"] > 100 * 1024 and run["minor_faults"] > 1000
     assert run["user_s"] > 1.0 and run["system_s"] >= 0
-    assert variant["merged"]["wall_s"] == run["wall_s"]
+    assert variant["merged"]["wall_s"]["median"] == run["wall_s"]
     assert (tmp_path / "runs/tiny_round1.log").is_file()
 
 
@@ -150,7 +149,7 @@ def _ab_data():
 
 
 def test_section_gives_medians_ranges_and_per_round_ratios_by_hand():
-    text = train_figures.train_run_markdown(_ab_data())
+    text = train_run.markdown(_ab_data())
     # merged: wall median of 600 / 660 s = 10.5 min (10.0-11.0), RSS 8.00 GiB, faults 3.00M
     assert ("| on | `--set train.steps=5` | 5 | 10.5 (10.0–11.0) | 60.0 | "
             "5.00 / 6.00 / 34.5 / 47.5 | 8.00 | 3.00 | 0 | 1,260 (1,200–1,320) | 32.0 (30.0–34.0) "
@@ -159,13 +158,13 @@ def test_section_gives_medians_ranges_and_per_round_ratios_by_hand():
     # per round: step 45/54 and 50/50 -> x0.92 (x0.83-x1.00); faults 9/3 and 12/3 -> x3.50 (3-4)
     assert ("| off | ×0.92 (×0.83–×1.00) | ×0.90 (×0.82–×0.97) | ×0.89 (×0.83–×0.94) | "
             "×0.94 (×0.94–×0.94) | ×3.50 (×3.00–×4.00) | ×2.17 (×2.00–×2.33) |") in text
-    assert "| off | 2 | 11.7 | 5.00 / 6.00 / 37.0 / 50.0 | 7.50 | 12.00 | 68 |" in text
+    assert "Every run" not in text  # the per-round ratios and the ranges say it
     # no evaluation in these runs: the training figures alone
     assert "| off, round 2 | 0.300 → 0.700 | 5.00 / 7.00 | none | — |" in text
     assert "Incomplete" not in text
     partial = {**_ab_data(), "complete": False}
     partial["variants"][1]["runs"] = partial["variants"][1]["runs"][:1]
-    text = train_figures.train_run_markdown(partial)
+    text = train_run.markdown(partial)
     assert "**Incomplete: the measurement stopped before its last run.**" in text
     assert "| off | ×0.83 | ×0.82 | ×0.83 | ×0.94 | ×3.00 | ×2.33 |" in text  # round 1 alone
 
@@ -177,7 +176,7 @@ def test_ratio_table_without_update_times():
         for r in v["runs"]:
             del r["median"]["time/update"]
         v["merged"] = train_run.merge_runs(v["runs"])
-    text = train_figures.train_run_markdown(data)
+    text = train_run.markdown(data)
     assert "| off | ×0.92 (×0.83–×1.00) | n/a |" in text
 
 
@@ -186,7 +185,7 @@ def test_section_of_one_run_with_evaluations():
     data = {"rounds": 1, "window": 5, "command": "c", "variants": [
         {"name": "make train", "spec": "", "malloc_settings": True, "runs": [run],
          "merged": train_run.merge_runs([run])}]}
-    text = train_figures.train_run_markdown(data)
+    text = train_run.markdown(data)
     assert ("| make train | none (configs/default.yaml) | 5 | 34.5 | 60.0 | 5.00 / 6.00 / 33.5 / 45.5 "
             "| 8.38 | 2.98 | 0 |") in text
     assert "| make train | 0.300 → 0.700 | 5.00 / 7.00 | 0.203 (step 0) → 0.729 (step 40) | 20 |" in text
@@ -194,7 +193,8 @@ def test_section_of_one_run_with_evaluations():
 
 
 def test_report_renders_the_train_runs_and_their_malloc_settings(tmp_path):
-    (tmp_path / "train_ab_malloc.json").write_text(json.dumps(_ab_data()))
+    data = _ab_data()
+    (tmp_path / "train_ab_malloc.json").write_text(json.dumps({**data, "markdown": train_run.markdown(data)}))
     text = report.render(tmp_path)
     assert "## Whole training runs (bench/train_run.py, `make bench-train`)" in text
     assert "### A/B" in text and ".venv/bin/python bench/train_run.py --rounds 2" in text
@@ -308,12 +308,12 @@ def test_repeated_width_steps_by_hand():
         {"name": "buckets", "spec": "--set data.prompt_buckets=4", "malloc_settings": True,
          "runs": [{**_run(1, 300.0, 2**20, 1e6, 10.0, 18.0, 9.0), **out, "round": 1}]}]}
     data["variants"][0]["merged"] = train_run.merge_runs(data["variants"][0]["runs"])
-    text = train_figures.train_run_markdown(data)
+    text = train_run.markdown(data)
     assert ("| buckets | 3 | 43+30 43+20 43+30 46+40 43+20 43+30 | 18.0 | 16.0 / 8.00 (3) |"
             in text)
     constant = train_run.summarize_metrics([{**r, "prompt_width": 52, "response_width": 40}
                                             for r in rows])
     assert constant["width_pairs"] == 1 and constant["repeated_widths"]["n"] == 5
-    assert "Column widths" not in train_figures.train_run_markdown(
+    assert "Column widths" not in train_run.markdown(
         {**data, "variants": [{**data["variants"][0], "runs": [
             {**_run(1, 300.0, 2**20, 1e6, 10.0, 18.0, 9.0), **constant, "round": 1}]}]})

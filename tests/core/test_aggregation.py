@@ -131,18 +131,18 @@ def test_scalar_forms_equal_the_token_mean_of_the_per_token_forms():
 
 
 def test_a_pinned_horizon_makes_seq_mean_token_sum_independent_of_all_pad_columns():
-    """``loss_normalizers(mask, horizon=T)``: the loss of a mask cut to its used columns equals
+    """``loss_normalizers(mask, max_response_length=T)``: the loss of a mask cut to its used columns equals
     the full-width loss (Dr. GRPO's constant is the maximum length, not the array's width)."""
     rng = np.random.default_rng(1)
     full = jnp.asarray(np.arange(8)[None] < np.array([[3], [1], [0], [2]]))  # used columns: 3
     x = jnp.asarray(rng.normal(0, 1, (4, 8)), jnp.float32)
     want = core.aggregate(x, full, "seq-mean-token-sum")
     for width in (3, 5):
-        norms = core.loss_normalizers(full[:, :width], horizon=8)
-        assert float(norms.horizon) == 8.0 and float(norms.tokens) == 6.0
+        norms = core.loss_normalizers(full[:, :width], max_response_length=8)
+        assert float(norms.max_response_length) == 8.0 and float(norms.tokens) == 6.0
         got = core.aggregate(x[:, :width], full[:, :width], "seq-mean-token-sum", norms)
         np.testing.assert_allclose(got, want, rtol=1e-6)
     unpinned = core.aggregate(x[:, :3], full[:, :3], "seq-mean-token-sum")
     np.testing.assert_allclose(unpinned, want * 8 / 3, rtol=1e-6)  # the width-dependent form
-    with pytest.raises(ValueError, match="horizon=0"):
-        core.loss_normalizers(full, horizon=0)
+    with pytest.raises(ValueError, match="max_response_length=0"):
+        core.loss_normalizers(full, max_response_length=0)

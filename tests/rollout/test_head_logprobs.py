@@ -11,7 +11,7 @@ import pytest
 
 from ppo_jax.models import init_model, split_model
 from ppo_jax.models.tiny_random import tiny_config
-from ppo_jax.rollout.scoring import init_value_head, policy_logprobs, policy_logprobs_and_values
+from ppo_jax.rollout.scoring import policy_logprobs, policy_logprobs_and_values
 
 VOCAB, CHUNK, B, P, N = 203, 48, 2, 4, 5  # 203 = 4 blocks of 48 + a block of 11
 
@@ -78,10 +78,9 @@ def test_bfloat16_compute_gives_the_full_logits_values_and_gradients():
 
 
 def test_chunked_shared_critic_pass_equals_the_full_logits_pass():
-    graphdef, params = tiny(True)
-    head = init_value_head(64)
-    head = {"kernel": head["kernel"] + 0.01, "bias": head["bias"]}
-    shared = {"policy": params, "value_head": head}
+    model = init_model(tiny_config(VOCAB, tie_word_embeddings=True), "causal_lm_value", seed=1,
+                       head_init_std=0.01)  # a CausalLMWithValueHead with a non-zero value head
+    graphdef, shared = split_model(model)
 
     def total(chunk):
         def loss(p):

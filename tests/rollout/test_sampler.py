@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ppo_jax.models import load_model, split_model
-from ppo_jax.rollout.sampler import bucket_length, filter_logits, generate, pad_prompts_to
+from ppo_jax.rollout.sampler import ended_rows, filter_logits, generate
 from ppo_jax.rollout.scoring import policy_logprobs
 
 torch = pytest.importorskip("torch")
@@ -143,15 +143,6 @@ def test_bad_arguments_raise_before_compiling(split):
         generate(*split, ids, mask[:, :3], jax.random.PRNGKey(0), max_new_tokens=2)
 
 
-def test_prompt_buckets():
-    assert [bucket_length(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
-    with pytest.raises(ValueError, match="largest bucket"):
-        bucket_length(10**6)
-    ids, mask = pad_prompts_to(np.ones((2, 3), np.int32), np.ones((2, 3), np.int32), 5, pad_token_id=9)
-    np.testing.assert_array_equal(np.asarray(ids)[0], [9, 9, 1, 1, 1])
-    np.testing.assert_array_equal(np.asarray(mask)[0], [0, 0, 1, 1, 1])
-
-
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an int"),
     (dict(max_new_tokens="4"), "max_new_tokens='4' must be an int"),
@@ -241,3 +232,11 @@ def test_n_tokens_take_the_prefill_and_n_minus_1_passes(split, monkeypatch):
     np.testing.assert_array_equal(np.asarray(out_mask), np.arange(5)[None].repeat(4, 0) < 1)
     one, _ = generate(*split, ids, mask, None, max_new_tokens=1, greedy=True, pad_token_id=0)
     np.testing.assert_array_equal(np.asarray(one)[:, 0], first)
+
+
+def test_ended_rows_needs_a_stop_token_and_a_real_token():
+    ids = jnp.asarray([[5, 2, 0], [5, 6, 7], [2, 0, 0], [2, 2, 2]], jnp.int32)
+    mask = jnp.asarray([[1, 1, 0], [1, 1, 1], [0, 0, 0], [1, 1, 1]], jnp.int32)
+    np.testing.assert_array_equal(ended_rows(ids, mask, (2,)), [True, False, False, True])
+    np.testing.assert_array_equal(ended_rows(ids, mask, (7, 9)), [False, True, False, False])
+    np.testing.assert_array_equal(ended_rows(ids, mask, ()), [False] * 4)

@@ -11,11 +11,32 @@ from ppo_jax.trainer.config import Config, ConfigError, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def test_defaults_follow_trl():
+def test_the_defaults_are_the_shipped_default_run():
+    """One source for every setting: the schema's defaults are configs/default.yaml's run, so
+    `train.py` with no file, with that file and a `Config()` built in Python are one run."""
     cfg = load_config()
     assert isinstance(cfg, Config)
-    assert (cfg.ppo.kl_coef, cfg.ppo.target_kl, cfg.ppo.horizon) == (0.2, 6.0, 10000)
+    assert cfg == load_config(CONFIGS / "default.yaml") == Config()
+    assert (cfg.ppo.kl_coef, cfg.ppo.kl_controller, cfg.data.prompts, cfg.train.steps) == (
+        0.05, "fixed", "configs/prompts/everyday.jsonl", 40)
+
+
+def test_a_file_naming_three_keys_is_the_default_run_with_those_three(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("ppo:\n  kl_coef: 0.1\ngeneration:\n  max_new_tokens: 24\n"
+                    "train:\n  output_dir: runs/mine\n")
+    want = Config()
+    want.ppo.kl_coef, want.generation.max_new_tokens, want.train.output_dir = 0.1, 24, "runs/mine"
+    assert load_config(path) == want
+    assert load_config(path) == load_config(CONFIGS / "default.yaml", [
+        "ppo.kl_coef=0.1", "generation.max_new_tokens=24", "train.output_dir=runs/mine"])
+
+
+def test_keys_the_default_run_leaves_unset_follow_trl():
+    cfg = load_config()
+    assert (cfg.ppo.target_kl, cfg.ppo.horizon) == (6.0, 10000)
     assert (cfg.ppo.cliprange, cfg.ppo.cliprange_value, cfg.ppo.gamma, cfg.ppo.lam) == (0.2, 0.2, 1.0, 0.95)
+    assert (cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p) == (1.0, 0, 1.0)
 
 
 def test_dotted_override_sets_typed_value():
@@ -170,9 +191,9 @@ def test_help_config_lists_every_key_with_type_default_and_help(capsys):
 
 
 def test_logprob_chunk_size_reaches_the_scoring_and_update_settings():
-    from ppo_jax.trainer.stages.ppo_checks import experience_settings, update_settings
+    from ppo_jax.trainer.stages.ppo_settings import settings_for
 
     assert load_config(None).model.logprob_chunk_size == 0  # full logits unless asked
-    cfg = load_config(None, ["model.logprob_chunk_size=4096"])
-    assert experience_settings(cfg).logprob_chunk_size == 4096
-    assert update_settings(cfg).logprob_chunk_size == 4096
+    settings = settings_for(load_config(None, ["model.logprob_chunk_size=4096"]))
+    assert settings.experience.scoring.logprob_chunk_size == 4096
+    assert settings.update.logprob_chunk_size == 4096

@@ -82,10 +82,10 @@ def test_remax_baseline_is_the_greedy_response_score(tmp_path, monkeypatch):
     trainer = trainer_for(tmp_path, "remax", "generation.samples_per_prompt=1")
     ids = jnp.asarray(trainer.prompts.ids[:8])
     mask = jnp.asarray(trainer.prompts.mask[:8])
-    params = trainer.state["actor"].params
-    baseline = trainer._greedy_baseline(params, ids, mask, jax.random.PRNGKey(0),
+    actor = trainer.ppo_models(trainer.state["actor"].params).actor
+    baseline = trainer._greedy_baseline(actor, ids, mask, jax.random.PRNGKey(0),
                                         trainer.prompts.texts[:8])
-    g_resp, g_mask = trainer._generate_greedy(params, ids, mask, jax.random.PRNGKey(1))
+    g_resp, g_mask = trainer._generate_greedy(actor, ids, mask, jax.random.PRNGKey(1))
     texts = trainer._decode(np.asarray(g_resp), np.asarray(g_mask))
     want = trainer.reward_fn(trainer.prompts.texts[:8], texts)  # greedy: the key does not matter
     np.testing.assert_allclose(np.asarray(baseline), want, atol=1e-6)

@@ -112,7 +112,7 @@ def test_sft_loss_in_vocabulary_chunks_equals_the_full_logits(chunk_size, tiny_c
     assert full.model.cfg.vocab_size % 5
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, full.state["model"].params)
     batch = jax.tree.map(jnp.asarray, {k: v[:6] for k, v in full.train_data.items()})
-    n = full.normalizer(batch)
+    n = full.denominator(batch)
 
     def grad_of(trainer):
         return jax.value_and_grad(lambda p: trainer.loss(full.model.graphdef, p, batch, n)[0])(params)

@@ -13,12 +13,20 @@ from flax import nnx
 from ppo_jax.core import init_kl_controller, register_policy_loss
 from ppo_jax.core.registry import unregister
 from ppo_jax.models import load_model, split_model
-from ppo_jax.rollout.experience import ExperienceSettings, make_experience
+from ppo_jax.models import Model
+from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
+from ppo_jax.rollout.scoring import Rollout, ScoringSettings
 from ppo_jax.trainer.optim import make_optimizer
 from ppo_jax.trainer.state import TrainState
 from ppo_jax.trainer.update import UpdateSettings, ppo_update
 
 B, P, N = 4, 6, 5
+
+def models_of(ag, ap, ref, cg=None, cp=None, rg=None, rp=None):
+    """The experience's models: actor and reference of graph `ag`, optional critic / reward."""
+    return PPOModels(Model(ag, ap), Model(ag, ref), None if cg is None else Model(cg, cp),
+                     None if rg is None else Model(rg, rp))
+
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +35,14 @@ def models(tiny_checkpoint):
     critic, _ = load_model(tiny_checkpoint, "value")
     (ag, ap), (cg, cp) = split_model(actor), split_model(critic)
     return ag, nnx.to_pure_dict(ap), cg, nnx.to_pure_dict(cp)
+
+
+@pytest.fixture(scope="module")
+def shared_model(tiny_checkpoint):
+    """The tiny actor as a `CausalLMWithValueHead` (zero value head): `(graphdef, params)`."""
+    model, _ = load_model(tiny_checkpoint, "causal_lm_value")
+    graphdef, params = split_model(model)
+    return graphdef, nnx.to_pure_dict(params)
 
 
 def rollout(seed=0):
@@ -40,13 +56,15 @@ def rollout(seed=0):
     return tuple(jnp.asarray(x) for x in (q, qm, r, rm))
 
 
-def experience(models, settings=ExperienceSettings(micro_batch_size=2), scores=None):
+def experience(models, settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=2)),
+               scores=None):
     ag, ap, cg, cp = models
     q, qm, r, rm = rollout()
     scores = jnp.asarray([1.0, -0.5, 0.25, 0.0]) if scores is None else scores
     kl = init_kl_controller("adaptive", 0.2, 6.0, 10000)
     return jax.jit(lambda ap, cp: make_experience(
-        ag, ap, ag, ap, cg, cp, None, None, kl, q, qm, r, rm, scores, jnp.ones(B, bool),
+        models_of(ag, ap, ap, cg, cp, None, None),
+        Rollout(q, qm, r, rm), kl, scores, jnp.ones(B, bool),
         settings=settings))(ap, cp)
 
 
@@ -137,27 +155,33 @@ def test_missing_eos_penalty_and_score_scale(models):
     ag, ap, cg, cp = models
     q, qm, r, rm = rollout()
     kl = init_kl_controller("fixed", 0.0)
-    settings = ExperienceSettings(micro_batch_size=4, score_scale=2.0, missing_eos_penalty=1.0)
+    settings = ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4), score_scale=2.0,
+                                  missing_eos_penalty=1.0)
     ended = jnp.asarray([True, False, True, False])
-    exp, _, stats = make_experience(ag, ap, ag, ap, cg, cp, None, None, kl, q, qm, r, rm,
-                                    jnp.ones(B), ended, settings=settings)
+    exp, _, stats = make_experience(
+        models_of(ag, ap, ap, cg, cp, None, None),
+        Rollout(q, qm, r, rm), kl, jnp.ones(B), ended,
+        settings=settings)
     np.testing.assert_allclose(np.asarray(exp.scores), [2.0, 1.0, 2.0, 1.0])
     assert float(stats["score_mean"]) == 1.0  # raw scores are logged
 
 
 @pytest.mark.slow  # default-run budget (15 min on 2 cores)
-def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_actor(models):
-    from ppo_jax.rollout.scoring import init_value_head
-
+def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_actor(
+        models, shared_model):
     ag, ap, cg, cp = models
+    sg, shared = shared_model
     q, qm, r, rm = rollout()
     kl = init_kl_controller("fixed", 0.1)
     scores, ended = jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool)
-    shared = {"policy": ap, "value_head": init_value_head(64)}
-    exp_s, _, stats_s = make_experience(ag, shared, ag, ap, None, None, None, None, kl, q, qm, r, rm,
-                                        scores, ended, settings=ExperienceSettings(micro_batch_size=4, shared_critic=True))
-    exp, _, _ = make_experience(ag, ap, ag, ap, cg, cp, None, None, kl, q, qm, r, rm, scores, ended,
-                                settings=ExperienceSettings(micro_batch_size=4))
+    exp_s, _, stats_s = make_experience(
+        PPOModels(Model(sg, shared), Model(ag, ap)),
+        Rollout(q, qm, r, rm), kl, scores, ended,
+        settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4), shared_critic=True))
+    exp, _, _ = make_experience(
+        models_of(ag, ap, ap, cg, cp, None, None),
+        Rollout(q, qm, r, rm), kl, scores, ended,
+        settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4)))
     # zero value heads on both sides: same values (0), same advantages
     np.testing.assert_allclose(exp_s.advantages, exp.advantages, atol=1e-6)
     assert float(stats_s["values_mean"]) == 0.0
@@ -169,14 +193,15 @@ def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_acto
     joint = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True,
                            vf_coef=0.0)
     a_sh, none, stats = ppo_update(TrainState.create(shared, tx), None, exp_s, jax.random.PRNGKey(0),
-                                   actor_graphdef=ag, critic_graphdef=None, actor_tx=tx,
+                                   actor_graphdef=sg, critic_graphdef=None, actor_tx=tx,
                                    critic_tx=None, settings=joint)
     assert none is None and "vf_loss" in stats and "pg_loss" in stats
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), a_sh.params["policy"], a_sep.params)
+    policy = {k: v for k, v in a_sh.params.items() if k != "value_head"}
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), policy, a_sep.params)
     # with vf_coef > 0 the value head learns
     joint = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True, vf_coef=1.0)
     a_sh, _, _ = ppo_update(TrainState.create(shared, tx), None, exp_s, jax.random.PRNGKey(0),
-                            actor_graphdef=ag, critic_graphdef=None, actor_tx=tx, critic_tx=None,
+                            actor_graphdef=sg, critic_graphdef=None, actor_tx=tx, critic_tx=None,
                             settings=joint)
     assert float(jnp.abs(a_sh.params["value_head"]["kernel"]).sum()) > 0.0
 
@@ -249,11 +274,14 @@ def test_a_registered_reward_shaping_replaces_the_kl_penalty(models):
         ag, ap, cg, cp = models
         q, qm, r, rm = rollout()
         kl = init_kl_controller("fixed", 5.0)  # ignored by this shaping
-        settings = ExperienceSettings(micro_batch_size=4, reward_shaping="score_only_test",
+        settings = ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4),
+                                      reward_shaping="score_only_test",
                                       reward_shaping_kwargs=(("bonus", 1.0),))
         ref = jax.tree.map(lambda x: x * 1.01, ap)
-        exp, _, stats = make_experience(ag, ap, ag, ref, cg, cp, None, None, kl, q, qm, r, rm,
-                                        jnp.ones(B), jnp.ones(B, bool), settings=settings)
+        exp, _, stats = make_experience(
+            models_of(ag, ap, ref, cg, cp, None, None),
+            Rollout(q, qm, r, rm), kl, jnp.ones(B), jnp.ones(B, bool),
+            settings=settings)
         np.testing.assert_allclose(np.asarray(exp.rewards).sum(1), 2.0)
         np.testing.assert_allclose(np.asarray(exp.scores), 2.0)
         assert float(stats["non_score_reward"]) == 0.0 and float(stats["kl"]) != 0.0
@@ -273,8 +301,8 @@ def test_chunked_logprobs_give_the_same_experience_and_update(models):
     """model.logprob_chunk_size: rollout / reference log-probs and entropies, then a PPO update
     with an entropy bonus, equal the full-logits path's to float32 rounding."""
     exp, _, stats = experience(models)
-    exp_c, _, stats_c = experience(models, ExperienceSettings(micro_batch_size=2,
-                                                              logprob_chunk_size=CHUNK))
+    exp_c, _, stats_c = experience(models, ExperienceSettings(
+        scoring=ScoringSettings(micro_batch_size=2, logprob_chunk_size=CHUNK)))
     _assert_trees_close(exp_c, exp)
     _assert_trees_close(stats_c, stats)
     kw = dict(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, entropy_coef=0.05)
@@ -288,26 +316,24 @@ def test_chunked_logprobs_give_the_same_experience_and_update(models):
 
 
 @pytest.mark.slow  # default-run budget (15 min on 2 cores)
-def test_chunked_logprobs_in_the_shared_critic_update(models):
-    from ppo_jax.rollout.scoring import init_value_head
-
+def test_chunked_logprobs_in_the_shared_critic_update(models, shared_model):
     ag, ap, _, _ = models
+    sg, shared = shared_model
     q, qm, r, rm = rollout()
     kl = init_kl_controller("fixed", 0.1)
-    shared = {"policy": ap, "value_head": init_value_head(64)}
     sgd = optax.sgd(0.05)
     out = []
     for chunk in (0, CHUNK):
         exp, _, _ = make_experience(
-            ag, shared, ag, ap, None, None, None, None, kl, q, qm, r, rm,
-            jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
-            settings=ExperienceSettings(micro_batch_size=2, shared_critic=True,
-                                        logprob_chunk_size=chunk))
+            PPOModels(Model(sg, shared), Model(ag, ap)),
+            Rollout(q, qm, r, rm), kl, jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
+            settings=ExperienceSettings(shared_critic=True, scoring=ScoringSettings(
+                micro_batch_size=2, logprob_chunk_size=chunk)))
         settings = UpdateSettings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=2,
                                   shared_critic=True, vf_coef=0.5, entropy_coef=0.05,
                                   logprob_chunk_size=chunk)
         state, _, stats = jax.jit(lambda a, e: ppo_update(
-            a, None, e, jax.random.PRNGKey(0), actor_graphdef=ag, critic_graphdef=None,
+            a, None, e, jax.random.PRNGKey(0), actor_graphdef=sg, critic_graphdef=None,
             actor_tx=sgd, critic_tx=None, settings=settings))(TrainState.create(shared, sgd), exp)
         out.append((exp, stats, state.params))
     for got, want in zip(out[1], out[0]):
@@ -331,20 +357,22 @@ def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
     trailing response columns). Experience (log-probs, values, missing-EOS penalty, whitened
     rewards, GAE, whitened advantages, KL and the logged stats) and the update (losses, stats,
     params) agree with the full width, an empty response row included; seq-mean-token-sum
-    keeps its constant T through `UpdateSettings.horizon`."""
+    keeps its constant T through `UpdateSettings.max_response_length`."""
     ag, ap, cg, cp = models
     wide_p, wide_n, p_used, n_used = 9, 8, 6, 4
     full = tuple(jnp.asarray(x) for x in _padded_rollout(wide_p, wide_n))
     q, qm, r, rm = full
     cut = (q[:, -p_used:], qm[:, -p_used:], r[:, :n_used], rm[:, :n_used])
     kl = init_kl_controller("fixed", 0.1)
-    settings = ExperienceSettings(micro_batch_size=2, missing_eos_penalty=0.5, whiten_rewards=True,
-                                  gamma=0.9, lam=0.8)
+    settings = ExperienceSettings(scoring=ScoringSettings(micro_batch_size=2), missing_eos_penalty=0.5,
+                                  whiten_rewards=True, gamma=0.9, lam=0.8)
     scores, ended = jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.asarray([True, False, False, True])
 
     def make(rollout):
-        return jax.jit(lambda ap, cp: make_experience(ag, ap, ag, ap, cg, cp, None, None, kl,
-                                                      *rollout, scores, ended, settings=settings))(ap, cp)
+        return jax.jit(lambda ap, cp: make_experience(
+            models_of(ag, ap, ap, cg, cp, None, None),
+            Rollout(*rollout), kl, scores, ended,
+            settings=settings))(ap, cp)
 
     (exp_w, _, stats_w), (exp_n, _, stats_n) = make(full), make(cut)
     assert exp_n.response_ids.shape == (B, n_used) and exp_n.query_ids.shape == (B, p_used)
@@ -356,7 +384,7 @@ def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
         np.testing.assert_allclose(stats_n[key], stats_w[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
     upd = UpdateSettings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, loss_aggregation=mode,
-                         entropy_coef=0.01, kl_loss_coef=0.1, horizon=wide_n)
+                         entropy_coef=0.01, kl_loss_coef=0.1, max_response_length=wide_n)
     (a_w, c_w, s_w), (a_n, c_n, s_n) = (run_update(models, e, upd) for e in (exp_w, exp_n))
     for key in s_w:
         np.testing.assert_allclose(s_n[key], s_w[key], rtol=1e-5, atol=1e-6, err_msg=key)

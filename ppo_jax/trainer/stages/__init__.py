@@ -1,14 +1,16 @@
 """The three stages of RLHF, each a `StageTrainer` (`ppo_jax.trainer.base`) with one jitted
 update: `sft` (stage 1, `SFTTrainer`), `reward_model` (stage 2, `RewardModelTrainer`), `ppo`
 (stage 3, `PPOTrainer`). `config.stage` picks one; `trainer_class(stage)` returns its class.
+
+The stage names (`STAGES`, the config's `Stage` type) are defined in the config, which the
+trainers import, and re-exported here; the trainers are imported only when asked for.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from ppo_jax.trainer.config import STAGES, Stage
 
-STAGES = ("sft", "reward_model", "ppo")
-Stage = Literal[STAGES]  # the config's type of `stage`
+__all__ = ["STAGES", "Stage", "trainer_class"]
 
 
 def trainer_class(stage: str):

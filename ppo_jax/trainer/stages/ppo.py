@@ -1,55 +1,46 @@
-"""Stage 3, PPO: rollout -> experience -> update, on the shared loop of `trainer.base`.
-
-Each step: take the next batch of prompts (left-padded to the batch's own widest prompt, rounded
-up to a bucket: `trainer.columns`); the actor samples responses (one jitted call), cut to the
-batch's longest response (rounded up to a bucket); the reward function scores the decoded text
-(or the reward model scores the tokens); one jitted call computes log-probs, reference
-log-probs, values, rewards, advantages and returns; one jitted call runs every PPO epoch and
-minibatch. The jitted functions receive every array as an argument; graph definitions,
-optimisers and settings are static. With `eval.*`, the actor is evaluated on held-out prompts
-at step 0 and every `eval.every` steps (`trainer.evaluation`).
+"""Stage 3, PPO, on the shared loop of `trainer.base`. A step has three named parts
+(`stages.ppo_parts`): `sample_rollout` (the next prompts, cut to the batch's widest prompt
+bucket, and the actor's responses, cut to the longest response's bucket: `trainer.columns`),
+`score_rollout` (the reward function on the decoded text, or the reward model on the tokens,
+and one jitted experience pass: log-probs, reference log-probs, values, rewards, advantages,
+returns) and `learn` (one jitted call runs every PPO epoch and minibatch). Jitted functions
+take every array as an argument (models as `PPOModels`); graphs, optimisers and settings
+(`stages.ppo_settings`) are static. With `eval.*` the actor is evaluated on held-out prompts
+(`trainer.evaluation`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.core import get_advantage_estimator, init_kl_controller, needs_greedy_baseline
+from ppo_jax.models.functional import Model
 from ppo_jax.parallel.host import local_rows
-from ppo_jax.rollout.experience import make_experience
-from ppo_jax.rollout.sampler import generate
-from ppo_jax.rollout.scoring import init_value_head, map_in_chunks, reward_model_scores
+from ppo_jax.rollout.experience import PPOModels, make_experience
+from ppo_jax.rollout.sampler import ended_rows, sample
+from ppo_jax.rollout.scoring import Rollout, rollout_scores
 from ppo_jax.trainer.base import StageTrainer
 from ppo_jax.trainer.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.config import ConfigError, eval_enabled
 from ppo_jax.trainer.data import PromptSampler, read_prompts
-from ppo_jax.trainer.evaluation import EvalSettings, Evaluator, eval_batch, eval_rows_multiple
+from ppo_jax.trainer.evaluation import Evaluator, eval_batch, eval_rows_multiple
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.optim import optimizer_from_config
-from ppo_jax.trainer.reward_functions import get_reward_function
+from ppo_jax.trainer.reward_functions import get_reward_function, score_texts
 from ppo_jax.trainer.setup import (
-    abstract_models, abstract_prompts, build_models, build_prompts, pad_token_id, stop_token_ids,
+    abstract_models, build_models, pad_token_id, prompt_set, stop_token_ids,
 )
-from ppo_jax.trainer.stages.ppo_checks import check_names, experience_settings, update_settings
+from ppo_jax.trainer.stages.ppo_checks import check_names
+from ppo_jax.trainer.stages.ppo_parts import Learned, Sampled, Scored, step_metrics
 from ppo_jax.trainer.stages.ppo_programs import PPOPrograms
+from ppo_jax.trainer.stages.ppo_settings import settings_for
 from ppo_jax.trainer.update import ppo_update
-
-
-def _mean_stats(stats: dict) -> dict:
-    """Means over epochs x minibatches; the first minibatch's ratio and approxkl (the PPO
-    invariant: 1 and 0) when the policy loss reports them."""
-    out = {k: float(np.mean(np.asarray(v))) for k, v in stats.items()}
-    for key in ("ratio", "approxkl"):
-        if key in stats:
-            out[f"{key}_first_minibatch"] = float(np.asarray(stats[key])[0, 0])
-    return out
 
 
 class PPOTrainer(PPOPrograms, StageTrainer):
@@ -88,20 +79,27 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         self.prompts = self._prompt_set(cfg.data.prompts, "data.prompts")
         self.prompt_columns = PromptColumns(self.prompts.mask, cfg.data.prompt_buckets)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
-        self.pad_id = pad_token_id(self.tokenizer, models.actor.cfg)
         self.reward_fn = get_reward_function(cfg.reward.function) if cfg.reward.kind == "function" else None
+        self.settings = settings_for(
+            cfg, shared_critic=cfg.model.shared_critic, mesh=place.constraint_mesh,
+            score_normalizer=models.score_normalizer if cfg.reward.normalize else None,
+            reward_eos_id=self.reward_eos_id(), stop_token_ids=self.stop_ids,
+            pad_token_id=pad_token_id(self.tokenizer, models.actor.cfg))
+        self._build_state()
+        self.prompt_order = PromptSampler(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
+        self._build_functions()
+        self.evaluator = self._build_evaluator() if eval_enabled(cfg.eval) else None
+        self._eval_samples: list[dict] = []
 
-        p = cfg.ppo
+    def _build_state(self) -> None:
+        """Train states (taking over the loaded param buffers), KL controller, RNG; the frozen
+        params (offloaded to host memory with `model.offload_frozen`)."""
+        cfg, place, models, p = self.cfg, self.place, self.models, self.cfg.ppo
         opt_steps = cfg.train.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
         self.actor_tx = optimizer_from_config(cfg.optim, cfg.optim.actor_lr, opt_steps)
         self.critic_tx = optimizer_from_config(cfg.optim, cfg.optim.critic_lr, opt_steps)
-        self.shared_critic = cfg.model.shared_critic
-        actor_params = models.actor.params
-        if self.shared_critic:  # TRL: value head on the actor's backbone, one joint loss
-            head = place.replicate(init_value_head(models.actor.cfg.hidden_size))
-            actor_params = {"policy": actor_params, "value_head": head}
         self.state = {  # the train states take over (donate) the loaded param buffers
-            "actor": place.create_state(actor_params, self.actor_tx),
+            "actor": place.create_state(models.actor.params, self.actor_tx),
             "critic": (None if models.critic is None  # shared critic, or a critic-free estimator
                        else place.create_state(models.critic.params, self.critic_tx)),
             "kl": place.replicate(init_kl_controller(p.kl_controller, p.kl_coef, p.target_kl, p.horizon)),
@@ -115,91 +113,73 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         if cfg.model.offload_frozen:  # host memory between experience passes
             self.ref_params = place.offload(self.ref_params)
             self.reward_params = place.offload(self.reward_params)
-        self.sampler = PromptSampler(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
-        self._build_functions()
-        self.evaluator = self._build_evaluator() if eval_enabled(cfg.eval) else None
-        self._eval_samples: list[dict] = []
+
+    def ppo_models(self, actor_params, critic_params=None, ref_params=None,
+                   reward_params=None) -> PPOModels:
+        """The run's models as one `PPOModels` value around the given params (the reward model
+        only when the run has one; the critic only when given)."""
+        m = self.models
+        critic = None if critic_params is None else Model(m.critic.graphdef, critic_params)
+        reward = None if m.reward is None else Model(m.reward.graphdef, reward_params)
+        return PPOModels(Model(m.actor.graphdef, actor_params),
+                         Model(m.reference.graphdef, ref_params), critic, reward)
+
+    def _model_shardings(self) -> PPOModels:
+        state = self.state
+        critic = state["critic"].params if state["critic"] is not None else None
+        return self.place.shardings(self.ppo_models(state["actor"].params, critic,
+                                                    self.ref_params, self.reward_params))
 
     # ----------------------------------------------------------------------------------------
     def _build_functions(self) -> None:
-        cfg, m = self.cfg, self.models
-        g = cfg.generation
-        mesh = self.place.constraint_mesh
-        exp_settings = experience_settings(
-            cfg, shared_critic=self.shared_critic, mesh=mesh,
-            score_normalizer=m.score_normalizer if cfg.reward.normalize else None,
-            reward_eos_id=self.reward_eos_id())
-        upd_settings = update_settings(cfg, shared_critic=self.shared_critic, mesh=mesh)
-        critic_graphdef = m.critic.graphdef if m.critic is not None else None
-        reward_graphdef = m.reward.graphdef if m.reward else None
-        stops = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
+        """The jitted calls of a step, with explicit layouts: params by the rules (by tree-map
+        over `PPOModels` and the train states), batches by rows, the rest replicated."""
+        st, place = self.settings, self.place
+        rows, rep = place.rows, place.replicated
+        models_sh = self._model_shardings()
+        stops = self.stop_ids
 
-        def experience(actor_params, ref_params, critic_params, reward_params, kl_state, q, qm, r,
-                       rm, scores, group_ids, baseline_scores):
-            ended = jnp.isin(r, stops).any(axis=1) & (rm.sum(axis=1) > 0)
+        def experience(models, kl_state, rollout, scores, group_ids, baseline_scores):
+            ended = ended_rows(rollout.response_ids, rollout.response_mask, stops)
             exp, kl_state, stats = make_experience(
-                m.actor.graphdef, actor_params, m.reference.graphdef, ref_params,
-                critic_graphdef, critic_params, reward_graphdef, reward_params, kl_state, q, qm,
-                r, rm, scores, ended, settings=exp_settings, group_ids=group_ids,
-                baseline_scores=baseline_scores)
-            tokens = {"prompt": jnp.sum(qm), "response": jnp.sum(rm)}
+                models, rollout, kl_state, scores, ended, settings=st.experience,
+                group_ids=group_ids, baseline_scores=baseline_scores)
+            tokens = {"prompt": rollout.query_mask.sum(), "response": rollout.response_mask.sum()}
             return exp, kl_state, stats, tokens
 
-        def update(actor_state, critic_state, exp, rng, settings=upd_settings):
-            return ppo_update(actor_state, critic_state, exp, rng, actor_graphdef=m.actor.graphdef,
-                              critic_graphdef=critic_graphdef, actor_tx=self.actor_tx,
-                              critic_tx=self.critic_tx, settings=settings)
+        critic = self.models.critic
 
-        def sample(params, q, qm, key, greedy=g.greedy):
-            if self.shared_critic:
-                params = params["policy"]
-            return generate(m.actor.graphdef, params, q, qm, key,
-                            max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                            top_k=g.top_k, top_p=g.top_p, greedy=greedy,
-                            stop_token_ids=() if g.ignore_eos else self.stop_ids,
-                            pad_token_id=self.pad_id, mesh=self.place.constraint_mesh)
+        def update(actor_state, critic_state, exp, rng, settings=st.update):
+            return ppo_update(actor_state, critic_state, exp, rng,
+                              actor_graphdef=self.models.actor.graphdef,
+                              critic_graphdef=None if critic is None else critic.graphdef,
+                              actor_tx=self.actor_tx, critic_tx=self.critic_tx, settings=settings)
 
-        # explicit layouts: params by the rules, batches by rows, the rest replicated
-        place, rows, rep = self.place, self.place.rows, self.place.replicated
-        actor_sh, critic_sh = place.shardings(self.state["actor"]), place.shardings(self.state["critic"])
-        critic_params_sh = None if critic_sh is None else critic_sh.params
-        frozen_sh = place.shardings(self.ref_params), place.shardings(self.reward_params)
+        def sampler(settings):
+            return jax.jit(partial(sample, settings=settings),
+                           in_shardings=(models_sh.actor, rows, rows, rep),
+                           out_shardings=(rows, rows))
+
         self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
-        self._generate = jax.jit(sample, in_shardings=(actor_sh.params, rows, rows, rep),
-                                 out_shardings=(rows, rows))
-        self._generate_greedy = jax.jit(partial(sample, greedy=True),
-                                        in_shardings=(actor_sh.params, rows, rows, rep),
-                                        out_shardings=(rows, rows))
-        self._build_baseline_scoring(reward_graphdef, exp_settings, frozen_sh[1])
+        self._generate = sampler(st.sampling)
+        self._generate_greedy = sampler(replace(st.sampling, greedy=True))
+        self._rm_scores = jax.jit(
+            lambda reward, rollout: rollout_scores(reward, rollout, st.experience.scoring),
+            in_shardings=(models_sh.reward, Rollout(rows, rows, rows, rows)), out_shardings=rows)
         # experience making and the update compile once per (prompt, response) bucket width
-        self.response_columns = ResponseColumns(g.max_new_tokens, g.response_buckets, rows, rep)
+        self.response_columns = ResponseColumns(self.cfg.generation.max_new_tokens,
+                                                self.cfg.generation.response_buckets, rows, rep)
         self._experience = jax.jit(
-            experience, in_shardings=(actor_sh.params, frozen_sh[0], critic_params_sh, frozen_sh[1],
-                                      rep, rows, rows, rows, rows, rows, rows, rows),
+            experience, in_shardings=(models_sh, rep, Rollout(rows, rows, rows, rows), rows, rows,
+                                      rows),
             out_shardings=(rows, rep, rep, rep))
+        actor_sh, critic_sh = place.shardings(self.state["actor"]), place.shardings(self.state["critic"])
         jit_update = partial(jax.jit, in_shardings=(actor_sh, critic_sh, rows, rep),
                              out_shardings=(actor_sh, critic_sh, rep), donate_argnums=(0, 1))
         self._update = jit_update(update)
         # ppo.critic_warmup_steps: the same update with the actor left out (compiled when used)
-        critic_only = dataclasses.replace(upd_settings, train_actor=False)
-        self._update_critic_only = jit_update(partial(update, settings=critic_only))
-
-    def _build_baseline_scoring(self, reward_graphdef, exp_settings, reward_sh) -> None:
-        """`self._rm_scores`: the reward model's scores of ReMax's greedy responses, normalised
-        as in training (`reward.normalize`)."""
-        micro, mesh, norm = self.cfg.ppo.micro_batch_size, self.place.constraint_mesh, \
-            exp_settings.score_normalizer
-        eos_id = exp_settings.reward_eos_id
-
-        def rm_scores(reward_params, q, qm, r, rm):
-            out = map_in_chunks(lambda *x: reward_model_scores(reward_graphdef, reward_params, *x,
-                                                                eos_id=eos_id),
-                                micro, q, qm, r, rm, mesh=mesh)
-            return out if norm is None else (out - norm[0]) / norm[1]
-
-        rows = self.place.rows
-        self._rm_scores = jax.jit(rm_scores, in_shardings=(reward_sh, rows, rows, rows, rows),
-                                  out_shardings=rows)
+        critic_only = replace(st.update, train_actor=False)
+        self._update_critic_only = jit_update(lambda a, c, e, k: update(a, c, e, k, critic_only))
 
     def _build_evaluator(self) -> Evaluator:
         """The held-out evaluation (`eval.*`): its prompts tokenised like the training prompts,
@@ -209,43 +189,23 @@ class PPOTrainer(PPOPrograms, StageTrainer):
           FileNotFoundError / ValueError / ConfigError: a bad eval prompt file, or prompts too
             long for the context (see `build_prompts`).
         """
-        cfg, e, g, m, place = self.cfg, self.cfg.eval, self.cfg.generation, self.models, self.place
-        new_tokens = e.max_new_tokens or g.max_new_tokens
+        cfg, e, place = self.cfg, self.cfg.eval, self.place
+        new_tokens = self.settings.eval.sampling.max_new_tokens
         prompts = self._prompt_set(e.prompts, "eval.prompts", new_tokens, e.num_prompts,
                                    "eval.max_new_tokens" if e.max_new_tokens
                                    else "generation.max_new_tokens")
         batch = eval_batch(prompts, e.num_prompts,
                            eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size))
-        settings = EvalSettings(
-            max_new_tokens=new_tokens, temperature=e.temperature, greedy=e.greedy, top_k=g.top_k,
-            top_p=g.top_p, stop_token_ids=() if g.ignore_eos else self.stop_ids,
-            pad_token_id=self.pad_id, micro_batch_size=cfg.ppo.micro_batch_size,
-            mesh=place.constraint_mesh,
-            score_normalizer=m.score_normalizer if cfg.reward.normalize else None,
-            reward_eos_id=self.reward_eos_id(), logprob_chunk_size=cfg.model.logprob_chunk_size)
-        actor_sh = place.shardings(self._policy_params(self.state["actor"].params))
-        shardings = (actor_sh, place.shardings(self.ref_params), place.shardings(self.reward_params))
-        graphdefs = (m.actor.graphdef, m.reference.graphdef, m.reward.graphdef if m.reward else None)
-        return Evaluator(batch, settings, place, graphdefs, shardings, seed=e.seed,
+        shardings = replace(self._model_shardings(), critic=None)
+        return Evaluator(batch, self.settings.eval, place, shardings, seed=e.seed,
                          reward_fn=self.reward_fn, decode=self._decode)
 
     def _prompt_set(self, path: str, key: str, new_tokens: int | None = None, rows: int = 0,
                     new_tokens_key: str = "generation.max_new_tokens"):
-        """The tokenised prompt file `path` (`build_prompts`); in an abstract build, `rows`
-        (default a batch) prompts `data.max_prompt_length` wide, checked against the context.
-
-        Raises:
-          ConfigError / FileNotFoundError / ValueError: see `build_prompts`.
-        """
-        cfg, model_cfg = self.cfg, self.models.actor.cfg
-        if not self.is_abstract:
-            return build_prompts(cfg, self.tokenizer, model_cfg, path=path, key=key,
-                                 max_new_tokens=new_tokens, new_tokens_key=new_tokens_key)
-        width, new = cfg.data.max_prompt_length, new_tokens or cfg.generation.max_new_tokens
-        if width + new > model_cfg.max_position_embeddings:
-            raise ConfigError(f"{key}: data.max_prompt_length={width} + {new_tokens_key}={new} "
-                              f"exceeds the model context {model_cfg.max_position_embeddings}")
-        return abstract_prompts(rows or cfg.ppo.batch_size, width)
+        """`setup.prompt_set` of this run (shapes only in an abstract build)."""
+        return prompt_set(self.cfg, self.tokenizer, self.models.actor.cfg, path, key,
+                          abstract=self.is_abstract, new_tokens=new_tokens, rows=rows,
+                          new_tokens_key=new_tokens_key)
 
     def reward_eos_id(self) -> int | None:
         """The tokenizer's EOS id (the actor config's first, in an abstract build) when
@@ -256,10 +216,6 @@ class PPOTrainer(PPOPrograms, StageTrainer):
             return int(self.stop_ids[0]) if self.stop_ids else 0
         return int(self.tokenizer.eos_token_id)
 
-    def _policy_params(self, params):
-        """The actor's CausalLM params (without the shared critic's value head)."""
-        return params["policy"] if self.shared_critic else params
-
     def evaluate(self) -> dict:
         """Evaluate the current actor on the held-out prompts (`eval.*`); keeps its first
         `eval.num_samples` decoded responses for `after_log`. Returns `eval/*` metrics and
@@ -267,9 +223,9 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         if self.evaluator is None:
             return {}
         ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
-        metrics, self._eval_samples = self.evaluator(
-            self._policy_params(self.state["actor"].params), ref, reward, self.cfg.eval.num_samples)
-        del ref, reward
+        models = self.ppo_models(self.state["actor"].params, None, ref, reward)
+        metrics, self._eval_samples = self.evaluator(models, self.cfg.eval.num_samples)
+        del ref, reward, models
         release_host_memory()
         return metrics
 
@@ -287,87 +243,99 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         return [self.tokenizer.decode(row[m > 0].tolist(), skip_special_tokens=True)
                 for row, m in zip(ids, mask)]
 
+    def _text_scores(self, prompts: list[str], ids, mask) -> tuple[list[str], jax.Array]:
+        """This process's rows of responses `ids`, `mask` decoded and scored by the reward
+        function: `(responses, scores)`, the scores a `[B]` batch on the mesh."""
+        texts, local = score_texts(self.reward_fn, self._decode, prompts, local_rows(ids),
+                                   local_rows(mask))
+        return texts, self.place.put_rows(local, (self.cfg.ppo.batch_size,))
+
     def step(self) -> dict:
-        """One PPO step; returns its metrics (floats).
+        """One PPO step, in three named parts: `sample_rollout` (prompts in, responses out),
+        `score_rollout` (rewards and experience) and `learn` (the update); returns its metrics
+        (floats), assembled from the three parts by `ppo_parts.step_metrics`.
 
         Host work inside the step is limited to this process's rows: their prompt ids go in,
         and with a reward function their response tokens come out, are decoded and scored, and
         the scores go back in (`jax.make_array_from_process_local_data` with several
         processes). Everything else stays on the devices until the step's scalars are read.
+        """
+        t0 = time.perf_counter()
+        sampled = self.sample_rollout()
+        scored = self.score_rollout(sampled)
+        learned = self.learn(scored, sampled.update_key)
+        self.state = {"actor": learned.actor, "critic": learned.critic, "kl": scored.kl_state,
+                      "rng": sampled.rng}
+        self.step_count += 1
+        self._last_rollout = (sampled.prompts, scored.responses, sampled.rollout,
+                              scored.experience.scores)
+        return step_metrics(t0, sampled, scored, learned, self.prompt_order.position)
+
+    def sample_rollout(self) -> Sampled:
+        """The next batch of prompts and the actor's responses (and ReMax's greedy baseline).
 
         Column buckets (`trainer.columns`): the prompts keep the batch's widest prompt (rounded
         up), read from the whole batch's indices that every process knows; the responses are
         cut after sampling to the batch's longest response (rounded up; a global max over the
         row-sharded mask). Both widths are logged (`prompt_width`, `response_width`).
         """
-        cfg, place = self.cfg, self.place
-        batch = cfg.ppo.batch_size
-        t0 = time.perf_counter()
+        place, batch = self.place, self.cfg.ppo.batch_size
         lo, hi = place.row_range(batch)
-        n = cfg.generation.samples_per_prompt  # rows of one prompt are adjacent: one group
-        whole = np.repeat(self.sampler.next_indices(batch // n), n)  # the whole batch's prompts
+        n = self.cfg.generation.samples_per_prompt  # rows of one prompt are adjacent: one group
+        whole = np.repeat(self.prompt_order.next_indices(batch // n), n)  # the whole batch's
         idx, width = whole[lo:hi], self.prompt_columns.width(whole)  # this process's rows
         cut = self.prompt_columns.cut
         q = place.put_rows(cut(self.prompts.ids[idx], width), (batch, width))
         qm = place.put_rows(cut(self.prompts.mask[idx], width), (batch, width))
         groups = place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
         rng, gen_key, upd_key = self._split(self.state["rng"])
-        actor, critic = self.state["actor"], self.state["critic"]
-
-        resp, resp_mask = jax.block_until_ready(self._generate(actor.params, q, qm, gen_key))
+        actor = Model(self.models.actor.graphdef, self.state["actor"].params)
+        resp, resp_mask = jax.block_until_ready(self._generate(actor, q, qm, gen_key))
         prompts = [self.prompts.texts[i] for i in idx]
-        baseline = self._greedy_baseline(actor.params, q, qm, gen_key, prompts)
+        baseline = self._greedy_baseline(actor, q, qm, gen_key, prompts)
         resp, resp_mask, resp_width = self.response_columns(resp, resp_mask)
-        t_gen = time.perf_counter()
+        return Sampled(prompts, Rollout(q, qm, resp, resp_mask), groups, baseline, upd_key, rng,
+                       int(width), int(resp_width), time.perf_counter())
+
+    def score_rollout(self, sampled: Sampled) -> Scored:
+        """The reward (the reward function on this process's decoded rows, or the reward model
+        inside the experience pass) and the experience: log-probs, reference log-probs,
+        values, rewards, advantages, returns; the KL controller updated."""
         responses, scores = None, None
+        r = sampled.rollout
         if self.reward_fn is not None:
-            responses = self._decode(local_rows(resp), local_rows(resp_mask))
-            local_scores = np.asarray(self.reward_fn(prompts, responses), np.float32)
-            scores = place.put_rows(local_scores, (batch,))
+            responses, scores = self._text_scores(sampled.prompts, r.response_ids,
+                                                  r.response_mask)
         release_host_memory()  # the freed buffers of a phase are not reusable by the next one
-        ref, reward = place.onload(self.ref_params), place.onload(self.reward_params)
-        critic_params = None if critic is None else critic.params
-        exp, kl_state, exp_stats, tokens = self._experience(
-            actor.params, ref, critic_params, reward, self.state["kl"], q, qm, resp, resp_mask,
-            scores, groups, baseline)
-        del ref, reward  # offloaded frozen params: the device copy lives for this pass only
-        exp_stats = jax.device_get(exp_stats)  # replicated scalars: readable on every process
+        ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
+        critic = self.state["critic"]
+        models = self.ppo_models(self.state["actor"].params,
+                                 None if critic is None else critic.params, ref, reward)
+        exp, kl_state, stats, tokens = self._experience(
+            models, self.state["kl"], r, scores, sampled.group_ids, sampled.baseline_scores)
+        del ref, reward, models  # offloaded frozen params: the device copy lives for this pass
+        stats = jax.device_get(stats)  # replicated scalars: readable on every process
         release_host_memory()
-        t_score = time.perf_counter()
-        warmup = self.step_count < cfg.ppo.critic_warmup_steps
+        return Scored(exp, kl_state, stats, tokens, responses, time.perf_counter())
+
+    def learn(self, scored: Scored, key) -> Learned:
+        """The PPO update on the experience (critic only during `ppo.critic_warmup_steps`)."""
+        warmup = self.step_count < self.cfg.ppo.critic_warmup_steps
         update = self._update_critic_only if warmup else self._update
-        actor, critic, upd_stats = update(actor, critic, exp, upd_key)
-        upd_stats = jax.device_get(upd_stats)
-        t_update = time.perf_counter()
+        actor, critic, stats = update(self.state["actor"], self.state["critic"],
+                                      scored.experience, key)
+        return Learned(actor, critic, jax.device_get(stats), warmup, time.perf_counter())
 
-        self.state = {"actor": actor, "critic": critic, "kl": kl_state, "rng": rng}
-        self.step_count += 1
-        gen_tokens = float(tokens["response"])
-        total_tokens = float(tokens["prompt"]) + gen_tokens
-        metrics = {k: float(v) for k, v in exp_stats.items()}
-        metrics.update(_mean_stats(upd_stats))
-        metrics.update({
-            "time/generation": t_gen - t0, "time/scoring": t_score - t_gen,
-            "time/update": t_update - t_score, "time/step": t_update - t0,
-            "tokens_per_s/generation": gen_tokens / max(t_gen - t0, 1e-9),
-            "tokens_per_s/step": total_tokens / max(t_update - t0, 1e-9),
-            "data_position": self.sampler.position, "critic_warmup": float(warmup),
-            "prompt_width": float(width), "response_width": float(resp_width),
-        })
-        self._last_rollout = (prompts, responses, resp, resp_mask, exp.scores)
-        return metrics
-
-    def _greedy_baseline(self, actor_params, q, qm, key, prompts: list[str]):
+    def _greedy_baseline(self, actor: Model, q, qm, key, prompts: list[str]):
         """ReMax: the score of the greedy response to each row's prompt (`[B]` rows), or None
         when the advantage estimator does not need it."""
         if not needs_greedy_baseline(get_advantage_estimator(self.cfg.ppo.advantage_estimator)):
             return None
-        g_resp, g_mask = self._generate_greedy(actor_params, q, qm, key)
+        g_resp, g_mask = self._generate_greedy(actor, q, qm, key)
         if self.reward_fn is None:
-            return self._rm_scores(self.place.onload(self.reward_params), q, qm, g_resp, g_mask)
-        texts = self._decode(local_rows(g_resp), local_rows(g_mask))
-        local = np.asarray(self.reward_fn(prompts, texts), np.float32)
-        return self.place.put_rows(local, (self.cfg.ppo.batch_size,))
+            reward = Model(self.models.reward.graphdef, self.place.onload(self.reward_params))
+            return self._rm_scores(reward, Rollout(q, qm, g_resp, g_mask))
+        return self._text_scores(prompts, g_resp, g_mask)[1]
 
     @property
     def last_samples(self) -> list[dict]:
@@ -375,18 +343,18 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         (decoded on demand when the reward came from a reward model)."""
         if getattr(self, "_last_rollout", None) is None:
             return []
-        prompts, responses, resp, resp_mask, scores = self._last_rollout
+        prompts, responses, rollout, scores = self._last_rollout
         if responses is None:
-            responses = self._decode(local_rows(resp), local_rows(resp_mask))
+            responses = self._decode(local_rows(rollout.response_ids),
+                                     local_rows(rollout.response_mask))
         return [{"prompt": p_, "response": r_, "score": float(s_)}
                 for p_, r_, s_ in zip(prompts, responses, local_rows(scores))]
 
     # ----------------------------------------------------------------------------------------
     def export_actor(self, out_dir: Path | None = None) -> Path:
         """Save the current actor as an HF directory (loadable by transformers); collective."""
-        select = (lambda p: p["policy"]) if self.shared_critic else None
         return self.write_hf(self.models.actor.graphdef, self.state["actor"].params,
-                             self.models.actor.cfg, Path(out_dir or self.out / "actor_hf"), select)
+                             self.models.actor.cfg, Path(out_dir or self.out / "actor_hf"))
 
     def export(self) -> Path:
         return self.export_actor()

@@ -1,6 +1,6 @@
-"""The static settings PPO derives from its config, and the start-up checks of the config's
-registered functions (before any model is loaded): one place, so the check makes exactly the
-trainer's call.
+"""The start-up checks of a PPO config's registered functions (before any model is loaded),
+made with the settings the trainer builds (`stages.ppo_settings`), so the check makes exactly
+the trainer's call.
 
 Each registered function named by the config (reward shaping, advantage estimator, policy loss,
 value loss) is looked up, its signature is bound to the exact call the trainer will make, and it
@@ -12,7 +12,7 @@ naming the key, not in the middle of the first step.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,47 +26,14 @@ from ppo_jax.core import (
     get_value_loss,
     uses_critic,
 )
-from ppo_jax.rollout.experience import ExperienceSettings
-from ppo_jax.trainer.config import Config, ConfigError, static_kwargs
+from ppo_jax.trainer.config import Config, ConfigError
 from ppo_jax.trainer.reward_functions import get_reward_function
-from ppo_jax.trainer.update import UpdateSettings
+from ppo_jax.trainer.stages.ppo_settings import settings_for
 
 B, T = 1, 2
 _TOKENS = "[B, T]"
-_OLD_LOSS_HINT = (" (since issue 11 a registered loss takes one LossInputs batch and returns a "
-                  "per-token loss [B, T] and per-token stats; README \"Swapping a formula\")")
-
-
-def experience_settings(cfg: Config, *, shared_critic: bool = False, mesh=None,
-                        score_normalizer: Optional[tuple[float, float]] = None,
-                        reward_eos_id: Optional[int] = None) -> ExperienceSettings:
-    """The `ExperienceSettings` of `cfg` (static: hashable)."""
-    p, g = cfg.ppo, cfg.generation
-    return ExperienceSettings(
-        temperature=g.temperature, micro_batch_size=p.micro_batch_size,
-        kl_estimator=p.kl_estimator, reward_clip=p.reward_clip, score_scale=p.score_scale,
-        missing_eos_penalty=p.missing_eos_penalty, whiten_rewards=p.whiten_rewards,
-        whiten_advantages=p.whiten_advantages, advantage_estimator=p.advantage_estimator,
-        gamma=p.gamma, lam=p.lam, advantage_kwargs=static_kwargs(p.advantage_kwargs),
-        shared_critic=shared_critic, mesh=mesh, score_normalizer=score_normalizer,
-        reward_eos_id=reward_eos_id, logprob_chunk_size=cfg.model.logprob_chunk_size,
-        reward_shaping=p.reward_shaping, reward_shaping_kwargs=static_kwargs(p.reward_shaping_kwargs))
-
-
-def update_settings(cfg: Config, *, shared_critic: bool = False, mesh=None) -> UpdateSettings:
-    """The `UpdateSettings` of `cfg` (static: hashable)."""
-    p = cfg.ppo
-    return UpdateSettings(
-        ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
-        micro_batch_size=p.micro_batch_size, temperature=cfg.generation.temperature,
-        policy_loss=p.policy_loss, value_loss=p.value_loss, cliprange=p.cliprange,
-        cliprange_high=p.cliprange_high, dual_clip=p.dual_clip, cliprange_value=p.cliprange_value,
-        policy_loss_kwargs=static_kwargs(p.policy_loss_kwargs),
-        value_loss_kwargs=static_kwargs(p.value_loss_kwargs), shared_critic=shared_critic,
-        vf_coef=p.vf_coef, mesh=mesh, loss_aggregation=p.loss_aggregation,
-        entropy_coef=p.entropy_coef, kl_loss_coef=p.kl_loss_coef,
-        kl_loss_estimator=p.kl_loss_estimator, logprob_chunk_size=cfg.model.logprob_chunk_size,
-        horizon=cfg.generation.max_new_tokens)
+_OLD_LOSS_HINT = (" (a registered loss takes one LossInputs batch and returns a per-token loss "
+                  "[B, T] and per-token stats; docs/forks.md)")
 
 
 def _test_batch() -> LossInputs:
@@ -123,7 +90,8 @@ def _check_one(key: str, name: str, getter: Callable, args: dict, kwargs: dict, 
 def _calls(cfg: Config) -> list:
     """(key, name, getter, positional args, the trainer's own kwargs, config kwargs, output spec)."""
     p = cfg.ppo
-    upd, exp = update_settings(cfg), experience_settings(cfg)
+    settings = settings_for(cfg)
+    upd, exp = settings.update, settings.experience
     tok, row = jnp.ones((B, T), jnp.float32), jnp.ones((B,), jnp.float32)
     mask = jnp.ones((B, T), jnp.int32)
     return [

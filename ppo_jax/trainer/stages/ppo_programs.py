@@ -6,9 +6,12 @@ PPO step with abstract arguments, and what stays in device memory between them. 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax.numpy as jnp
 
 from ppo_jax.core import get_advantage_estimator, needs_greedy_baseline
+from ppo_jax.rollout.scoring import Rollout
 from ppo_jax.trainer.programs import Program, batch_shape, out_shapes
 
 
@@ -32,17 +35,18 @@ class PPOPrograms:
         remax = needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator))
         baseline = batch_shape(place, (size,), jnp.float32) if remax else None
         ref, reward = place.onload(self.ref_params), place.onload(self.reward_params)
-        exp_args = (actor.params, ref, None if critic is None else critic.params, reward,
-                    self.state["kl"], q, qm, resp, resp_mask, scores, ids(size), baseline)
+        models = self.ppo_models(actor.params, None if critic is None else critic.params, ref,
+                                 reward)
+        rollout = Rollout(q, qm, resp, resp_mask)
+        exp_args = (models, self.state["kl"], rollout, scores, ids(size), baseline)
         exp = out_shapes(lambda *a: self._experience(*a)[0], exp_args, place.rows)
-        sample_args = (actor.params, q, qm, gen_key)
+        sample_args = (models.actor, q, qm, gen_key)
         out = [Program("sampler", self._generate, sample_args, while_trips=new - 1)]
         if remax:
             out.append(Program("greedy_sampler", self._generate_greedy, sample_args,
                                while_trips=new - 1))
             if self.reward_fn is None:
-                out.append(Program("greedy_scores", self._rm_scores,
-                                   (reward, q, qm, resp, resp_mask)))
+                out.append(Program("greedy_scores", self._rm_scores, (models.reward, rollout)))
         out += [Program("experience", self._experience, exp_args),
                 Program("update", self._update, (actor, critic, exp, upd_key))]
         if cfg.ppo.critic_warmup_steps:
@@ -50,8 +54,8 @@ class PPOPrograms:
                                (actor, critic, exp, upd_key), per_step=0.0,
                                note=f"steps 1-{cfg.ppo.critic_warmup_steps}, in place of update"))
         if self.evaluator is not None:
-            out += self.evaluator.programs(self._policy_params(actor.params), ref, reward,
-                                           per_step=1.0 / cfg.eval.every)
+            eval_models = replace(models, critic=None)
+            out += self.evaluator.programs(eval_models, per_step=1.0 / cfg.eval.every)
         return out
 
     def resident(self) -> dict:

@@ -5,12 +5,9 @@ Chosen and rejected of a pair go through one forward pass together, in the same 
 
 The model starts from `model.reward_model`: a causal LM (SmolLM2, an SFT output) gets a fresh
 score head, N(0, 0.02^2) (transformers' `initializer_range`, what TRL's RewardTrainer starts
-from). Tried on the pipeline's pairs and dropped: std 1/sqrt(D+1) ("N implementation details of
-RLHF with PPO") gave SmolLM2 scores of std 1.6 and a held-out accuracy of 0.34 after 10 steps; a
-zero head left the loss at log 2 for 10 steps (Adam moves a zero head by about lr per weight, and
-the backbone gets no gradient while the head is zero). A reward model goes on training. The result is written to `<output_dir>/reward_model_hf` as an
-HF `*ForSequenceClassification` directory with the tokenizer's pad id set and the mean / std of
-its scores on the held-out pairs (`score_mean`, `score_std` in config.json; OpenRLHF keeps the
+from; the other initialisations tried are in docs/history.md). A reward model goes on training.
+The result is written to `<output_dir>/reward_model_hf` as an HF `*ForSequenceClassification`
+directory with the tokenizer's pad id set and the mean / std of its scores on the held-out pairs (`score_mean`, `score_std` in config.json; OpenRLHF keeps the
 same pair for its `normalize_reward`), which stage 3's `reward.normalize` reads.
 """
 
@@ -112,13 +109,13 @@ class RewardModelTrainer(SupervisedTrainer):
                 "rejected_ids": (np.int32, True), "rejected_mask": (np.int32, True),
                 "margin": (np.float32, False), "weight": (np.float32, False)}
 
-    def normalizer(self, batch: dict) -> jax.Array:
+    def denominator(self, batch: dict) -> jax.Array:
         """Pairs in the whole minibatch."""
         return jnp.maximum(jnp.sum(batch["weight"]), 1.0)
 
-    def loss(self, graphdef, params, micro: dict, normalizer):
+    def loss(self, graphdef, params, micro: dict, denominator):
         loss, sums, _ = _pair_sums(graphdef, params, micro)
-        return loss / normalizer, {k: jax.lax.stop_gradient(v) / normalizer for k, v in sums.items()}
+        return loss / denominator, {k: jax.lax.stop_gradient(v) / denominator for k, v in sums.items()}
 
     def eval_sums(self, graphdef, params, batch: dict) -> dict:
         _, sums, (rc, rr) = _pair_sums(graphdef, params, batch)

@@ -64,7 +64,7 @@ class SFTTrainer(SupervisedTrainer):
         return {"ids": (np.int32, True), "attention_mask": (np.int32, True),
                 "loss_mask": (np.int32, True), "weight": (np.float32, False)}
 
-    def normalizer(self, batch: dict) -> jax.Array:
+    def denominator(self, batch: dict) -> jax.Array:
         """Response tokens (targets) of the whole minibatch."""
         _, mask = shift_for_next_token(batch["ids"], batch["loss_mask"])
         return jnp.maximum(jnp.sum(mask * (batch["weight"] > 0)[:, None]).astype(jnp.float32), 1.0)
@@ -73,10 +73,10 @@ class SFTTrainer(SupervisedTrainer):
         return sft_logprobs(graphdef, params, batch, chunk_size=self.cfg.model.logprob_chunk_size,
                             mesh=self.place.constraint_mesh)
 
-    def loss(self, graphdef, params, micro: dict, normalizer):
+    def loss(self, graphdef, params, micro: dict, denominator):
         logprobs, mask = self._logprobs(graphdef, params, micro)
-        loss, stats = nll_loss(logprobs, mask, loss_normalizer=normalizer)
-        return loss, {"loss": stats["nll"], "tokens": stats["tokens"] * normalizer}
+        loss, stats = nll_loss(logprobs, mask, loss_normalizer=denominator)
+        return loss, {"loss": stats["nll"], "tokens": stats["tokens"] * denominator}
 
     def eval_sums(self, graphdef, params, batch: dict) -> dict:
         logprobs, mask = self._logprobs(graphdef, params, batch)

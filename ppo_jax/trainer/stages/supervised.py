@@ -3,8 +3,8 @@ model, minibatch steps with exact gradient accumulation, and held-out evaluation
 
 A subclass (`SFTTrainer`, `RewardModelTrainer`) gives: `section` (its config section),
 `model_kind` and `model_source()`, `tokenize_file(path, key, tokenizer)` (a dict of numpy
-arrays with rows first, one of them `weight [N]`), `loss(params, micro, normalizer) -> (loss, stats)` (a sum over
-the micro-batch divided by the minibatch's `normalizer`), `normalizer(batch)`,
+arrays with rows first, one of them `weight [N]`), `loss(params, micro, denominator) -> (loss, stats)` (a sum over
+the micro-batch divided by the minibatch's `denominator`), `denominator(batch)`,
 `eval_sums(params, batch) -> dict of sums` and `finish_eval(sums) -> metrics`.
 """
 
@@ -24,7 +24,7 @@ from ppo_jax.trainer.data import PromptSampler
 from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
 from ppo_jax.trainer.programs import Program, batch_shape
 from ppo_jax.trainer.setup import (
-    Split, abstract_split, load_split, pad_token_id, resolve_model_path,
+    LoadedModel, abstract_split, load_split, pad_token_id, resolve_model_path,
 )
 from ppo_jax.trainer.text_data import split_holdout
 
@@ -74,16 +74,16 @@ class SupervisedTrainer(StageTrainer):
         if not self.is_abstract:
             self._check_ids(model.cfg.vocab_size)
         self._check_context(model.cfg.max_position_embeddings)
-        self.model = Split(model.graphdef, None, model.cfg)
+        self.model = LoadedModel(model.graphdef, None, model.cfg)
         self.tx = optimizer_from_config(cfg.optim, sec.lr, cfg.train.steps,
                                         backbone_lr_scale=sec.backbone_lr_scale)
         self.state = {"model": place.create_state(model.params, self.tx)}
         if not self.is_abstract:
-            self.sampler = PromptSampler(len(self.train_data["weight"]), cfg.train.seed,
+            self.prompt_order = PromptSampler(len(self.train_data["weight"]), cfg.train.seed,
                                          cfg.data.shuffle)
         self._jit()
 
-    def load_model(self) -> Split:
+    def load_model(self) -> LoadedModel:
         m = self.cfg.model
         return load_split(self.model_path, self.model_kind, param_dtype=m.param_dtype, dtype=m.dtype,
                      remat=m.remat, seed=self.cfg.train.seed, sharding_fn=self.place.sharding_fn,
@@ -92,7 +92,7 @@ class SupervisedTrainer(StageTrainer):
     def load_kwargs(self) -> dict:
         return {}
 
-    def abstract_model(self) -> Split:
+    def abstract_model(self) -> LoadedModel:
         """The model with shapes in place of params (`StageTrainer.abstract`)."""
         m, key = self.cfg.model, f"model.{'actor' if self.section == 'sft' else 'reward_model'}"
         source = m.actor if self.section == "sft" else m.reward_model
@@ -144,7 +144,7 @@ class SupervisedTrainer(StageTrainer):
         frozen = sec.backbone_lr_scale == 0  # no backbone gradient at all, not just no update
 
         def update(state, batch):
-            n = self.normalizer(batch)
+            n = self.denominator(batch)
             grads, stats = accumulate_gradients(
                 lambda p, m: self.loss(graphdef, stop_backbone_gradient(p) if frozen else p, m, n),
                 state.params, batch,
@@ -166,14 +166,14 @@ class SupervisedTrainer(StageTrainer):
     def step(self) -> dict:
         """One optimiser step on the next `batch_size` rows; returns its metrics (floats)."""
         t0 = time.perf_counter()
-        batch = self._put(rows_of(self.train_data, self.sampler.next_indices(self.settings.batch_size)))
+        batch = self._put(rows_of(self.train_data, self.prompt_order.next_indices(self.settings.batch_size)))
         state, stats = self._update(self.state["model"], batch)
         stats = {k: float(v) for k, v in jax.device_get(stats).items()}
         self.state = {"model": state}
         self.step_count += 1
         dt = time.perf_counter() - t0
-        stats.update({"time/step": dt, "data_position": self.sampler.position,
-                      "epoch": self.sampler.position / len(self.train_data["weight"])})
+        stats.update({"time/step": dt, "data_position": self.prompt_order.position,
+                      "epoch": self.prompt_order.position / len(self.train_data["weight"])})
         return stats
 
     def evaluate(self, data: dict | None = None) -> dict:
@@ -223,10 +223,10 @@ class SupervisedTrainer(StageTrainer):
         """Read, check and tokenise one data file (config key `key`) into a row dict."""
         raise NotImplementedError
 
-    def normalizer(self, batch: dict) -> jax.Array:  # pragma: no cover - abstract
+    def denominator(self, batch: dict) -> jax.Array:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def loss(self, graphdef, params, micro: dict, normalizer):  # pragma: no cover - abstract
+    def loss(self, graphdef, params, micro: dict, denominator):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def eval_sums(self, graphdef, params, batch: dict) -> dict:  # pragma: no cover - abstract

@@ -1,0 +1,47 @@
+"""The text of `python train.py --help-config`: every config key with its type, default and help
+text, section by section, and the value a given config gives it where that differs."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Literal
+
+from ppo_jax.trainer.config_schema import Config, leaves
+
+
+def type_name(kind) -> str:
+    """A field's type as `--help-config` shows it: `one of: a | b`, `float or null`, ..."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Literal:
+        return "one of: " + " | ".join(map(str, args))
+    if origin is typing.Union and type(None) in args:
+        return " or ".join(type_name(a) for a in args if a is not type(None)) + " or null"
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in args)}]"
+    return getattr(kind, "__name__", str(kind).replace("typing.", ""))
+
+
+def describe(cfg: Config | None = None, name: str | None = None) -> str:
+    """Every config key with its type, default and help text, section by section (the text of
+    `python train.py --help-config`). With `cfg` (loaded from the file `name`), a value that
+    differs from the default is shown too."""
+    defaults, lines = Config(), []
+    default_of = {k: v for k, v, _ in leaves(defaults)}
+    given = {k: v for k, v, _ in leaves(cfg)} if cfg is not None else {}
+    for sec in dataclasses.fields(Config):
+        value = getattr(defaults, sec.name)
+        if dataclasses.is_dataclass(value):
+            lines += ["", f"[{sec.name}] {' '.join(sec.metadata['help'].split())}"]
+            fields = [(f"{sec.name}.{f.name}", f) for f in dataclasses.fields(value)]
+            hints = typing.get_type_hints(type(value))
+        else:
+            fields, hints = [(sec.name, sec)], typing.get_type_hints(Config)
+        for key, f in fields:
+            default = default_of[key]
+            line = f"  {key}: {type_name(hints[f.name])} = {default!r}"
+            if key in given and given[key] != default:
+                line += f"   ({name or 'this config'}: {given[key]!r})"
+            lines += [line, f"      {f.metadata.get('help', '')}"]
+    return "\n".join(lines[1:] if lines and not lines[0] else lines)
+

@@ -1,0 +1,87 @@
+"""The three named parts of a PPO step (`PPOTrainer.sample_rollout`, `score_rollout`,
+`learn`), each a small dataclass, and the step's metrics assembled from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from ppo_jax.rollout.experience import Experience
+from ppo_jax.rollout.scoring import Rollout
+
+
+def _mean_stats(stats: dict) -> dict:
+    """Means over epochs x minibatches; the first minibatch's ratio and approxkl (the PPO
+    invariant: 1 and 0) when the policy loss reports them."""
+    out = {k: float(np.mean(np.asarray(v))) for k, v in stats.items()}
+    for key in ("ratio", "approxkl"):
+        if key in stats:
+            out[f"{key}_first_minibatch"] = float(np.asarray(stats[key])[0, 0])
+    return out
+
+
+@dataclass
+class Sampled:
+    """The rollout part of a step: this process's prompt texts, the batch's prompts and
+    responses on the mesh (cut to their bucket widths), prompt groups, the ReMax baseline
+    scores (or None), the RNG keys for the update and the next step, and when it ended."""
+
+    prompts: list[str]
+    rollout: Rollout
+    group_ids: jax.Array
+    baseline_scores: Optional[jax.Array]
+    update_key: jax.Array
+    rng: jax.Array
+    prompt_width: int
+    response_width: int
+    end: float
+
+
+@dataclass
+class Scored:
+    """The scoring part: the experience, the updated KL controller, the experience stats and
+    token counts (host values), the decoded responses (reward function only), when it ended."""
+
+    experience: Experience
+    kl_state: Any
+    stats: dict
+    tokens: dict
+    responses: Optional[list[str]]
+    end: float
+
+
+@dataclass
+class Learned:
+    """The learning part: the new train states, the update's stats (host arrays `[epochs,
+    minibatches]`), whether it was a critic warm-up step, when it ended."""
+
+    actor: Any
+    critic: Any
+    stats: dict
+    critic_warmup: bool
+    end: float
+
+
+def step_metrics(t0: float, sampled: Sampled, scored: Scored, learned: Learned,
+                 data_position: int) -> dict:
+    """The step's metrics (floats) from its three parts: the experience stats, the update's
+    means (`_mean_stats`), phase times (`time/generation`, `time/scoring`, `time/update`,
+    `time/step`, seconds from `t0`), token rates, the data position and the column widths."""
+    t_gen, t_score, t_update = sampled.end, scored.end, learned.end
+    gen_tokens = float(scored.tokens["response"])
+    total_tokens = float(scored.tokens["prompt"]) + gen_tokens
+    metrics = {k: float(v) for k, v in scored.stats.items()}
+    metrics.update(_mean_stats(learned.stats))
+    metrics.update({
+        "time/generation": t_gen - t0, "time/scoring": t_score - t_gen,
+        "time/update": t_update - t_score, "time/step": t_update - t0,
+        "tokens_per_s/generation": gen_tokens / max(t_gen - t0, 1e-9),
+        "tokens_per_s/step": total_tokens / max(t_update - t0, 1e-9),
+        "data_position": data_position, "critic_warmup": float(learned.critic_warmup),
+        "prompt_width": float(sampled.prompt_width),
+        "response_width": float(sampled.response_width),
+    })
+    return metrics
