@@ -148,14 +148,6 @@ def hf_tensors(reader, cfg: dict, dtype: str) -> dict[str, np.ndarray]:
     return out
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table of byte-level BPE (openai/gpt-2 encoder.py)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-          *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in bs]
-    return dict(zip(bs + extra, map(chr, bs + [256 + i for i in range(len(extra))])))
-
-
 def gguf_tokenizer(meta: dict):
     """A `PreTrainedTokenizerFast` from the GGUF tokenizer metadata (byte-level BPE, "gpt2" model).
 
@@ -174,6 +166,8 @@ def gguf_tokenizer(meta: dict):
         raise ValueError(f"GGUF tokenizer {model!r} with pre-tokenizer {pre!r} is not supported "
                          f"(only byte-level BPE 'gpt2' with {GPT2_PRETOKENIZERS[1:]})")
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", [])
+    from gguf.vocab import bytes_to_unicode  # GPT-2's byte -> printable character table
+
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
