@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness import ROOT, table
 
-LLAMA_CFG = "configs/llama_8b_gpu_tpu.yaml"
+LLAMA_CFG, LORA_CFG = "configs/llama_8b_gpu_tpu.yaml", "configs/llama_8b_lora.yaml"
 LLAMA = ["model.actor=configs/model_shapes/meta-llama-3-8b-instruct"]
 OLD = LLAMA + ["mesh.tensor=4", "model.remat=full"]  # the 8B config as it was; now tensor 8, dots
 DOTS, GPU8 = "model.remat=dots_with_no_batch_dims_saveable", ["mesh.fsdp=8", "mesh.tensor=1"]
@@ -43,6 +43,10 @@ VARIANTS = [
     ("smollm2-v5e-8", "v5e-8", "configs/default.yaml", []),
     ("smollm2-v6e-8", "v6e-8", "configs/default.yaml", []),
     ("h100-8", "h100-8", LLAMA_CFG, OLD + GPU8), ("h200-8", "h200-8", LLAMA_CFG, OLD + GPU8),
+    # LoRA (configs/llama_8b_lora.yaml) against the full fine-tune on slices too small for it
+    ("full-v5e-8", "v5e-8", LLAMA_CFG, LLAMA), ("lora-v5e-8", "v5e-8", LORA_CFG, LLAMA),
+    ("lora-v5e-8-dots", "v5e-8", LORA_CFG, LLAMA + [DOTS]),
+    ("lora-v5e-8-tensor8-dots", "v5e-8", LORA_CFG, LLAMA + ["mesh.tensor=8", DOTS]),
 ]
 
 
@@ -73,7 +77,7 @@ def row(r: dict) -> list[str]:
     mfu = step.get("mfu_estimate")
     return [r["variant"], r["topology"], "x".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor")),
              f"{programs[worst]['peak_bytes'] / 2**30:.1f} ({worst})", "yes" if r["fits"] else "**no**",
-             f"{upd.get('argument_bytes', 0) / 2**30:.2f}", fmt(xmodel),
+             f"{(upd.get('argument_bytes') or 0) / 2**30:.2f}", fmt(xmodel),
              *(fmt(programs[n].get("seconds_estimate")) for n in ("sampler", "experience", "update")),
              fmt(step.get("seconds_estimate")), "-" if mfu is None else f"{100 * mfu:.0f}%"]
 

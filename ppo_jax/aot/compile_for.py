@@ -195,8 +195,9 @@ def _size(x) -> str:
     if x is None:
         return "-"
     for unit, scale in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
-        if x >= scale:
-            return f"{x / scale:.3g}{unit}"
+        if x >= scale:  # 1000-1023 units: no exponent (".3g" would print 1.01e+03)
+            v = x / scale
+            return f"{v:.0f}{unit}" if v >= 999.5 else f"{v:.3g}{unit}"
     return f"{x:.0f}"
 
 

@@ -66,6 +66,9 @@ class ModelConfig:
       param_dtype: "float32" | "bfloat16" | "float16" - storage dtype of the weights.
       dtype: compute dtype of activations and matmuls. Logits/values/scores are float32.
       remat: "none", "full", or a `jax.checkpoint_policies` name, applied per decoder layer.
+      lora_rank, lora_alpha, lora_targets: LoRA adapters (`models.lora`, Hu et al. 2021) of
+        rank `lora_rank` (0 = none) on the projections named in `lora_targets` (PEFT's module
+        names, `LORA_TARGETS`), scaled by `lora_alpha / lora_rank`.
     """
 
     model_type: str
@@ -96,6 +99,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -123,6 +129,34 @@ class ModelConfig:
             raise ValueError(f"remat={self.remat!r}; expected one of {remat_policy_names()}")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ValueError("sliding_windows must have one entry per layer (0 = full attention)")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank!r} must be an int >= 0")
+        if not self.lora_rank:
+            return
+        names = lora_target_names(self.model_type)
+        bad = [t for t in self.lora_targets if t not in names]
+        if bad or not self.lora_targets:
+            raise ValueError(f"lora target_modules={list(self.lora_targets)}: "
+                             f"{'unknown ' + str(bad) if bad else 'empty'}; a {self.model_type} "
+                             f"model has {list(names)} (PEFT's module names)")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha!r} must be > 0")
+
+    @property
+    def lora_scale(self) -> float:
+        """`lora_alpha / lora_rank`, PEFT's `scaling` (0 without LoRA)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def lora_on(self, module: str) -> bool:
+        """Whether the projection named `module` (PEFT's name, e.g. "q_proj") has an adapter."""
+        return self.lora_rank > 0 and module in self.lora_targets
+
+    def without_lora(self) -> "ModelConfig":
+        """The same model with no adapters: the base graph of a LoRA model."""
+        return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
 
     @property
     def is_llama_family(self) -> bool:
@@ -164,6 +198,18 @@ class ModelConfig:
         fields.update(_special_ids(d))
         fields.update(overrides)
         return cls(**fields)
+
+
+# PEFT's `target_modules` names of the projections that can carry a LoRA adapter
+LORA_TARGETS = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+}
+
+
+def lora_target_names(model_type: str) -> tuple[str, ...]:
+    """The PEFT module names of `model_type`'s projections (the Llama family shares Llama's)."""
+    return LORA_TARGETS["gpt2" if model_type == "gpt2" else "llama"]
 
 
 def _special_ids(d: Mapping) -> dict:

@@ -11,6 +11,7 @@ Param paths (layer axis first in every `layers/...` leaf):
   layers/attn/c_proj/{kernel, bias}  layers/ln_2/{scale,bias}
   layers/mlp/c_fc/{kernel [N, D, F], bias}  layers/mlp/c_proj/{kernel [N, F, D], bias}
   ln_f/{scale,bias} [D]
+  .../{c_attn,c_proj,c_fc}/lora_a [N, in, r], lora_b [N, r, out] when LoRA is on (`models.lora`)
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from flax import nnx
 
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache
+from ppo_jax.models.lora import linear
 from ppo_jax.models.layers import (
     Context, LayerNorm, activation, check_inputs, dot_attention, make_context, scan_layers, stacked,
     write_and_read_cache,
 )
 
 
-def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=True, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
-                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+def _linear(cfg: ModelConfig, name: str, din: int, dout: int, rngs: nnx.Rngs):
+    return linear(cfg, name, din, dout, bias=True, rngs=rngs)
 
 
 class GPT2Attention(nnx.Module):
@@ -37,8 +38,8 @@ class GPT2Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d = cfg.hidden_size
-        self.c_attn = _linear(cfg, d, 3 * d, rngs)
-        self.c_proj = _linear(cfg, d, d, rngs)
+        self.c_attn = _linear(cfg, "c_attn", d, 3 * d, rngs)
+        self.c_proj = _linear(cfg, "c_proj", d, d, rngs)
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
 
     def __call__(self, x, ctx: Context, window, cache: KVCache | None, layer):
@@ -55,8 +56,8 @@ class GPT2MLP(nnx.Module):
     """`c_proj(act(c_fc(x)))` with act = gelu_new by default."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.c_fc = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
-        self.c_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
+        self.c_fc = _linear(cfg, "c_fc", cfg.hidden_size, cfg.intermediate_size, rngs)
+        self.c_proj = _linear(cfg, "c_proj", cfg.intermediate_size, cfg.hidden_size, rngs)
         self.act = cfg.hidden_act
 
     def __call__(self, x):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from ppo_jax.models import hf_names
 from ppo_jax.models.config import ModelConfig, to_hf_dict
 from ppo_jax.models.functional import flat_params, path_str
 from ppo_jax.models.heads import CausalLM, RewardModel, ValueModel, model_class
+from ppo_jax.models.lora import LoraSettings, fresh_adapter, is_adapter, merge_adapters
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -155,7 +156,8 @@ def _fresh_head(path: str, shape, std: float, seed: int) -> np.ndarray:
 
 def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
                dtype: str = "float32", remat: str = "none", head_init_std: float = 0.0,
-               seed: int = 0, sharding_fn: Callable | None = None, fresh_score_head: bool = False):
+               seed: int = 0, sharding_fn: Callable | None = None, fresh_score_head: bool = False,
+               lora: LoraSettings | None = None, adapters: Mapping[str, np.ndarray] | None = None):
     """Load a local HF checkpoint directory into `kind` ("causal_lm" | "value" | "reward" |
     "causal_lm_value").
 
@@ -169,11 +171,16 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     - causal_lm_value: a causal LM with a fresh value head on its backbone (zeros, or
       N(0, head_init_std^2)): the shared actor-critic.
     sharding_fn(path_str, shape) -> jax.sharding.Sharding places each param as it is read.
+    lora: LoRA adapters on the projections it names (`models.lora`), fresh (`lora.init`, from
+    `seed`; B = 0, so the model equals the checkpoint) or, when `adapters` is given, those
+    (`{param path: array}`, e.g. `peft_io.load_adapter`; a reward adapter's `score/kernel`
+    replaces the checkpoint's score head too).
     Returns (model, cfg). Raises FileNotFoundError, ValueError, CheckpointError (see module doc);
     warns when backbone tensors of the checkpoint were left unread.
     """
     path = Path(path)
-    cfg = load_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat)
+    lora = lora or LoraSettings()
+    cfg = load_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat, **lora.config_fields())
     reader = SafetensorsReader(path)
     cls = model_class(kind)
     kw = {} if cls is CausalLM else {"head_init_std": head_init_std}
@@ -191,7 +198,11 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
                  or no_score and ((kind == "value" and p.startswith("value_head/"))
                                   or (kind == "reward" and fresh_score_head
                                       and p.startswith("score/"))))
-        if fresh:
+        if adapters is not None and p in adapters:  # a PEFT adapter's (and its score head)
+            arr = adapters[p]
+        elif is_adapter(p):
+            arr = fresh_adapter(p, sds.shape, sds.dtype, seed, lora.init)
+        elif fresh:
             arr = _fresh_head(p, sds.shape, head_init_std, seed)
         elif p == "value_head/bias" and "score.bias" not in reader.names:
             arr = np.zeros(sds.shape, np.float32)
@@ -262,7 +273,10 @@ def hf_state_dict(model: nnx.Module, cfg: ModelConfig, dtype: str | None = None)
     """
     out = {}
     lm_only = model_kind(model) == "causal_lm"  # a shared actor-critic's value head stays out
-    for p, arr in flat_params(nnx.state(model, nnx.Param)).items():
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if cfg.lora_rank:  # the adapters folded into their kernels (PEFT merge_and_unload)
+        params, cfg = merge_adapters(params, cfg.lora_scale), cfg.without_lora()
+    for p, arr in flat_params(params).items():
         if lm_only and p.startswith("value_head/"):
             continue
         spec = hf_names.hf_tensor(cfg, p)
@@ -293,7 +307,7 @@ def save_pretrained(model: nnx.Module, cfg: ModelConfig, out_dir, tokenizer=None
     kind = model_kind(model)
     tensors = hf_state_dict(model, cfg, dtype)
     torch_dtype = dtype or cfg.param_dtype
-    hf_kwargs = to_hf_dict(cfg, hf_names.architecture(cfg, kind), torch_dtype)
+    hf_kwargs = to_hf_dict(cfg.without_lora(), hf_names.architecture(cfg, kind), torch_dtype)
     if kind != "causal_lm":
         hf_kwargs["num_labels"] = 1
     model_type = hf_kwargs.pop("model_type")

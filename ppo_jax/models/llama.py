@@ -10,6 +10,7 @@ Param paths (layer axis first in every `layers/...` leaf):
   layers/input_layernorm/scale [N, D]      layers/post_attention_layernorm/scale [N, D]
   layers/attn/{q,k,v,o}_proj/kernel [N, in, out] (+ bias when configured)
   layers/mlp/{gate,up,down}_proj/kernel [N, in, out]
+  .../{q,...,down}_proj/lora_a [N, in, r], lora_b [N, r, out] when LoRA is on (`models.lora`)
   norm/scale [D]
 """
 
@@ -20,15 +21,15 @@ from flax import nnx
 
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache
+from ppo_jax.models.lora import linear
 from ppo_jax.models.layers import (
     Context, RMSNorm, activation, apply_rope, check_inputs, dot_attention, make_context, scan_layers,
     stacked, write_and_read_cache,
 )
 
 
-def _linear(cfg: ModelConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
-                      kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+def _linear(cfg: ModelConfig, name: str, din: int, dout: int, bias: bool, rngs: nnx.Rngs):
+    return linear(cfg, name, din, dout, bias=bias, rngs=rngs)
 
 
 class LlamaAttention(nnx.Module):
@@ -36,10 +37,10 @@ class LlamaAttention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(cfg, d, cfg.num_heads * hd, cfg.qkv_bias, rngs)
-        self.k_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
-        self.v_proj = _linear(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
-        self.o_proj = _linear(cfg, cfg.num_heads * hd, d, cfg.o_bias, rngs)
+        self.q_proj = _linear(cfg, "q_proj", d, cfg.num_heads * hd, cfg.qkv_bias, rngs)
+        self.k_proj = _linear(cfg, "k_proj", d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
+        self.v_proj = _linear(cfg, "v_proj", d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
+        self.o_proj = _linear(cfg, "o_proj", cfg.num_heads * hd, d, cfg.o_bias, rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
 
     def __call__(self, x, ctx: Context, window, cache: KVCache | None, layer):
@@ -59,9 +60,9 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(cfg, d, f, cfg.mlp_bias, rngs)
-        self.up_proj = _linear(cfg, d, f, cfg.mlp_bias, rngs)
-        self.down_proj = _linear(cfg, f, d, cfg.mlp_bias, rngs)
+        self.gate_proj = _linear(cfg, "gate_proj", d, f, cfg.mlp_bias, rngs)
+        self.up_proj = _linear(cfg, "up_proj", d, f, cfg.mlp_bias, rngs)
+        self.down_proj = _linear(cfg, "down_proj", f, d, cfg.mlp_bias, rngs)
         self.act = cfg.hidden_act
 
     def __call__(self, x):

@@ -18,6 +18,7 @@ sharded. Kernels are `[in, out]` (`x @ W`):
 | mlp/c_fc/bias                                  | [F]         | (tensor,)            |
 | mlp/{down_proj,c_proj}/kernel  (row-parallel)  | [F, D]      | (tensor, fsdp)       |
 | anything else: norms, row-parallel biases, value / score heads | replicated      |
+| .../lora_a, .../lora_b (LoRA adapters of a kernel ruled (i, o)) | [in, r] / [r, out] | (i, None) / (None, o) |
 
 Column-parallel then row-parallel (Megatron-LM, Shoeybi et al. 2019): q/k/v and gate/up split
 their output features (heads, MLP columns) over `tensor`, o/down split their input features the
@@ -56,6 +57,21 @@ RULES: tuple[Rule, ...] = (
     (r"mlp/c_fc/bias$", ("tensor",)),
     (r"mlp/(down_proj|c_proj)/kernel$", ("tensor", "fsdp")),
 )
+
+
+def _adapter_rules(rules) -> tuple[Rule, ...]:
+    """LoRA's `lora_a [in, r]` / `lora_b [r, out]` of a kernel `[in, out]` ruled `(i, o)`:
+    `(i, None)` / `(None, o)`: A's input rows and B's output columns split as the kernel's, the
+    rank never split (`models.lora`)."""
+    out = []
+    for pattern, axes in rules:
+        if pattern.endswith("/kernel$") and len(axes) == 2:
+            stem = pattern[: -len("kernel$")]
+            out += [(stem + "lora_a$", (axes[0], None)), (stem + "lora_b$", (None, axes[1]))]
+    return tuple(out)
+
+
+RULES = RULES + _adapter_rules(RULES)
 
 
 def param_spec(path: str, shape: Sequence[int], mesh: Mesh,

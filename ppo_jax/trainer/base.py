@@ -184,7 +184,27 @@ class StageTrainer:
         self.checkpointer.save(self.step_count, self.state, meta)
         release_host_memory()  # orbax's write buffers, freed on its threads
 
+    def _check_same_lora(self) -> None:
+        """`--resume` with the `model.lora.*` the run was started with (its config.json): the
+        checkpoint holds adapters of that rank and targets, scaled by that alpha, and the
+        reference of a run started from an adapter is that adapter.
+
+        Raises:
+          ConfigError: naming the key, both values and the file.
+        """
+        saved_file = self.out / "config.json"
+        if not saved_file.is_file():
+            return
+        saved = json.loads(saved_file.read_text()).get("model", {}).get("lora")
+        now = to_dict(self.cfg)["model"]["lora"]
+        for key in ("rank", "alpha", "target_modules", "critic", "adapter"):
+            if saved is not None and saved.get(key) != now[key]:
+                raise ConfigError(f"--resume: model.lora.{key}={now[key]!r} but the run was "
+                                  f"started with {saved.get(key)!r} ({saved_file}); resume with "
+                                  "the run's own model.lora.* settings")
+
     def _restore(self) -> None:
+        self._check_same_lora()
         step = self.checkpointer.latest_step()
         if step is None:
             print(f"--resume: no checkpoint under {self.checkpointer.directory}; starting at step 0")
@@ -195,7 +215,7 @@ class StageTrainer:
             raise ValueError(
                 f"checkpoint {self.checkpointer.directory / str(step)} does not fit this run's "
                 "train state: was it written with other stage or model.* settings (shared_critic, "
-                f"actor, critic, param_dtype)? ({type(e).__name__}: {str(e)[:300]})") from None
+                f"actor, critic, param_dtype, lora.*)? ({type(e).__name__}: {str(e)[:300]})") from None
         self.step_count = int(meta["step"])
         self.prompt_order.position = int(meta["data_position"])
         print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
@@ -216,6 +236,19 @@ class StageTrainer:
             params = select(params)
         if self.process_index == 0:
             save_pretrained(nnx.merge(graphdef, params), model_cfg, out_dir, self.tokenizer)
+        return out_dir
+
+    def write_adapter(self, params, model_cfg, out_dir: Path, kind: str, base_model: str = "") -> Path:
+        """Save a LoRA model's adapters (and a reward model's score head) in PEFT's format,
+        `adapter_config.json` + `adapter_model.safetensors` (`models.peft_io`); collective as
+        `write_hf`. `base_model` is recorded as PEFT's `base_model_name_or_path`."""
+        from ppo_jax.models.peft_io import save_adapter
+        from ppo_jax.parallel.host import to_host
+
+        params = to_host(params)
+        if self.process_index == 0:
+            save_adapter(params, model_cfg, out_dir, base_model=str(base_model), kind=kind,
+                         init=self.cfg.model.lora.init)
         return out_dir
 
     def _release(self) -> None:
@@ -249,6 +282,22 @@ class StageTrainer:
             self.save()
         return metrics
 
+    def frozen_params(self, name: str):
+        """The frozen params of the trained model `name` (a LoRA model's base; {} without)."""
+        frozen = getattr(self, "frozen", {})
+        return frozen.get(name, {}) if name in ("actor", "critic") else frozen
+
+    def trained_params_line(self) -> str:
+        """"trained params: actor 4,884,480 of 134,515,584 (3.6%), ..." for each train state."""
+        parts = []
+        for name, state in self.state.items():
+            if getattr(state, "params", None) is None:
+                continue
+            trained = sum(int(x.size) for x in jax.tree.leaves(state.params))
+            total = trained + sum(int(x.size) for x in jax.tree.leaves(self.frozen_params(name)))
+            parts.append(f"{name} {trained:,} of {total:,} ({100 * trained / total:.1f}%)")
+        return "trained params: " + ", ".join(parts)
+
     def _log_start(self) -> None:
         """Step 0: the `start_metrics()` record, when there is one."""
         metrics = self.start_metrics()
@@ -272,6 +321,7 @@ class StageTrainer:
         if show and self.process_index == 0:
             from tqdm import tqdm
 
+            print(self.trained_params_line())
             bar = tqdm(total=cfg.steps, initial=self.step_count, desc=self.name, unit="step",
                        dynamic_ncols=True)
         try:

@@ -10,6 +10,7 @@ import typing
 from typing import Literal
 
 from ppo_jax.core.gae import GAE_METHODS
+from ppo_jax.models.config import LORA_TARGETS
 from ppo_jax.trainer.config_schema import (
     Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig, leaves,
 )
@@ -72,6 +73,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")
     _validate_stage(cfg)
+    _validate_lora(cfg)
     _validate_eval(cfg.eval)
     _positive("train.steps", cfg.train.steps)
     for name in ("data", "fsdp", "tensor"):
@@ -138,6 +140,36 @@ def _validate_loss_terms(p: PPOConfig) -> None:
     for name in ("entropy_coef", "kl_loss_coef"):
         if getattr(p, name) < 0:
             raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """model.lora: a rank >= 0; with rank > 0 a positive alpha, known target names once each,
+    and no setting that would leave it without effect."""
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank!r} must be >= 0 (0: no LoRA)")
+    if not lora.rank:
+        for key in ("critic", "adapter"):
+            if getattr(lora, key):
+                raise ConfigError(f"model.lora.{key}={getattr(lora, key)!r} needs "
+                                  "model.lora.rank > 0")
+        return
+    _positive("model.lora.alpha", lora.alpha)
+    known = sorted({n for names in LORA_TARGETS.values() for n in names})
+    bad = [t for t in lora.target_modules if t not in known]
+    if bad or not lora.target_modules or len(set(lora.target_modules)) < len(lora.target_modules):
+        what = ("unknown " + str(bad) if bad else "empty" if not lora.target_modules
+                else "a name given twice")
+        raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)}: {what}; "
+                          f"PEFT's names are {known}")
+    if lora.critic and (cfg.stage != "ppo" or cfg.model.shared_critic):
+        raise ConfigError("model.lora.critic=true applies to a separate PPO critic only "
+                          f"(stage={cfg.stage!r}, model.shared_critic={cfg.model.shared_critic})")
+    if cfg.stage == "reward_model" and cfg.reward_model.backbone_lr_scale == 0:
+        raise ConfigError("reward_model.backbone_lr_scale=0 freezes the adapters of "
+                          "model.lora.rank > 0 (they sit in the backbone): only the score head "
+                          "would train; use model.lora.rank=0 for a linear probe, or a "
+                          "backbone_lr_scale > 0")
 
 
 def _validate_eval(e: EvalConfig) -> None:

@@ -22,6 +22,27 @@ def type_name(kind) -> str:
     return getattr(kind, "__name__", str(kind).replace("typing.", ""))
 
 
+def _section_lines(obj, prefix: str, help_text: str, default_of: dict, given: dict,
+                   name: str | None) -> list[str]:
+    """The header and key lines of one section `obj` (keys `prefix` + field), its nested
+    sections (e.g. `model.lora`) after its own keys."""
+    lines = ["", f"[{prefix[:-1]}] {' '.join(help_text.split())}"]
+    hints, nested = typing.get_type_hints(type(obj)), []
+    for f in dataclasses.fields(obj):
+        key, value = prefix + f.name, getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((value, key + ".", f.metadata.get("help", "")))
+            continue
+        default = default_of[key]
+        line = f"  {key}: {type_name(hints[f.name])} = {default!r}"
+        if key in given and given[key] != default:
+            line += f"   ({name or 'this config'}: {given[key]!r})"
+        lines += [line, f"      {f.metadata.get('help', '')}"]
+    for value, key, text in nested:
+        lines += _section_lines(value, key, text, default_of, given, name)
+    return lines
+
+
 def describe(cfg: Config | None = None, name: str | None = None) -> str:
     """Every config key with its type, default and help text, section by section (the text of
     `python train.py --help-config`). With `cfg` (loaded from the file `name`), a value that
@@ -29,19 +50,16 @@ def describe(cfg: Config | None = None, name: str | None = None) -> str:
     defaults, lines = Config(), []
     default_of = {k: v for k, v, _ in leaves(defaults)}
     given = {k: v for k, v, _ in leaves(cfg)} if cfg is not None else {}
+    hints = typing.get_type_hints(Config)
     for sec in dataclasses.fields(Config):
         value = getattr(defaults, sec.name)
         if dataclasses.is_dataclass(value):
-            lines += ["", f"[{sec.name}] {' '.join(sec.metadata['help'].split())}"]
-            fields = [(f"{sec.name}.{f.name}", f) for f in dataclasses.fields(value)]
-            hints = typing.get_type_hints(type(value))
-        else:
-            fields, hints = [(sec.name, sec)], typing.get_type_hints(Config)
-        for key, f in fields:
-            default = default_of[key]
-            line = f"  {key}: {type_name(hints[f.name])} = {default!r}"
-            if key in given and given[key] != default:
-                line += f"   ({name or 'this config'}: {given[key]!r})"
-            lines += [line, f"      {f.metadata.get('help', '')}"]
+            lines += _section_lines(value, sec.name + ".", sec.metadata["help"], default_of,
+                                    given, name)
+            continue
+        key, default = sec.name, default_of[sec.name]
+        line = f"  {key}: {type_name(hints[sec.name])} = {default!r}"
+        if key in given and given[key] != default:
+            line += f"   ({name or 'this config'}: {given[key]!r})"
+        lines += [line, f"      {sec.metadata.get('help', '')}"]
     return "\n".join(lines[1:] if lines and not lines[0] else lines)
-

@@ -27,6 +27,7 @@ from ppo_jax.core.aggregation import LossAggregation
 from ppo_jax.core.kl import KLEstimator
 from ppo_jax.core.kl_control import KLControllerKind
 from ppo_jax.models.config import Dtype, RematPolicy
+from ppo_jax.models.lora import LoraInit
 from ppo_jax.trainer.data import Truncation
 from ppo_jax.trainer.optim import Schedule
 from ppo_jax.trainer.reward_functions import RewardKind
@@ -52,6 +53,32 @@ def section(cls, help: str | None = None):
     return field(default_factory=cls, metadata={"help": (help or cls.__doc__ or "").strip()})
 
 
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (Hu et al. 2021, PEFT's names and init): only the adapters (and value /
+    score heads) train; the base is frozen, held once, and is the reference model of a PPO run
+    (docs/lora.md)."""
+
+    rank: int = opt(0, "adapter rank r; 0: no LoRA (full fine-tuning)")
+    alpha: float = opt(32.0, "scale of the adapters' output is alpha / rank (PEFT lora_alpha)")
+    target_modules: list[str] = opt(
+        help="projections that get an adapter, PEFT's module names: q_proj k_proj v_proj o_proj "
+        "gate_proj up_proj down_proj (Llama family), c_attn c_proj c_fc (GPT-2)",
+        factory=lambda: list(LLAMA_TARGETS))
+    init: LoraInit = opt("default", "A's init (B is 0, so step 0 is the base model): default "
+                         "(PEFT's kaiming-uniform) or gaussian (PEFT's N(0, 1/r^2))")
+    critic: bool = opt(False, "ppo: the critic is LoRA too (adapters + value head on the frozen "
+                       "base: the actor's when the critic starts from the actor)")
+    adapter: Optional[str] = opt(None, "a PEFT adapter directory (adapter_config.json + "
+                                 "adapter_model.safetensors) to start the adapters from, e.g. "
+                                 "an SFT run's actor_adapter/; its base is model.actor (sft, "
+                                 "ppo) or model.reward_model (reward_model); in ppo the "
+                                 "reference is then the base plus this adapter, frozen")
+
+
 @dataclass
 class ModelsConfig:
     """Where the four models come from and how their params are stored."""
@@ -67,9 +94,11 @@ class ModelsConfig:
                                 "reward.kind=model, else the actor")
     shared_critic: bool = opt(False, "TRL-style: the value head sits on the actor's backbone "
                               "(one model, one optimiser, loss pg + vf_coef * vf)")
-    param_dtype: Dtype = opt("float32", "storage dtype of the actor and critic params")
+    param_dtype: Dtype = opt("float32", "storage dtype of the actor and critic params (with "
+                             "LoRA: of nothing; adapters and heads are float32)")
     dtype: Dtype = opt("float32", "compute dtype of all four models")
-    frozen_param_dtype: Dtype = opt("float32", "storage dtype of the reference and reward-model "
+    frozen_param_dtype: Dtype = opt("float32", "storage dtype of the frozen params: a LoRA "
+                                    "model's base, the reference and reward-model "
                                     "params")
     remat: RematPolicy = opt("none", "gradient checkpointing per decoder layer: none, full, or a "
                              "jax.checkpoint_policies name")
@@ -81,6 +110,7 @@ class ModelsConfig:
                                   "mesh.tensor shard), forward and backward, never forming the "
                                   "[B, N, V] logits; same values to float32 rounding; 0: full "
                                   "logits")
+    lora: LoraConfig = section(LoraConfig)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -24,6 +25,9 @@ from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
 from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab
 from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
 from ppo_jax.trainer.data import PromptSet, read_prompts, tokenize_prompts
+from ppo_jax.trainer.lora_models import (
+    LoadedModel, adapters_from, check_targets, policy_models, split_trained,
+)
 
 TINY_RANDOM = "tiny-random"
 # config.json-only directories of real models, for `train.py --compile-for` (no weights)
@@ -70,21 +74,14 @@ def model_shape_config(source: str, key: str, **overrides):
     return load_model_config(path, **overrides)
 
 
-@dataclass
-class LoadedModel:
-    """A loaded model: its static graphdef, params pytree (nested dict) and `ModelConfig`."""
-
-    graphdef: Any
-    params: Any
-    cfg: Any
-
-
 def load_split(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0,
-          sharding_fn=None, **kwargs) -> LoadedModel:
+               sharding_fn=None, **kwargs) -> LoadedModel:
+    """`load_model` as a `LoadedModel`, split into trained and frozen params when it has
+    adapters (`kwargs` `lora`, `adapters`: `lora_models.split_trained`)."""
     model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed,
                             sharding_fn=sharding_fn, **kwargs)
     graphdef, params = split_model(model)
-    return LoadedModel(graphdef, nnx.to_pure_dict(params), cfg)
+    return split_trained(LoadedModel(graphdef, nnx.to_pure_dict(params), cfg))
 
 
 @dataclass
@@ -139,10 +136,20 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
     frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
                   sharding_fn=sharding_fn)
-    actor = load_split(actor_path, actor_kind(cfg), **trained)
-    reference = load_split(ref_path, "causal_lm", **frozen)
-    critic = None if not needs_critic(cfg) else load_split(critic_path, "value", **trained,
-                                                             seed=cfg.train.seed)
+    check_targets(cfg, actor_path, "model.actor")
+    if m.lora.critic and critic_path != actor_path:
+        check_targets(cfg, critic_path, "model.critic")
+    paths = {"model.actor": actor_path, "model.reference": ref_path, "model.critic": critic_path}
+    adapters = adapters_from(cfg, actor_path, actor_kind(cfg))
+
+    def load(key, kind, kwargs, lora):
+        return load_split(paths[key], kind, **kwargs, seed=cfg.train.seed, lora=lora,
+                          adapters=adapters if key == "model.actor" else None)
+
+    actor, reference, critic = policy_models(
+        cfg, load, trained, frozen, actor_kind=actor_kind(cfg), with_critic=needs_critic(cfg),
+        critic_from_actor=critic_path == actor_path,
+        from_adapter=adapters is not None, place=_placer(sharding_fn))
     reward = load_split(rm_path, "reward", **frozen) if cfg.reward.kind == "model" else None
     if reference.cfg.vocab_size != actor.cfg.vocab_size:
         raise ConfigError(f"model.reference vocab_size {reference.cfg.vocab_size} != actor "
@@ -155,7 +162,22 @@ def abstract_split(source: str, key: str, kind: str, *, sharding_fn=None, **over
     (`models.abstract_model`), from `model_shape_config(source, key, **overrides)`."""
     model_cfg = model_shape_config(source, key, **overrides)
     graphdef, params = abstract_model(model_cfg, kind, sharding_fn=sharding_fn)
-    return LoadedModel(graphdef, nnx.to_pure_dict(params), model_cfg)
+    return split_trained(LoadedModel(graphdef, nnx.to_pure_dict(params), model_cfg))
+
+
+def _placer(sharding_fn):
+    """`place(path, array)` for `critic_on_base`: on the mesh by `sharding_fn`, or the default
+    device."""
+    if sharding_fn is None:
+        return lambda path, arr: jax.numpy.asarray(arr)
+    return lambda path, arr: jax.make_array_from_callback(
+        arr.shape, sharding_fn(path, arr.shape), lambda i: arr[i])
+
+
+def _abstract_placer(sharding_fn):
+    """`place(path, array)` of an abstract build: the array's shape with its sharding."""
+    return lambda path, arr: jax.ShapeDtypeStruct(
+        arr.shape, arr.dtype, sharding=None if sharding_fn is None else sharding_fn(path, arr.shape))
 
 
 def abstract_models(cfg: Config, sharding_fn=None) -> Models:
@@ -174,14 +196,18 @@ def abstract_models(cfg: Config, sharding_fn=None) -> Models:
     trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
     frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
                   sharding_fn=sharding_fn)
-    actor = abstract_split(m.actor, "model.actor", actor_kind(cfg), **trained)
-    reference = abstract_split(m.reference or m.actor, "model.reference", "causal_lm", **frozen)
     by_model = cfg.reward.kind == "model"
-    critic_source, critic_key = ((m.critic, "model.critic") if m.critic else
-                                 (m.reward_model, "model.reward_model") if by_model else
-                                 (m.actor, "model.actor"))
-    critic = (abstract_split(critic_source, critic_key, "value", **trained)
-              if needs_critic(cfg) else None)
+    sources = {"model.actor": m.actor, "model.reference": m.reference or m.actor,
+               "model.critic": m.critic or (m.reward_model if by_model else m.actor)}
+
+    def load(key, kind, kwargs, lora):
+        return abstract_split(sources[key], key, kind, **kwargs,
+                              **(lora.config_fields() if lora else {}))
+
+    actor, reference, critic = policy_models(
+        cfg, load, trained, frozen, actor_kind=actor_kind(cfg), with_critic=needs_critic(cfg),
+        critic_from_actor=not (m.critic or by_model),
+        from_adapter=bool(m.lora.adapter), place=_abstract_placer(sharding_fn))
     reward = (abstract_split(m.reward_model, "model.reward_model", "reward", **frozen)
               if by_model else None)
     for key, other in (("model.reference", reference), ("model.critic", critic),

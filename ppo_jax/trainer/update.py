@@ -34,6 +34,7 @@ from ppo_jax.core import (
     policy_regularizers,
     reduce_loss,
 )
+from ppo_jax.models.lora import join
 from ppo_jax.parallel import shard_rows_tree
 from ppo_jax.rollout.experience import Experience
 from ppo_jax.rollout.scoring import critic_values, policy_logprobs, policy_logprobs_and_values
@@ -123,17 +124,22 @@ def value_objective(batch: LossInputs, norms, s: UpdateSettings):
     return reduce_loss({"vf_loss": per_token}, stats, batch.mask, s.loss_aggregation, norms)
 
 
-def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef):
+def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=None):
     """`(actor_loss, critic_loss, joint_loss)`, each `fn(params, (m, group_ids), norms) ->
-    (loss, stats)` on one micro-batch `m` with the whole minibatch's `norms`.
+    (loss, stats)` on one micro-batch `m` with the whole minibatch's `norms`. `params` are the
+    trained params; `frozen["actor" | "critic"]` the frozen rest of each model (a LoRA
+    model's base; `{}` or None: none), joined to them in the forward pass, never differentiated.
 
     Raises:
       ValueError: an unknown policy / value loss name.
     """
     get_policy_loss(s.policy_loss), get_value_loss(s.value_loss)  # unknown names fail here
+    frozen = frozen or {}
+    actor_base, critic_base = frozen.get("actor", {}), frozen.get("critic", {})
 
     def actor_loss(params, mb, norms):
         m, g = mb
+        params = join(actor_base, params)
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
                                             temperature=s.temperature, with_entropy=True,
@@ -142,6 +148,7 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef):
 
     def critic_loss(params, mb, norms):
         m, g = mb
+        params = join(critic_base, params)
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         values = critic_values(critic_graphdef, params, *rollout)
         return value_objective(loss_inputs(m, g, values=values), norms, s)
@@ -149,6 +156,7 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef):
     def joint_loss(params, mb, norms):
         """pg_loss + vf_coef * vf_loss of the shared policy/value model (TRL 0.11)."""
         m, g = mb
+        params = join(actor_base, params)
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy, values = policy_logprobs_and_values(
             actor_graphdef, params, *rollout, temperature=s.temperature,
@@ -163,7 +171,7 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef):
 
 def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphdef, critic_graphdef,
                actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation,
-               settings: UpdateSettings):
+               settings: UpdateSettings, frozen=None):
     """Run the whole PPO update on one batch of experience.
 
     Args:
@@ -174,6 +182,8 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
         `exp.group_ids` when it has that field, else `arange(B)` (every row its own group).
       rng: PRNG key for the per-epoch permutations.
       actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
+      frozen: `{"actor": ..., "critic": ...}`, the frozen params of each model (a LoRA model's
+        base: the train states hold only adapters and heads), or None.
 
     Returns:
       `(actor_state, critic_state, stats)`; every stat has shape `[ppo_epochs, n_minibatches]`
@@ -193,7 +203,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
         raise ValueError(f"batch {batch}, ppo.mini_batch_size={s.mini_batch_size} and "
                          f"ppo.micro_batch_size={s.micro_batch_size} must divide each other")
     n_mb = batch // s.mini_batch_size
-    actor_loss, critic_loss, joint_loss = loss_functions(s, actor_graphdef, critic_graphdef)
+    actor_loss, critic_loss, joint_loss = loss_functions(s, actor_graphdef, critic_graphdef, frozen)
     group_ids = getattr(exp, "group_ids", None)
     data = (exp, jnp.arange(batch, dtype=jnp.int32) if group_ids is None else group_ids)
 

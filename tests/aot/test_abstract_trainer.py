@@ -21,7 +21,8 @@ def layout(tree):
 
 
 @pytest.mark.parametrize("extra", [
-    [], pytest.param(["model.shared_critic=true"], marks=pytest.mark.slow),
+    [], ["model.lora.rank=4", "model.lora.critic=true"],
+    pytest.param(["model.shared_critic=true"], marks=pytest.mark.slow),
     pytest.param(["ppo.advantage_estimator=grpo", "generation.samples_per_prompt=2"],
                  marks=pytest.mark.slow)])
 def test_abstract_build_has_the_real_builds_arrays(tmp_path, monkeypatch, extra):
@@ -34,6 +35,7 @@ def test_abstract_build_has_the_real_builds_arrays(tmp_path, monkeypatch, extra)
     real, abstract = PPOTrainer(cfg), PPOTrainer.abstract(cfg)
     assert layout(abstract.state) == layout(real.state)
     assert layout(abstract.ref_params) == layout(real.ref_params)
+    assert layout(abstract.frozen) == layout(real.frozen)  # a LoRA run's base ({} without)
     assert abstract.stop_ids == real.stop_ids
     assert abstract.settings.sampling.pad_token_id == real.settings.sampling.pad_token_id
     programs = {p.name: p for p in abstract.programs()}
@@ -41,7 +43,7 @@ def test_abstract_build_has_the_real_builds_arrays(tmp_path, monkeypatch, extra)
     assert programs["sampler"].fn is abstract._generate
     # the widest batch a run can meet: prompts max_prompt_length wide (the real set's width is
     # at most that), responses max_new_tokens long
-    exp = programs["update"].args[2]
+    exp = programs["update"].args[3]  # (actor, critic, frozen base, experience, key)
     assert real.prompts.ids.shape[1] <= cfg.data.max_prompt_length
     assert exp.query_ids.shape == (cfg.ppo.batch_size, cfg.data.max_prompt_length)
     assert exp.response_ids.shape == (cfg.ppo.batch_size, cfg.generation.max_new_tokens)

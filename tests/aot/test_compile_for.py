@@ -177,3 +177,10 @@ def test_an_8_gpu_node_compiles_without_a_gpu(tmp_path):
     update = report["programs"]["update"]
     assert update["matmul_flops"] * 8 == pytest.approx(update["model_flops"], rel=0.05)
     assert "jax-cuda12-pjrt" in report["label"] and report["libtpu_version"] is None
+
+
+def test_sizes_print_without_an_exponent():
+    from ppo_jax.aot.compile_for import _size
+
+    assert [_size(x) for x in (None, 512, 1536, 1010 * 2 ** 10, 38.2 * 2 ** 20, 5.83 * 2 ** 30)] == \
+        ["-", "512", "1.5K", "1010K", "38.2M", "5.83G"]

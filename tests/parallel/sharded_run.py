@@ -24,7 +24,11 @@ sys.path.insert(0, str(ROOT))
 VOLATILE = ("time/", "tokens_per_s/")  # wall-clock metrics: not compared
 WATCH = ("params/backbone/layers/attn/q_proj/kernel", "params/backbone/layers/attn/o_proj/kernel",
          "params/backbone/layers/mlp/down_proj/kernel", "params/backbone/embed_tokens/embedding",
-         "params/backbone/norm/scale", "opt_state/1/0/mu/backbone/layers/attn/q_proj/kernel")
+         "params/backbone/norm/scale", "opt_state/1/0/mu/backbone/layers/attn/q_proj/kernel",
+         # LoRA runs (model.lora.rank > 0): the adapters and a moment
+         "params/backbone/layers/attn/q_proj/lora_a", "params/backbone/layers/attn/q_proj/lora_b",
+         "params/backbone/layers/mlp/down_proj/lora_a",
+         "opt_state/1/0/mu/backbone/layers/attn/q_proj/lora_b")
 
 
 def overrides(args, mesh, out_dir) -> list[str]:

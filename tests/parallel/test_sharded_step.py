@@ -112,6 +112,25 @@ def test_ppo_step_on_data_fsdp_meshes_equals_one_device(tmp_path, cache):
     run_meshes(tmp_path, cache, MESHES_SLOW)
 
 
+def test_lora_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
+    """LoRA actor and critic (model.lora.*): adapters sharded like their kernels (A's input
+    rows, B's output columns), the frozen base by the rules, and the same step as one device."""
+    out, mesh = tmp_path / "runs", (2, 2, 2)
+    lora = ["--set", "model.lora.rank=4", "--set", "model.lora.critic=true",
+            "--set", "optim.actor_lr=1e-2"]
+    finish(launch(out, [(1, 1, 1), mesh], devices=8, cache=cache, extra=lora))
+    got, want = load(out, mesh), load(out, (1, 1, 1))
+    assert_same_run(got, want, "LoRA mesh 2x2x2")
+    assert all(k.rsplit("/", 1)[-1] in ("lora_a", "lora_b", "kernel", "bias") for k in want[1])
+    for when in ("layout_before", "layout_after"):
+        lay = got[0][when]
+        assert lay["params/backbone/layers/attn/q_proj/lora_a"]["shard_shape"] == [2, 64 // 2, 4]
+        assert lay["params/backbone/layers/attn/q_proj/lora_b"]["shard_shape"] == [2, 4, 64 // 2]
+        assert lay["params/backbone/layers/mlp/down_proj/lora_a"]["shard_shape"] == [2, 128 // 2, 4]
+        moment = lay["opt_state/1/0/mu/backbone/layers/attn/q_proj/lora_b"]
+        assert moment["spec"] == lay["params/backbone/layers/attn/q_proj/lora_b"]["spec"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

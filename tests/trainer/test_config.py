@@ -104,6 +104,7 @@ def _code_accepts():
     from ppo_jax.core.kl import KL_ESTIMATORS
     from ppo_jax.core.kl_control import KL_CONTROLLER_KINDS
     from ppo_jax.models.config import DTYPES, remat_policy_names
+    from ppo_jax.models.lora import INITS, fresh_adapter
     from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
     from ppo_jax.trainer.data import TRUNCATIONS, tokenize_prompts
     from ppo_jax.trainer.optim import SCHEDULES, make_schedule
@@ -118,6 +119,7 @@ def _code_accepts():
         "stage": (STAGES, trainer_class),
         "model.param_dtype": dtype, "model.dtype": dtype, "model.frozen_param_dtype": dtype,
         "model.remat": (remat_policy_names(), lambda v: dataclasses.replace(model, remat=v)),
+        "model.lora.init": (INITS, lambda v: fresh_adapter("x/lora_a", (1, 4, 2), "float32", 0, v)),
         "data.truncation": (TRUNCATIONS, lambda v: tokenize_prompts(
             ["the bus was late"], tok, max_prompt_length=32, truncation=v, pad_token_id=0)),
         "ppo.kl_controller": (tuple(KL_CONTROLLER_KINDS), lambda v: init_kl_controller(v, 0.1, 6.0, 10000)),

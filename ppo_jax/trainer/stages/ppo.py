@@ -21,6 +21,7 @@ import numpy as np
 
 from ppo_jax.core import get_advantage_estimator, init_kl_controller, needs_greedy_baseline
 from ppo_jax.models.functional import Model
+from ppo_jax.models.lora import join
 from ppo_jax.parallel.host import local_rows
 from ppo_jax.rollout.experience import PPOModels, make_experience
 from ppo_jax.rollout.sampler import ended_rows, sample
@@ -105,23 +106,30 @@ class PPOTrainer(PPOPrograms, StageTrainer):
             "kl": place.replicate(init_kl_controller(p.kl_controller, p.kl_coef, p.target_kl, p.horizon)),
             "rng": place.replicate(jax.random.PRNGKey(cfg.train.seed)),
         }
+        # a LoRA model's frozen base: an input of every jitted call, never trained or saved
+        self.frozen = {"actor": models.actor.frozen,
+                       "critic": {} if models.critic is None else models.critic.frozen}
         models.actor.params = None
         if models.critic is not None:
             models.critic.params = None
         self.ref_params = models.reference.params
+        # LoRA: the reference is the actor's base (adapters off or as loaded), the same arrays
+        self.shared_base = bool(cfg.model.lora.rank) and not cfg.model.reference
         self.reward_params = models.reward.params if models.reward else None
         if cfg.model.offload_frozen:  # host memory between experience passes
-            self.ref_params = place.offload(self.ref_params)
+            if not self.shared_base:  # the actor's base stays where the actor needs it
+                self.ref_params = place.offload(self.ref_params)
             self.reward_params = place.offload(self.reward_params)
 
     def ppo_models(self, actor_params, critic_params=None, ref_params=None,
                    reward_params=None) -> PPOModels:
         """The run's models as one `PPOModels` value around the given params (the reward model
         only when the run has one; the critic only when given)."""
-        m = self.models
-        critic = None if critic_params is None else Model(m.critic.graphdef, critic_params)
+        m, frozen = self.models, self.frozen
+        critic = (None if critic_params is None
+                  else Model(m.critic.graphdef, join(frozen["critic"], critic_params)))
         reward = None if m.reward is None else Model(m.reward.graphdef, reward_params)
-        return PPOModels(Model(m.actor.graphdef, actor_params),
+        return PPOModels(Model(m.actor.graphdef, join(frozen["actor"], actor_params)),
                          Model(m.reference.graphdef, ref_params), critic, reward)
 
     def _model_shardings(self) -> PPOModels:
@@ -149,11 +157,12 @@ class PPOTrainer(PPOPrograms, StageTrainer):
 
         critic = self.models.critic
 
-        def update(actor_state, critic_state, exp, rng, settings=st.update):
+        def update(actor_state, critic_state, frozen, exp, rng, settings=st.update):
             return ppo_update(actor_state, critic_state, exp, rng,
                               actor_graphdef=self.models.actor.graphdef,
                               critic_graphdef=None if critic is None else critic.graphdef,
-                              actor_tx=self.actor_tx, critic_tx=self.critic_tx, settings=settings)
+                              actor_tx=self.actor_tx, critic_tx=self.critic_tx, settings=settings,
+                              frozen=frozen)
 
         def sampler(settings):
             return jax.jit(partial(sample, settings=settings),
@@ -174,12 +183,14 @@ class PPOTrainer(PPOPrograms, StageTrainer):
                                       rows),
             out_shardings=(rows, rep, rep, rep))
         actor_sh, critic_sh = place.shardings(self.state["actor"]), place.shardings(self.state["critic"])
-        jit_update = partial(jax.jit, in_shardings=(actor_sh, critic_sh, rows, rep),
+        frozen_sh = place.shardings(self.frozen)
+        jit_update = partial(jax.jit, in_shardings=(actor_sh, critic_sh, frozen_sh, rows, rep),
                              out_shardings=(actor_sh, critic_sh, rep), donate_argnums=(0, 1))
         self._update = jit_update(update)
         # ppo.critic_warmup_steps: the same update with the actor left out (compiled when used)
         critic_only = replace(st.update, train_actor=False)
-        self._update_critic_only = jit_update(lambda a, c, e, k: update(a, c, e, k, critic_only))
+        self._update_critic_only = jit_update(
+            lambda a, c, f, e, k: update(a, c, f, e, k, critic_only))
 
     def _build_evaluator(self) -> Evaluator:
         """The held-out evaluation (`eval.*`): its prompts tokenised like the training prompts,
@@ -289,7 +300,7 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         qm = place.put_rows(cut(self.prompts.mask[idx], width), (batch, width))
         groups = place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
         rng, gen_key, upd_key = self._split(self.state["rng"])
-        actor = Model(self.models.actor.graphdef, self.state["actor"].params)
+        actor = self.ppo_models(self.state["actor"].params).actor
         resp, resp_mask = jax.block_until_ready(self._generate(actor, q, qm, gen_key))
         prompts = [self.prompts.texts[i] for i in idx]
         baseline = self._greedy_baseline(actor, q, qm, gen_key, prompts)
@@ -322,7 +333,7 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         """The PPO update on the experience (critic only during `ppo.critic_warmup_steps`)."""
         warmup = self.step_count < self.cfg.ppo.critic_warmup_steps
         update = self._update_critic_only if warmup else self._update
-        actor, critic, stats = update(self.state["actor"], self.state["critic"],
+        actor, critic, stats = update(self.state["actor"], self.state["critic"], self.frozen,
                                       scored.experience, key)
         return Learned(actor, critic, jax.device_get(stats), warmup, time.perf_counter())
 
@@ -352,9 +363,17 @@ class PPOTrainer(PPOPrograms, StageTrainer):
 
     # ----------------------------------------------------------------------------------------
     def export_actor(self, out_dir: Path | None = None) -> Path:
-        """Save the current actor as an HF directory (loadable by transformers); collective."""
-        return self.write_hf(self.models.actor.graphdef, self.state["actor"].params,
-                             self.models.actor.cfg, Path(out_dir or self.out / "actor_hf"))
+        """Save the current actor as an HF directory (loadable by transformers; a LoRA actor
+        with its adapters merged into the weights, and its adapters alone in PEFT's format in
+        `actor_adapter/` beside it); collective."""
+        out_dir = Path(out_dir or self.out / "actor_hf")
+        actor = self.models.actor
+        params = join(self.frozen["actor"], self.state["actor"].params)
+        if actor.cfg.lora_rank:
+            self.write_adapter(self.state["actor"].params, actor.cfg,
+                               out_dir.parent / "actor_adapter", "causal_lm",
+                               self.models.actor_path)
+        return self.write_hf(actor.graphdef, params, actor.cfg, out_dir)
 
     def export(self) -> Path:
         return self.export_actor()

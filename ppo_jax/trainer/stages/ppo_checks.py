@@ -147,7 +147,8 @@ def _check_critic_free(cfg: Config) -> None:
         return
     for key, on in (("model.shared_critic", cfg.model.shared_critic),
                     ("ppo.critic_warmup_steps", cfg.ppo.critic_warmup_steps > 0),
-                    ("model.critic", bool(cfg.model.critic))):
+                    ("model.critic", bool(cfg.model.critic)),
+                    ("model.lora.critic", cfg.model.lora.critic)):
         if on:
             raise ConfigError(f"{key} needs a critic, but ppo.advantage_estimator={name!r} "
                               "trains none; drop the setting or use 'gae'")

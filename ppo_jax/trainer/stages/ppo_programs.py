@@ -48,10 +48,10 @@ class PPOPrograms:
             if self.reward_fn is None:
                 out.append(Program("greedy_scores", self._rm_scores, (models.reward, rollout)))
         out += [Program("experience", self._experience, exp_args),
-                Program("update", self._update, (actor, critic, exp, upd_key))]
+                Program("update", self._update, (actor, critic, self.frozen, exp, upd_key))]
         if cfg.ppo.critic_warmup_steps:
             out.append(Program("update_critic_only", self._update_critic_only,
-                               (actor, critic, exp, upd_key), per_step=0.0,
+                               (actor, critic, self.frozen, exp, upd_key), per_step=0.0,
                                note=f"steps 1-{cfg.ppo.critic_warmup_steps}, in place of update"))
         if self.evaluator is not None:
             eval_models = replace(models, critic=None)
@@ -59,9 +59,11 @@ class PPOPrograms:
         return out
 
     def resident(self) -> dict:
-        """Train states, the KL controller and RNG, the frozen params (host memory when
-        `model.offload_frozen`) and the eval prompts: held between the programs of a step."""
-        out = {"state": self.state, "reference": self.ref_params,
+        """Train states, the KL controller and RNG, the frozen params (a LoRA run's base, the
+        reference's and reward model's: host memory when `model.offload_frozen`) and the eval
+        prompts: held between the programs of a step."""
+        out = {"state": self.state, "frozen_base": self.frozen,
+               "reference": {} if self.shared_base else self.ref_params,  # LoRA: the base
                "reward_model": self.reward_params}
         if self.evaluator is not None:
             out["eval_prompts"] = self.evaluator.inputs()

@@ -142,12 +142,16 @@ class RewardModelTrainer(SupervisedTrainer):
         """`<output_dir>/reward_model_hf`: HF `*ForSequenceClassification` (num_labels 1, a
         pad id that is not an EOS: `score_pad_token`) + `score_mean` / `score_std` of the
         held-out pairs (the training pairs when there is no held-out split) and their count
-        `score_pairs` in config.json."""
+        `score_pairs` in config.json. A LoRA model is exported merged, and its adapters and
+        score head alone in PEFT's format to `<output_dir>/reward_model_adapter`."""
         stats = self.evaluate(self.eval_data if len(self.eval_data["weight"]) else self.train_data)
         pad_token = score_pad_token(self.tokenizer, self.model.cfg.eos_token_ids)
         pad_id = int(self.tokenizer.convert_tokens_to_ids(pad_token))
         cfg = dataclasses.replace(self.model.cfg, pad_token_id=pad_id)
-        out_dir = self.write_hf(self.model.graphdef, self.state["model"].params, cfg,
+        if cfg.lora_rank:  # the adapters and score head alone, in PEFT's format
+            self.write_adapter(self.state["model"].params, cfg, self.out / "reward_model_adapter",
+                               "reward", self.model_path)
+        out_dir = self.write_hf(self.model.graphdef, self.params(), cfg,
                                 self.out / "reward_model_hf")
         if self.process_index == 0:
             if pad_token != self.tokenizer.pad_token:  # the exported tokenizer pads with it too

@@ -93,6 +93,11 @@ class SFTTrainer(SupervisedTrainer):
         return metrics
 
     def export(self) -> Path:
-        """The fine-tuned actor as an HF causal-LM directory `<output_dir>/actor_hf`."""
-        return self.write_hf(self.model.graphdef, self.state["model"].params, self.model.cfg,
+        """The fine-tuned actor as an HF causal-LM directory `<output_dir>/actor_hf` (a LoRA
+        model with its adapters merged), and a LoRA model's adapters alone in PEFT's format in
+        `<output_dir>/actor_adapter` (`model.lora.adapter` of a LoRA PPO run on the same base)."""
+        if self.model.cfg.lora_rank:
+            self.write_adapter(self.state["model"].params, self.model.cfg,
+                               self.out / "actor_adapter", "causal_lm", self.model_path)
+        return self.write_hf(self.model.graphdef, self.params(), self.model.cfg,
                              self.out / "actor_hf")

@@ -23,6 +23,8 @@ from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data import PromptSampler
 from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
 from ppo_jax.trainer.programs import Program, batch_shape
+from ppo_jax.models.lora import join
+from ppo_jax.trainer.lora_models import adapters_from, check_targets, lora_settings
 from ppo_jax.trainer.setup import (
     LoadedModel, abstract_split, load_split, pad_token_id, resolve_model_path,
 )
@@ -59,6 +61,8 @@ class SupervisedTrainer(StageTrainer):
         from ppo_jax.models import load_tokenizer
 
         self.model_path = self.model_source()
+        check_targets(self.cfg, self.model_path, "model.actor" if self.section == "sft"
+                      else "model.reward_model")
         self.tokenizer = load_tokenizer(self.model_path)
         if self.tokenizer.eos_token_id is None:
             raise ConfigError(f"the tokenizer of {self.model_path} has no EOS token")
@@ -75,6 +79,7 @@ class SupervisedTrainer(StageTrainer):
             self._check_ids(model.cfg.vocab_size)
         self._check_context(model.cfg.max_position_embeddings)
         self.model = LoadedModel(model.graphdef, None, model.cfg)
+        self.frozen = model.frozen  # LoRA: the frozen base ({} without), never trained or saved
         self.tx = optimizer_from_config(cfg.optim, sec.lr, cfg.train.steps,
                                         backbone_lr_scale=sec.backbone_lr_scale)
         self.state = {"model": place.create_state(model.params, self.tx)}
@@ -84,10 +89,14 @@ class SupervisedTrainer(StageTrainer):
         self._jit()
 
     def load_model(self) -> LoadedModel:
-        m = self.cfg.model
-        return load_split(self.model_path, self.model_kind, param_dtype=m.param_dtype, dtype=m.dtype,
-                     remat=m.remat, seed=self.cfg.train.seed, sharding_fn=self.place.sharding_fn,
-                     **self.load_kwargs())
+        """The model to train (with `model.lora`: fresh adapters, or `model.lora.adapter`'s)."""
+        m, lora = self.cfg.model, lora_settings(self.cfg)
+        dtype = m.frozen_param_dtype if lora else m.param_dtype  # a LoRA model's frozen base
+        return load_split(self.model_path, self.model_kind, param_dtype=dtype, dtype=m.dtype,
+                          remat=m.remat, seed=self.cfg.train.seed, sharding_fn=self.place.sharding_fn,
+                          lora=lora,
+                          adapters=adapters_from(self.cfg, self.model_path, self.model_kind),
+                          **self.load_kwargs())
 
     def load_kwargs(self) -> dict:
         return {}
@@ -98,8 +107,11 @@ class SupervisedTrainer(StageTrainer):
         source = m.actor if self.section == "sft" else m.reward_model
         if not source:
             raise ConfigError(f"{key} is not set")
-        return abstract_split(source, key, self.model_kind, param_dtype=m.param_dtype,
-                              dtype=m.dtype, remat=m.remat, sharding_fn=self.place.sharding_fn)
+        lora = lora_settings(self.cfg)
+        return abstract_split(source, key, self.model_kind,
+                              param_dtype=m.frozen_param_dtype if lora else m.param_dtype,
+                              dtype=m.dtype, remat=m.remat, sharding_fn=self.place.sharding_fn,
+                              **(lora.config_fields() if lora else {}))
 
     def batch_fields(self) -> dict:  # pragma: no cover - abstract
         """`{name: (dtype, per token)}` of a batch row dict (`tokenize_file`'s arrays): per-token
@@ -115,8 +127,8 @@ class SupervisedTrainer(StageTrainer):
                  for k, (dtype, per_token) in self.batch_fields().items()}
         state = self.state["model"]
         every = 1.0 / sec.eval_every if sec.eval_every else 0.0
-        return [Program("update", self._update, (state, batch)),
-                Program("eval", self._eval, (state.params, batch), every,
+        return [Program("update", self._update, (state, self.frozen, batch)),
+                Program("eval", self._eval, (self.params(), batch), every,
                         f"every {sec.eval_every} steps" if sec.eval_every else "at the end")]
 
     def _check_ids(self, vocab_size: int) -> None:
@@ -143,20 +155,28 @@ class SupervisedTrainer(StageTrainer):
 
         frozen = sec.backbone_lr_scale == 0  # no backbone gradient at all, not just no update
 
-        def update(state, batch):
+        def update(state, base, batch):  # base: a LoRA model's frozen params ({} without)
             n = self.denominator(batch)
-            grads, stats = accumulate_gradients(
-                lambda p, m: self.loss(graphdef, stop_backbone_gradient(p) if frozen else p, m, n),
-                state.params, batch,
-                micro_batch_size=sec.micro_batch_size, mesh=mesh)
+
+            def loss(p, m):
+                p = stop_backbone_gradient(p) if frozen else p
+                return self.loss(graphdef, join(base, p), m, n)
+
+            grads, stats = accumulate_gradients(loss, state.params, batch,
+                                                micro_batch_size=sec.micro_batch_size, mesh=mesh)
             stats["grad_norm"] = optax.global_norm(grads)
             return state.apply_gradients(grads, tx), stats
 
         state_sh, rows, rep = place.shardings(self.state["model"]), place.rows, place.replicated
-        self._update = jax.jit(update, in_shardings=(state_sh, rows), out_shardings=(state_sh, rep),
-                               donate_argnums=0)
-        self._eval = jax.jit(partial(self.eval_sums, graphdef), in_shardings=(state_sh.params, rows),
-                             out_shardings=rep)
+        base_sh = place.shardings(self.frozen)
+        self._update = jax.jit(update, in_shardings=(state_sh, base_sh, rows),
+                               out_shardings=(state_sh, rep), donate_argnums=0)
+        self._eval = jax.jit(partial(self.eval_sums, graphdef),
+                             in_shardings=(join(base_sh, state_sh.params), rows), out_shardings=rep)
+
+    def params(self):
+        """The model's whole params: the trained ones and (LoRA) the frozen base."""
+        return join(self.frozen, self.state["model"].params)
 
     def _put(self, batch: dict) -> dict:
         """A global batch (every process holds all rows on the host) -> device arrays."""
@@ -167,7 +187,7 @@ class SupervisedTrainer(StageTrainer):
         """One optimiser step on the next `batch_size` rows; returns its metrics (floats)."""
         t0 = time.perf_counter()
         batch = self._put(rows_of(self.train_data, self.prompt_order.next_indices(self.settings.batch_size)))
-        state, stats = self._update(self.state["model"], batch)
+        state, stats = self._update(self.state["model"], self.frozen, batch)
         stats = {k: float(v) for k, v in jax.device_get(stats).items()}
         self.state = {"model": state}
         self.step_count += 1
@@ -184,7 +204,7 @@ class SupervisedTrainer(StageTrainer):
         sums: dict = {}
         for lo in range(0, n, size):
             chunk = self._put(pad_rows(rows_of(data, slice(lo, lo + size)), size))
-            out = jax.device_get(self._eval(self.state["model"].params, chunk))
+            out = jax.device_get(self._eval(self.params(), chunk))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + np.float64(v)
         return self.finish_eval(sums) if sums else {}
