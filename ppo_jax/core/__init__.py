@@ -1,11 +1,11 @@
 """ppo_jax.core: the pure, jit-able math of PPO for language models.
 
-Rewards, KL, GAE, reward shaping, per-token losses (PPO; SFT next-token NLL; Bradley-Terry) and
-their one reduction (loss aggregation), masked statistics, KL controllers and name registries.
-Every
-function works on ``[B, T]`` response-token arrays with a 0/1 ``mask`` (1 on real tokens up to
-and including EOS), is NaN-safe on masked slots, and validates shapes and dtypes at trace time
-(``ValueError`` naming the argument). Imports only jax / chex / numpy.
+Rewards, KL, GAE, reward shaping, per-token losses (PPO, GSPO; SFT next-token NLL; Bradley-Terry)
+and their one reduction (loss aggregation), DAPO's overlong penalty and dynamic-sampling group
+selection, masked statistics, KL controllers and name registries. Every function works on
+``[B, T]`` response-token arrays with a 0/1 ``mask`` (1 on real tokens up to and including EOS)
+or on their ``[B]`` rows, is NaN-safe on masked slots, and validates shapes and dtypes at trace
+time (``ValueError`` naming the argument). Imports only jax / chex / numpy.
 """
 
 from ppo_jax.core.aggregation import (
@@ -61,7 +61,9 @@ from ppo_jax.core.registry import (
     unregister,
 )
 from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl, last_valid_onehot
+from ppo_jax.core.sequence_losses import gspo_loss, sequence_log_ratio
 from ppo_jax.core.shaping import kl_penalty_shaping
+from ppo_jax.core.dapo import group_rows, informative_groups, overlong_penalty, select_groups
 
 __all__ = [
     "CRITIC_FREE",
@@ -90,6 +92,9 @@ __all__ = [
     "get_policy_loss",
     "get_reward_shaping",
     "get_value_loss",
+    "group_rows",
+    "gspo_loss",
+    "informative_groups",
     "init_kl_controller",
     "kl_penalty",
     "kl_penalty_shaping",
@@ -105,6 +110,7 @@ __all__ = [
     "masked_whiten",
     "needs_greedy_baseline",
     "nll_loss",
+    "overlong_penalty",
     "policy_loss",
     "policy_regularizers",
     "ppo_clip_loss",
@@ -115,6 +121,8 @@ __all__ = [
     "register_value_loss",
     "registered_names",
     "safe_divide",
+    "select_groups",
+    "sequence_log_ratio",
     "shift_for_next_token",
     "token_mean_stats",
     "unregister",

@@ -32,7 +32,8 @@ at start-up that the signature accepts the call and that the outputs have the ri
   ``"reinforce_plus_plus_baseline"``, ``"remax"``.
 - policy loss: ``fn(batch: LossInputs, *, cliprange, **policy_loss_kwargs)
   -> (per_token_loss [B, T], stats dict[str, [B, T]])``; ``cliprange_high`` and ``dual_clip``
-  are passed too when the config sets them. Built-in: ``"ppo_clip"`` (``ppo_clip_loss``).
+  are passed too when the config sets them. Built-in: ``"ppo_clip"`` (``ppo_clip_loss``),
+  ``"gspo"`` (``gspo_loss``, sequence-level ratio and clip; no ``dual_clip``).
 - value loss: ``fn(batch: LossInputs, *, cliprange_value, **value_loss_kwargs)
   -> (per_token_loss [B, T], stats dict[str, [B, T]])``.
   Built-in: ``"clipped_mse"`` (``clipped_value_loss``).
