@@ -20,6 +20,10 @@ Examples:
 libtpu on this host (`pip install -e .[tpu]`), prints per-chip memory, FLOPs, collectives and
 estimated time, and exits 0 when every program fits the chips' HBM, 3 when one does not, 2 on a
 bad topology or config. It reads only config.json files and writes only `--json PATH`.
+
+SIGTERM (or Ctrl-C) during training stops every process after the step in progress, saves it
+and exits 0 with "preempted at step N; resume with --resume" on stderr; a second Ctrl-C kills
+at once, unsaved. A checkpoint that cannot be written exits 1 naming the step and the cause.
 """
 
 from __future__ import annotations
@@ -93,7 +97,15 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    history = trainer.train()
+    from ppo_jax.trainer.checkpoint import CheckpointWriteError
+
+    try:
+        history = trainer.train()
+    except CheckpointWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if trainer.preempted_at is not None:  # SIGTERM / SIGINT: saved, said so on stderr
+        return 0
     if history and trainer.process_index == 0:
         print(f"done: step {trainer.step_count} ({len(history)} run now) in "
               f"{time.perf_counter() - start:.0f} s; "

@@ -15,7 +15,10 @@ checks of `_check_inputs` that read no file), `programs()` (its jitted functions
 arguments, `trainer.programs.Program`) and `resident()` (what stays in device memory between
 them); `Trainer.abstract(cfg, devices)` builds it with shapes in place of arrays.
 
-and may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
+SIGTERM or SIGINT during `train()` stops every process after the same step, saved
+(`trainer.preemption`); `preempted_at` is then that step and the model is not exported.
+
+A stage may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
 starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_log(step)`
 (samples), `finite_keys` (metrics that stop the run when not finite) and `progress_postfix`.
 """
@@ -23,6 +26,7 @@ starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_l
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -33,6 +37,7 @@ from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.metrics import MetricsWriter
 from ppo_jax.trainer.placement import Placement
+from ppo_jax.trainer.preemption import StopSignals
 from ppo_jax.trainer.run_dir import SUPERSEDED, RunLock, check_writable, logged_steps, supersede_metrics
 
 
@@ -71,6 +76,8 @@ class StageTrainer:
     finite_keys: tuple[str, ...] = ()  # besides every "*loss" metric
 
     is_abstract = False  # True: built by `abstract()`, shapes in place of arrays
+    preempted_at: int | None = None  # the step `train()` stopped at on SIGTERM / SIGINT
+    saved_step: int | None = None  # the step of the checkpoint this run last wrote or restored
 
     def __init__(self, cfg: Config, *, resume: bool = False, devices=None):
         self.cfg = cfg
@@ -179,9 +186,14 @@ class StageTrainer:
             (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
 
     def save(self) -> None:
-        """Write an orbax checkpoint of the current step (collective over processes)."""
+        """Write an orbax checkpoint of the current step (collective over processes).
+
+        Raises:
+          CheckpointWriteError: the write failed; the message names the step and the cause.
+        """
         meta = {"step": self.step_count, "data_position": self.prompt_order.position}
         self.checkpointer.save(self.step_count, self.state, meta)
+        self.saved_step = self.step_count
         release_host_memory()  # orbax's write buffers, freed on its threads
 
     def _check_same_lora(self) -> None:
@@ -216,7 +228,7 @@ class StageTrainer:
                 f"checkpoint {self.checkpointer.directory / str(step)} does not fit this run's "
                 "train state: was it written with other stage or model.* settings (shared_critic, "
                 f"actor, critic, param_dtype, lora.*)? ({type(e).__name__}: {str(e)[:300]})") from None
-        self.step_count = int(meta["step"])
+        self.step_count = self.saved_step = int(meta["step"])
         self.prompt_order.position = int(meta["data_position"])
         print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
 
@@ -305,39 +317,69 @@ class StageTrainer:
             self.writer.write(0, metrics)
             self.after_log(0)
 
+    def _progress_bar(self, progress: bool | None):
+        """A tqdm bar on process 0 when `train.progress` (or `progress`) asks for one, else None."""
+        show = self.cfg.train.progress if progress is None else progress
+        if not (show and self.process_index == 0):
+            return None
+        from tqdm import tqdm
+
+        print(self.trained_params_line())
+        return tqdm(total=self.cfg.train.steps, initial=self.step_count, desc=self.name,
+                    unit="step", dynamic_ncols=True)
+
+    def _stop_on_signal(self) -> None:
+        """A stop signal was agreed at this step boundary: save this step unless it is saved
+        already (the periodic save, or a resume's checkpoint) or no step ran (step 0: nothing to
+        save, a resume starts over), and record `preempted_at`. Collective, as `save`."""
+        if self.step_count > 0 and self.saved_step != self.step_count:
+            self.save()
+        self.preempted_at = self.step_count
+
     def train(self, progress: bool | None = None) -> list[dict]:
         """Run steps until `train.steps` (a run that starts at step 0 first logs
         `start_metrics()` as step 0); log, checkpoint; export the model at the end (when
-        `train.export_hf`). Returns the metrics of the steps run (step 0 not among them)."""
+        `train.export_hf`). Returns the metrics of the steps run (step 0 not among them).
+
+        SIGTERM or SIGINT to any process (`trainer.preemption.StopSignals`) ends the step in
+        progress on every process, which then save that step, close the metrics, release the
+        lock, say "preempted at step N; resume with --resume" on stderr and return without
+        exporting (`preempted_at` = N). A signal during the last step lets the run finish.
+
+        Raises:
+          CheckpointWriteError: a checkpoint write failed (the metrics written stay).
+          FloatingPointError: a step's losses were not finite (nothing of it saved).
+        """
         cfg = self.cfg.train
+        self.preempted_at = None
         if self.step_count >= cfg.steps:
             if self.process_index == 0:
                 print(f"nothing to do: the run is at step {self.step_count} and train.steps="
                       f"{cfg.steps}; raise train.steps to continue it")
             self._release()
             return []
-        show = cfg.progress if progress is None else progress
-        history, bar = [], None
-        if show and self.process_index == 0:
-            from tqdm import tqdm
-
-            print(self.trained_params_line())
-            bar = tqdm(total=cfg.steps, initial=self.step_count, desc=self.name, unit="step",
-                       dynamic_ncols=True)
-        try:
-            if self.step_count == 0:
-                self._log_start()
-            while self.step_count < cfg.steps:
-                metrics = self._run_one()
-                history.append(metrics)
+        history, bar = [], self._progress_bar(progress)
+        with StopSignals() as signals:
+            try:
+                if self.step_count == 0:
+                    self._log_start()
+                # the same condition on every process, so the collective runs in step
+                while self.step_count < cfg.steps and not signals.stop_agreed():
+                    metrics = self._run_one()
+                    history.append(metrics)
+                    if bar is not None:
+                        bar.set_postfix(**self.progress_postfix(metrics))
+                        bar.update(1)
+                if self.step_count < cfg.steps:
+                    self._stop_on_signal()
+            finally:
                 if bar is not None:
-                    bar.set_postfix(**self.progress_postfix(metrics))
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-            self.writer.close()
-            self._release()
-        if cfg.export_hf:
-            self.export()  # collective; process 0 writes
+                    bar.close()
+                self.writer.close()
+                self._release()
+            if cfg.export_hf and self.preempted_at is None:
+                self.export()  # collective; process 0 writes
+        if self.preempted_at is not None:
+            print(f"preempted at step {self.preempted_at}; resume with --resume", file=sys.stderr,
+                  flush=True)
         return history

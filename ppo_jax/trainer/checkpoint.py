@@ -2,8 +2,12 @@
 
 Layout under `<output_dir>/checkpoints/<step>/`: `state` (a pytree of arrays, written
 collectively by every process with orbax's StandardSave) and `meta` (JSON: step, data position,
-config). Saving is synchronous and atomic (orbax writes a temporary folder and renames it), so an
-error mid-run never leaves a half checkpoint that `--resume` would pick up.
+config). Saving is synchronous and atomic (orbax writes `<step>.orbax-checkpoint-tmp` and renames
+it when complete), so an error mid-run never leaves a half checkpoint that `--resume` would pick
+up. A write that fails (disk full, a permission error) raises `CheckpointWriteError` naming the
+step and the cause; orbax deletes checkpoints beyond `max_to_keep` only after a new one is
+complete, so the previous one stays, and the next save of that step replaces the temporary
+folder (measured with orbax 0.12.8, tests/trainer/test_preemption.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ def finished_steps(directory: str | Path) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint was not written; the message names its step, the cause and the step kept."""
+
+
 class Checkpointer:
     """Thin wrapper over `orbax.checkpoint.CheckpointManager`."""
 
@@ -33,10 +41,24 @@ class Checkpointer:
                                              item_names=("state", "meta"))
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Write checkpoint `step` (a pytree of arrays + a JSON-able dict) and wait for it."""
-        self.manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        self.manager.wait_until_finished()
+        """Write checkpoint `step` (a pytree of arrays + a JSON-able dict) and wait for it.
+
+        Raises:
+          CheckpointWriteError: the write failed (from the orbax / OS error, chained); earlier
+            checkpoints are kept.
+        """
+        try:
+            self.manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self.manager.wait_until_finished()
+        except Exception as e:  # any failure means step `step` is not on disk
+            kept = finished_steps(self.directory)
+            last = (f"the last checkpoint kept is step {kept[-1]} ({self.directory / str(kept[-1])}), "
+                    "which --resume continues from" if kept else
+                    "no earlier checkpoint is kept, so --resume starts over")
+            raise CheckpointWriteError(
+                f"checkpoint of step {step} was not written to {self.directory} "
+                f"({type(e).__name__}: {str(e)[:300]}); {last}") from e
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
