@@ -5,7 +5,7 @@ ARGS ?=
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
-# bench/decode_floor.py and bench/logprob_memory.py (each prints its table against its peer and
+# bench/decode_floor.py, bench/logprob_memory.py and bench/lora_update.py (each prints its table against its peer and
 # writes it with its figures, the git commit and the CPU under $(BENCH_RAW); bench/harness.py),
 # then bench/report.py collects them into bench/results.md (with a GPU section when bench/gpu.sh
 # --json left a gpu.json there; each benchmark's wall time is in it). Run it on a quiet machine
@@ -45,6 +45,7 @@ bench:
 	.venv/bin/python bench/update_profile.py --json $(BENCH_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --json $(BENCH_RAW)/decode_floor.json
 	.venv/bin/python bench/logprob_memory.py --json $(BENCH_RAW)/logprob_memory.json
+	.venv/bin/python bench/lora_update.py --json $(BENCH_RAW)/lora_update.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
 bench-quick:
@@ -58,6 +59,7 @@ bench-quick:
 	.venv/bin/python bench/update_profile.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json
 	.venv/bin/python bench/logprob_memory.py --runs 1 --update-config configs/tiny.yaml --json $(BENCH_QUICK_RAW)/logprob_memory.json
+	.venv/bin/python bench/lora_update.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/lora_update.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
 
 # Whole train.py runs measured from outside (bench/train_run.py: wall time, peak RSS, page faults,

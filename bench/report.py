@@ -38,8 +38,12 @@ SECTIONS = (
     ("core", "PPO math: ppo_jax.core vs TRL 0.11-style torch (bench/core.py)"),
     ("logprob_memory", "Log-probs without the `[B, T, V]` logits: memory of the head and of the "
      "whole update (bench/logprob_memory.py)"),
+    ("lora_update", "LoRA update: forward + backward against the full fine-tune, two widths "
+     "(bench/lora_update.py)"),
 )
 TRAIN_RUNS = ("train_run", "train_ab_malloc", "train_ab_columns")  # `make bench-train`, optional
+# bench/train_run.py runs of LoRA against the full fine-tune (docs/lora.md), optional
+LORA_RUNS = ("lora_train_run", "lora_timing")
 
 
 # --------------------------------------------------------------------------- provenance
@@ -203,7 +207,7 @@ def render(raw: Path, out_path: Path | None = None) -> str:
     """results.md's text from the raw JSON files in `raw` (`out_path`: for the reproduce line)."""
     load = lambda name: json.loads(p.read_text()) if (p := raw / f"{name}.json").is_file() else None  # noqa: E731
     raws = {name: load(name) for name, _ in SECTIONS}
-    raws.update({name: d for name in TRAIN_RUNS if (d := load(name))})
+    raws.update({name: d for name in TRAIN_RUNS + LORA_RUNS if (d := load(name))})
     gpu = load("gpu")  # optional: bench/gpu.sh --json <raw>/gpu.json on an accelerator
     rel = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
     out = ["# Benchmark results", "", f"Generated {now()} by `bench/report.py` from `{rel}`. All "
@@ -213,7 +217,7 @@ def render(raw: Path, out_path: Path | None = None) -> str:
         out += ["\n\n".join(prov), ""]
     out += ["## Machine and software", ""] + machine_lines(raws)
     out += ["", "## Reproduce", "", "```bash", "make bench   # sets up .venv and .venv-bench, runs "
-            "the seven benchmarks, writes bench/results.md", "# or one at a time:"]
+            "the eight benchmarks, writes bench/results.md", "# or one at a time:"]
     out += [d["command"] for d in raws.values() if d and d.get("command")]
     o = (out_path or ROOT / "bench/results.md").resolve()
     dest = "" if o == (ROOT / "bench/results.md").resolve() else \
@@ -227,10 +231,13 @@ def render(raw: Path, out_path: Path | None = None) -> str:
     if raws["ppo_step"] and raws["roofline"]:
         out += ["", "## Ceiling: the fastest PPO step this machine allows (bench/report.py)", "",
                 ceiling_markdown(raws["ppo_step"], raws["roofline"], raws["decode_floor"])]
-    if runs := [raws[name] for name in TRAIN_RUNS if name in raws]:
-        out += ["", "## Whole training runs (bench/train_run.py, `make bench-train`)"]
-        for d in runs:
-            out += ["", f"### {d.get('title') or 'train.py runs'}", "", d.get("markdown", "")]
+    for group, heading in ((LORA_RUNS, "LoRA against the full fine-tune: whole runs (bench/train_run.py, "
+                                       "commands in each)"),
+                           (TRAIN_RUNS, "Whole training runs (bench/train_run.py, `make bench-train`)")):
+        if runs := [raws[name] for name in group if name in raws]:
+            out += ["", f"## {heading}"]
+            for d in runs:
+                out += ["", f"### {d.get('title') or 'train.py runs'}", "", d.get("markdown", "")]
     if gpu:
         out += ["", gpu_section(gpu)]
     return "\n".join(out) + "\n"

@@ -92,17 +92,24 @@ def jax_worker(args) -> dict:
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
     if not args.trace:
         return {**out, "seconds": [timed(call) for _ in range(args.calls)]}
+    return {**out, **traced(call, args.calls)}
+
+
+def traced(call, calls: int) -> dict:
+    """`op_profile` of `calls` calls of the jitted `call` under `jax.profiler.trace`."""
+    import jax
+
     with tempfile.TemporaryDirectory(prefix="update_trace_") as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            for _ in range(args.calls):
+            for _ in range(calls):
                 call()
         files = sorted(Path(tmp).rglob("perfetto_trace.json.gz"))
         if not files:
             raise SystemExit("jax.profiler.trace wrote no perfetto_trace.json.gz")
         trace = json.loads(gzip.open(files[-1]).read())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return {**out, **op_profile(((re.sub(r"\.\d+$", "", e.get("name", "")), xla_op_kind(e.get("name", "")),
-                                  e.get("dur", 0) / 1e3) for e in events if e.get("ph") == "X"), args.calls)}
+    return op_profile(((re.sub(r"\.\d+$", "", e.get("name", "")), xla_op_kind(e.get("name", "")),
+                        e.get("dur", 0) / 1e3) for e in events if e.get("ph") == "X"), calls)
 
 
 def torch_worker(args) -> dict:

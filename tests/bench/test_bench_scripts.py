@@ -1009,3 +1009,30 @@ def test_logprob_memory_whole_update_tiny(tmp_path):
     assert full["argument"] == blocks["argument"] > 0 and full["temp"] > 0
     for u in (full, blocks):
         assert u["peak"] == u["argument"] + u["output"] - u["alias"] + u["temp"]
+
+
+# --------------------------------------------------------------------------- bench/lora_update.py
+lora_update = _load("lora_update")
+
+
+def test_lora_update_worker_trains_only_adapters_and_its_section_renders(tiny_checkpoint):
+    """The worker in-process on the tiny model, full and LoRA: the adapters are the trained
+    params, LoRA counts fewer matmul FLOPs (no weight gradients of the base), and the section
+    prints both rows and the ratio per round."""
+    args = Namespace(model_dir=str(tiny_checkpoint), batch=2, prompt=5, response=4, calls=2,
+                     rank=4, layers=0, trace=False, lora=False)
+    full, lora = lora_update.jax_worker(args), lora_update.jax_worker(Namespace(**{**vars(args), "lora": True}))
+    assert full["variant"] == "full" and lora["variant"] == "lora"
+    assert len(full["seconds"]) == 2 and len(lora["forward_s"]) == 2
+    assert 0 < lora["trained_params"] < full["trained_params"] / 2
+    assert 0 < lora["flops"] < full["flops"]
+    prof = {"kinds": {k: {"ms_per_call": 10.0, "share": 0.25} for k in update_profile.KINDS}}
+    st = lambda x: {"median": x, "min": x, "max": x, "n": 1}  # noqa: E731
+    model = {"model": "m", "layers": 4, "ratio": st(0.8),
+             **{v: {"seconds": st(s), "forward_s": st(s / 3), "flops": 1e9 * s,
+                    "trained_params": n, "profile": prof}
+                for v, s, n in (("full", 2.0, 1e8), ("lora", 1.6, 4e6))}}
+    text = lora_update.markdown({"tiny": False, "rank": 16, "batch": 8, "prompt": 46, "response": 48,
+                                 "rounds": 3, "calls": 3, "profile_calls": 2, "models": [model]})
+    assert "| m (4 layers) | lora | 4.00M | 1.60 | 0.53 | 1.6 | 10.0 | 30.0 |" in text
+    assert "| m (4 layers) | 0.80 | 0.80 | 1.00 |" in text
