@@ -1,7 +1,7 @@
 # One command each, on a fresh machine: `make train` (main job) and `make test` (test suite).
 ARGS ?=
 
-.PHONY: train test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu bench-train
+.PHONY: train rlvr test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu bench-train
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
@@ -19,6 +19,12 @@ BENCH_QUICK_RAW ?= bench/results_raw/quick
 train:
 	scripts/setup_venv.sh gguf
 	.venv/bin/python train.py $(ARGS)
+
+# RL with verifiable rewards (docs/rlvr.md): GRPO on reasoning-gym's chain sums, held-out
+# accuracy every 5 steps; writes runs/rlvr
+rlvr:
+	scripts/setup_venv.sh gguf,rlvr
+	.venv/bin/python train.py --config configs/rlvr.yaml $(ARGS)
 
 test:
 	scripts/setup_venv.sh test

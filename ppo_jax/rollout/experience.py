@@ -5,7 +5,9 @@
 micro-batch chunks; reward-model scores optionally normalised by the mean / std measured when the
 reward model was trained; then the registered reward shaping (`ppo.reward_shaping`, default
 "kl_penalty": score scale, missing-EOS penalty, `compute_rewards`, optional reward whitening),
-the registered advantage estimator and advantage whitening. The order and formulas follow TRL
+the registered advantage estimator and advantage whitening. With `ppo.overlong_buffer` > 0,
+DAPO's soft overlong punishment (`core.overlong_penalty`, DAPO eq. 13) is added to the score
+before the shaping (`score_mean` stays the raw score; `overlong_penalty` is its batch mean). The order and formulas follow TRL
 0.11 `PPOTrainer.step` (`batched_forward_pass`, `compute_rewards`, `compute_advantages`).
 """
 
@@ -22,6 +24,7 @@ from ppo_jax.core import (
     get_advantage_estimator,
     get_reward_shaping,
     masked_mean,
+    overlong_penalty,
     masked_whiten,
     sequence_kl,
     update_kl_controller,
@@ -72,6 +75,9 @@ class ExperienceSettings:
     shared_critic: bool = False  # the actor is a CausalLMWithValueHead; no critic model
     reward_shaping: str = "kl_penalty"  # a registered reward shaping (core.registry)
     reward_shaping_kwargs: tuple = ()  # extra (name, value) keyword arguments of the shaping
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last L_cache tokens
+    overlong_penalty_factor: float = 1.0
+    max_response_length: int = 1  # L_max of the overlong punishment (max_new_tokens)
 
     def shaping_fixed_kwargs(self, kl_coef) -> dict:
         """The trainer's own keyword arguments of a reward-shaping call."""
@@ -182,9 +188,11 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
     logprobs, entropy, values, ref_logprobs, scores = scoring_passes(models, rollout, scores,
                                                                      settings=s)
     raw_scores = scores.astype(jnp.float32)
+    overlong = overlong_penalty(mask.sum(axis=1), max_length=max(s.max_response_length, 1),
+                                buffer=s.overlong_buffer, penalty_factor=s.overlong_penalty_factor)
     shaping = get_reward_shaping(s.reward_shaping)
-    rewards, non_score, scores = shaping(raw_scores, ended, logprobs, ref_logprobs, mask,
-                                         **s.shaping_kwargs(kl_state.value))
+    rewards, non_score, scores = shaping(raw_scores + overlong, ended, logprobs, ref_logprobs,
+                                         mask, **s.shaping_kwargs(kl_state.value))
     advantages, returns, group_ids = _advantages(values, rewards, mask, scores, group_ids,
                                                  baseline_scores, s)
     mean_kl = jnp.mean(sequence_kl(logprobs, ref_logprobs, mask))
@@ -200,6 +208,7 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         "entropy_per_token": masked_mean(entropy, mask),
         "response_length": jnp.mean(jnp.sum(mask, axis=1).astype(jnp.float32)),
         "ended_fraction": jnp.mean(ended.astype(jnp.float32)),
+        **({"overlong_penalty": jnp.mean(overlong)} if s.overlong_buffer else {}),
         **_row_stats("advantages", advantages, mask),
         **_row_stats("returns", returns, mask),
         **_row_stats("values", values, mask),

@@ -9,7 +9,8 @@ that must be registered) before anything is loaded or compiled; `describe` (`con
 the text of `train.py --help-config`.
 
 The schema's defaults are the shipped default run, `configs/default.yaml`: `load_config(None)`
-is that run, and a file that names three keys is that run with those three changed.
+is that run, and a file that names three keys is that run with those three changed. A file may
+name another as its `base:` (recipes that differ in a few keys: configs/rlvr/*.yaml).
 
 This module is the one to import from (every name of the three above is here too). It and
 the modules it reads import nothing from the trainer above them (`stages`, `base`, `setup`):
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ppo_jax.trainer.config_checks import validate
@@ -52,12 +53,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     schema = OmegaConf.structured(Config)
     try:
-        merged = [schema]
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise FileNotFoundError(f"config file not found: {path}")
-            merged.append(OmegaConf.load(path))
+        merged = [schema] + (config_files(Path(path)) if path is not None else [])
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -69,6 +65,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"config key {key!r}: {first}" if key else first) from None
     validate(cfg)
     return cfg
+
+
+def config_files(path: Path, _chain: tuple = ()) -> list:
+    """The YAML of `path`, after the files it builds on: a top-level `base: FILE` (relative to
+    `path`'s directory) is loaded first, recursively, and `path`'s keys override it.
+
+    Raises:
+      FileNotFoundError: `path` or a base does not exist.
+      ConfigError: a file that is its own base (through a chain).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}" + (
+            f" (the base of {_chain[-1]})" if _chain else ""))
+    if path.resolve() in _chain:
+        raise ConfigError(f"config {path}: base files form a cycle: "
+                          f"{' -> '.join(map(str, _chain + (path.resolve(),)))}")
+    conf = OmegaConf.load(path)
+    base = conf.pop("base", None) if isinstance(conf, DictConfig) else None
+    if base is None:
+        return [conf]
+    return config_files(path.parent / str(base), _chain + (path.resolve(),)) + [conf]
 
 
 def static_kwargs(kwargs: dict) -> tuple:

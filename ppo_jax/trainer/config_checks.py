@@ -69,12 +69,23 @@ def validate(cfg: Config) -> None:
     if p.batch_size % g.samples_per_prompt:
         raise ConfigError(f"ppo.batch_size={p.batch_size} is not a multiple of "
                           f"generation.samples_per_prompt={g.samples_per_prompt}")
+    if not 0 <= p.overlong_buffer <= g.max_new_tokens or p.overlong_penalty_factor < 0:
+        raise ConfigError(f"ppo.overlong_buffer={p.overlong_buffer} must lie in [0, "
+                          f"generation.max_new_tokens={g.max_new_tokens}] and "
+                          f"ppo.overlong_penalty_factor={p.overlong_penalty_factor} be >= 0")
+    _positive("ppo.max_sampling_rounds", p.max_sampling_rounds)
+    if p.dynamic_sampling and (g.samples_per_prompt < 2 or cfg.reward.kind != "function"):
+        raise ConfigError("ppo.dynamic_sampling=true compares the rewards of a prompt's samples: "
+                          f"it needs generation.samples_per_prompt > 1 (it is "
+                          f"{g.samples_per_prompt}) and reward.kind=function (it is "
+                          f"{cfg.reward.kind!r})")
     if p.critic_warmup_steps and cfg.model.shared_critic:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")
     _validate_stage(cfg)
     _validate_lora(cfg)
     _validate_eval(cfg.eval)
+    _validate_task(cfg)
     _positive("train.steps", cfg.train.steps)
     for name in ("data", "fsdp", "tensor"):
         size = getattr(cfg.mesh, name)
@@ -174,7 +185,7 @@ def _validate_lora(cfg: Config) -> None:
 
 def _validate_eval(e: EvalConfig) -> None:
     """The `eval` block's sizes (its prompt file is read by the PPO stage before loading)."""
-    for name in ("num_prompts", "temperature"):
+    for name in ("num_prompts", "temperature", "samples_per_prompt"):
         _positive(f"eval.{name}", getattr(e, name))
     if e.max_new_tokens is not None:
         _positive("eval.max_new_tokens", e.max_new_tokens)
@@ -183,6 +194,24 @@ def _validate_eval(e: EvalConfig) -> None:
             raise ConfigError(f"eval.{name}={getattr(e, name)!r} must be >= 0")
     if e.prompts is not None and not e.prompts.strip():
         raise ConfigError("eval.prompts='' must be a prompt file (or null for no evaluation)")
+
+
+def _validate_task(cfg: Config) -> None:
+    """`data.task` (a reasoning-gym task) and the prompt sources that name it ('task')."""
+    task, uses = cfg.data.task, [k for k, v in (("data.prompts", cfg.data.prompts),
+                                                ("eval.prompts", cfg.eval.prompts)) if v == "task"]
+    if uses and not task.name:
+        raise ConfigError(f"{uses[0]}='task' needs data.task.name (a reasoning-gym dataset)")
+    if task.name and not uses:
+        raise ConfigError(f"data.task.name={task.name!r} is set but no prompts come from it: set "
+                          "data.prompts: task (and eval.prompts: task for held-out problems)")
+    if task.name:
+        _positive("data.task.size", task.size)
+        if cfg.eval.prompts == "task" and cfg.eval.task_seed == task.seed:
+            raise ConfigError(f"eval.task_seed={cfg.eval.task_seed} equals data.task.seed: the "
+                              "held-out problems must come from another seed")
+    if not isinstance(cfg.reward.function_kwargs, dict):
+        raise ConfigError(f"reward.function_kwargs={cfg.reward.function_kwargs!r} must be a mapping")
 
 
 def _validate_stage(cfg: Config) -> None:

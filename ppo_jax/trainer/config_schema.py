@@ -114,16 +114,37 @@ class ModelsConfig:
 
 
 @dataclass
+class TaskConfig:
+    """A reasoning-gym procedural task as the prompts and their verifier (`data.prompts: task`,
+    `eval.prompts: task`; `reward.function: reasoning_gym` scores with the task's own
+    `score_answer`; trainer/tasks.py)."""
+
+    name: Optional[str] = opt(None, "reasoning-gym dataset, e.g. chain_sum, basic_arithmetic, "
+                              "leg_counting, gsm_symbolic, countdown; null: no task")
+    kwargs: Dict[str, Any] = opt(help="the dataset's keyword arguments (its difficulty), e.g. "
+                                 "{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+                                 factory=dict)
+    size: int = opt(1000, "training problems drawn from seed (those held out are removed)")
+    seed: int = opt(0, "seed of the training problems (held-out ones: eval.task_seed)")
+    instruction: str = opt("Give the final answer inside <answer></answer> tags.",
+                           "appended to every question on a new line")
+
+
+@dataclass
 class DataConfig:
     """The prompt set of PPO, and the chat template, prompt length and truncation every stage
     applies to its prompts."""
 
     prompts: str = opt("configs/prompts/everyday.jsonl", "prompt file: .jsonl / .json / .txt / "
-                       ".parquet")
+                       ".parquet (a record's other fields, e.g. answer, reach the reward "
+                       "function), or 'task': the training problems of data.task")
     prompt_field: str = opt("prompt", "the field of a .jsonl / .json / .parquet row that holds "
                             "the prompt")
     use_chat_template: bool = opt(True, "apply the tokenizer's chat template (when it has one)")
     system_prompt: Optional[str] = opt(None, "a system turn before every prompt (chat template)")
+    response_prefix: Optional[str] = opt(None, "text the assistant's turn starts with, after the "
+                                         "chat template (e.g. '<answer>'); part of every "
+                                         "response a reward function sees")
     max_prompt_length: int = opt(64, "tokens of a prompt after the chat template")
     truncation: Truncation = opt("left", "a longer prompt: left (drop the oldest tokens, warn) "
                                  "or error")
@@ -132,6 +153,7 @@ class DataConfig:
                               "rounded up to one of this many evenly spaced widths between the "
                               "set's shortest and widest prompt (trainer.columns); 1 = the "
                               "widest prompt of the set, every step")
+    task: TaskConfig = section(TaskConfig)
 
 
 @dataclass
@@ -186,6 +208,16 @@ class PPOConfig:
     score_scale: float = opt(1.0, "scores are multiplied by it (negative: a cost)")
     missing_eos_penalty: Optional[float] = opt(None, "subtracted from the score of a response "
                                                "with no stop token; null: off")
+    dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: draw more batches (up to "
+                                 "max_sampling_rounds) until the step has batch_size / "
+                                 "samples_per_prompt groups whose rewards are not all equal; "
+                                 "too few fill with equal-reward groups (static shapes)")
+    max_sampling_rounds: int = opt(3, "with dynamic_sampling: batches drawn per step at most "
+                                   "(DAPO's max_num_gen_batches)")
+    overlong_buffer: int = opt(0, "DAPO's overlong reward shaping: the score falls linearly by "
+                               "up to overlong_penalty_factor over the last this many tokens "
+                               "before generation.max_new_tokens (DAPO eq. 13); 0 = off")
+    overlong_penalty_factor: float = opt(1.0, "the overlong punishment at max_new_tokens")
     critic_warmup_steps: int = opt(0, "the first N PPO steps update only the critic (actor "
                                    "frozen)")
     reward_shaping: str = opt("kl_penalty", "registered reward shaping (ppo_jax.core.registry): "
@@ -235,7 +267,10 @@ class RewardConfig:
 
     kind: RewardKind = opt("function", "function (a registered reward function of the decoded "
                            "text) or model (model.reward_model)")
-    function: str = opt("vader", "registered reward function (ppo_jax.trainer.reward_functions)")
+    function: str = opt("vader", "registered reward function (ppo_jax.trainer.reward_functions): "
+                        "vader, length, reasoning_gym, math_verify, or a fork's")
+    function_kwargs: Dict[str, Any] = opt(help="keyword arguments of the reward function's "
+                                          "factory, e.g. {format_weight: 0.1}", factory=dict)
     normalize: bool = opt(False, "kind=model: (score - mean) / std with the mean / std of its "
                           "scores on held-out pairs that stage reward_model wrote to its "
                           "config.json")
@@ -275,7 +310,12 @@ class EvalConfig:
     settings and PRNG key every time, so successive evaluations differ only by the params."""
 
     prompts: Optional[str] = opt("configs/prompts/quotes_eval.jsonl", "held-out prompt file "
-                                 "(data.prompt_field); null: no evaluation")
+                                 "(data.prompt_field), or 'task': num_prompts distinct problems "
+                                 "of data.task from task_seed, none of them trained on; null: "
+                                 "no evaluation")
+    task_seed: int = opt(1, "seed of the held-out problems of data.task (not data.task.seed)")
+    samples_per_prompt: int = opt(1, "responses per held-out prompt: reward and accuracy are "
+                                  "their means; pass@k (k = this) when > 1")
     num_prompts: int = opt(32, "the first N prompts of the file (all of them when it has fewer)")
     every: int = opt(5, "PPO steps between evaluations; 0 = off")
     at_start: bool = opt(True, "also evaluate the starting policy, logged as step 0 (not on "

@@ -1,7 +1,9 @@
 """Prompt sets: read, template, tokenise, left-pad, and iterate in a resumable order.
 
 A prompt file is `.jsonl` / `.json` (records with a `prompt` field, or bare strings), `.txt`
-(one prompt per line) or `.parquet` (a `prompt` column). Prompts pass through the tokenizer's
+(one prompt per line) or `.parquet` (a `prompt` column); a record's other fields (an `answer`,
+say) are kept as its row and reach the reward function. A reasoning-gym task gives records
+too (`trainer.tasks`). Prompts pass through the tokenizer's
 chat template when it has one (a single user turn, optional system turn, generation prompt
 appended), are tokenised, and left-padded to one fixed width so every step has the same shapes.
 """
@@ -15,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 
+from ppo_jax.trainer.tasks import TASK_SOURCE, task_splits
 from ppo_jax.trainer.text_data import encode_prompt, read_rows, require_file
 
 
@@ -30,10 +33,22 @@ def read_prompts(path: str | Path, field: str = "prompt", key: str = "data.promp
       ValueError: unknown extension, a record without `field`, a prompt that is not a
         non-blank string (records count from 0, blank JSONL lines skipped), or an empty set.
     """
+    return read_prompt_records(path, field, key)[0]
+
+
+def read_prompt_records(path: str | Path, field: str = "prompt",
+                        key: str = "data.prompts") -> tuple[list[str], list[dict]]:
+    """`(prompts, rows)`: the prompt strings of a file (`read_prompts`) and each record's
+    other fields (`{}` for bare strings and `.txt` lines), e.g. `{"answer": "42"}`.
+
+    Raises:
+      FileNotFoundError / ValueError: as `read_prompts`.
+    """
     path = require_file(path, key, "prompt")
     if path.suffix.lower() == ".txt":
         prompts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
         prompts = [p for p in prompts if p.strip()]
+        rows = [{} for _ in prompts]
     else:
         records = read_rows(path, key, what="prompt", suffixes=PROMPT_SUFFIXES,
                             items="prompt strings or records")
@@ -41,9 +56,32 @@ def read_prompts(path: str | Path, field: str = "prompt", key: str = "data.promp
             raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
                              f"(columns: {list(records[0])})")
         prompts = [_field(r, field, path, i, key) for i, r in enumerate(records)]
+        rows = [extra_fields(r, field) for r in records]
     if not prompts:
         raise ValueError(f"{key}: no prompts in {path}")
-    return prompts
+    return prompts, rows
+
+
+def extra_fields(record, field: str) -> dict:
+    """A prompt record's fields other than the prompt (`{}` for a bare string): what a reward
+    function receives as the row of that prompt (`answer`, a task's `entry`, a file's columns)."""
+    return {k: v for k, v in record.items() if k != field} if isinstance(record, dict) else {}
+
+
+def prompt_records(cfg, source: str, key: str) -> tuple[list[str], list[dict]]:
+    """`(prompts, rows)` of a prompt source of the run `cfg`: a file (`read_prompt_records`), or
+    'task' (`trainer.tasks`): the training problems of `data.task` for `data.prompts`, its
+    held-out problems (`eval.task_seed`, `eval.num_prompts`) for `eval.prompts`.
+
+    Raises:
+      FileNotFoundError / ValueError: as `read_prompt_records` and `tasks.task_splits`.
+    """
+    if source != TASK_SOURCE:
+        return read_prompt_records(source, cfg.data.prompt_field, key)
+    held = cfg.eval.num_prompts if cfg.eval.prompts == TASK_SOURCE else 0
+    splits = task_splits(cfg.data.task, eval_seed=cfg.eval.task_seed, eval_size=held)
+    records = splits.held_out if key.startswith("eval") else splits.train
+    return [r["prompt"] for r in records], [extra_fields(r, "prompt") for r in records]
 
 
 def _field(record, field: str, path: Path, index: int, key: str) -> str:
@@ -64,11 +102,14 @@ def _text(value, field: str, path: Path, index: int, key: str) -> str:
     return value
 
 
-def apply_template(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None) -> list[int]:
+def apply_template(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None,
+                   response_prefix: str | None = None) -> list[int]:
     """Token ids of one prompt: through the chat template when asked for and available
-    (`text_data.encode_prompt` of a single user turn, so SFT / reward-model prompts match)."""
+    (`text_data.encode_prompt` of a single user turn, so SFT / reward-model prompts match),
+    then `response_prefix`, the text the assistant's turn starts with."""
     return encode_prompt(tokenizer, [{"role": "user", "content": prompt}],
-                         use_chat_template=use_chat_template, system_prompt=system_prompt)
+                         use_chat_template=use_chat_template, system_prompt=system_prompt,
+                         response_prefix=response_prefix)
 
 
 def left_pad(token_lists: list[list[int]], width: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,11 +139,13 @@ class PromptSet:
       texts: the raw prompts, N strings.
       ids: [N, P] int32, left-padded.
       mask: [N, P] int32.
+      rows: N dicts, each prompt's other fields (what a reward function receives), or None.
     """
 
     texts: list[str]
     ids: np.ndarray
     mask: np.ndarray
+    rows: list[dict] | None = None
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -114,7 +157,8 @@ Truncation = Literal[TRUNCATIONS]
 
 def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, truncation: str = "left",
                      use_chat_template: bool = True, system_prompt: str | None = None,
-                     pad_token_id: int) -> PromptSet:
+                     pad_token_id: int, response_prefix: str | None = None,
+                     rows: list[dict] | None = None) -> PromptSet:
     """Template and tokenise every prompt; width = the longest prompt, at most max_prompt_length.
 
     Over-long prompts lose their oldest tokens (truncation="left", one warning with the count)
@@ -126,7 +170,8 @@ def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, tru
     """
     if truncation not in TRUNCATIONS:
         raise ValueError(f"data.truncation={truncation!r} is not one of {list(TRUNCATIONS)}")
-    lists = [apply_template(tokenizer, t, use_chat_template, system_prompt) for t in texts]
+    lists = [apply_template(tokenizer, t, use_chat_template, system_prompt, response_prefix)
+             for t in texts]
     too_long = [i for i, toks in enumerate(lists) if len(toks) > max_prompt_length]
     if too_long:
         i = too_long[0]
@@ -141,7 +186,7 @@ def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, tru
         raise ValueError(f"prompt {empty[0]} is empty after tokenisation")
     width = max(len(t) for t in lists)
     ids, mask = left_pad(lists, width, pad_token_id)
-    return PromptSet(list(texts), ids, mask)
+    return PromptSet(list(texts), ids, mask, rows)
 
 
 class PromptSampler:

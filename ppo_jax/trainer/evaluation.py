@@ -13,7 +13,10 @@ only by the params (common random numbers).
 Figures (`eval/`): reward mean / std over prompts (the raw score, as training's `score_mean`),
 KL to the reference (mean over responses of the summed per-token `logprob - ref_logprob`, the
 k1 estimate of training's `kl`), response length and the fraction of responses that emitted a
-stop token.
+stop token. A reward function's components are logged as `eval/<name>` means; a verifier's
+`accuracy` is `eval/accuracy`, and with `eval.samples_per_prompt` = k > 1 every prompt is
+answered k times (adjacent rows, one group) and `eval/pass@k` is the fraction of prompts with
+at least one fully right answer (accuracy 1).
 """
 
 from __future__ import annotations
@@ -50,28 +53,46 @@ class EvalSettings:
 @dataclass
 class EvalBatch:
     """The padded eval prompts: `ids` / `mask` `[B, P]` int32 (left-padded), `valid` `[B]`
-    bool (False on the padding copies), `texts` the `n` real prompts (rows `0..n-1`)."""
+    bool (False on the padding copies), `texts` the real rows' prompts (rows `0..n*k-1`:
+    each of the n prompts `samples` = k times in a row), `rows` their prompt rows (record
+    fields) or None."""
 
     ids: np.ndarray
     mask: np.ndarray
     valid: np.ndarray
     texts: list[str]
+    rows: Optional[list[dict]] = None
+    samples: int = 1
 
 
-def eval_batch(prompts: PromptSet, num_prompts: int, multiple: int) -> EvalBatch:
-    """The first `num_prompts` prompts (all when the set has fewer), padded with copies of
-    prompt 0 to `B`, the next multiple of `multiple`.
+def eval_batch(prompts: PromptSet, num_prompts: int, multiple: int, samples: int = 1) -> EvalBatch:
+    """The first `num_prompts` prompts (all when the set has fewer), each `samples` times in
+    adjacent rows, padded with copies of prompt 0 to `B`, the next multiple of `multiple`.
 
     Raises:
-      ValueError: `num_prompts` or `multiple` < 1.
+      ValueError: `num_prompts`, `multiple` or `samples` < 1.
     """
-    if num_prompts < 1 or multiple < 1:
-        raise ValueError(f"num_prompts={num_prompts} and multiple={multiple} must be >= 1")
+    if num_prompts < 1 or multiple < 1 or samples < 1:
+        raise ValueError(f"num_prompts={num_prompts}, multiple={multiple} and samples={samples} "
+                         "must be >= 1")
     n = min(num_prompts, len(prompts))
-    rows = -(-n // multiple) * multiple
-    take = np.concatenate([np.arange(n), np.zeros(rows - n, np.int64)])
-    return EvalBatch(prompts.ids[take], prompts.mask[take], np.arange(rows) < n,
-                     list(prompts.texts[:n]))
+    real = np.repeat(np.arange(n), samples)
+    rows = -(-len(real) // multiple) * multiple
+    take = np.concatenate([real, np.zeros(rows - len(real), np.int64)])
+    prompt_rows = None if prompts.rows is None else [prompts.rows[i] for i in real]
+    return EvalBatch(prompts.ids[take], prompts.mask[take], np.arange(rows) < len(real),
+                     [prompts.texts[i] for i in real], prompt_rows, samples)
+
+
+def component_figures(parts: dict, valid, num_real: int, samples: int) -> dict:
+    """Means over the valid rows of a reward function's components (`[B]` each, padding rows
+    last), and `pass@k` (k = `samples` > 1) from `accuracy`: the fraction of the
+    `num_real / samples` prompts whose k adjacent rows hold an accuracy of 1."""
+    out = {k: masked_mean(v.astype(jnp.float32), valid) for k, v in parts.items()}
+    if samples > 1 and "accuracy" in parts:
+        solved = parts["accuracy"][:num_real].reshape(-1, samples) >= 1.0
+        out[f"pass@{samples}"] = jnp.mean(jnp.any(solved, axis=1).astype(jnp.float32))
+    return out
 
 
 def eval_summary(scores, logprobs, ref_logprobs, response_mask, ended, valid) -> dict:
@@ -195,11 +216,16 @@ class Evaluator:
         t0 = time.perf_counter()
         resp, resp_mask = self._sample(models.actor, self.q, self.qm, self.key)
         texts, scores = None, None
+        parts = {}
         if self.reward_fn is not None:
-            texts, local_scores = self._score_text(local_rows(resp), local_rows(resp_mask))
-            scores = self.place.put_rows(local_scores, (self.batch.ids.shape[0],))
+            texts, local_scores, local_parts = self._score_text(local_rows(resp),
+                                                                local_rows(resp_mask))
+            size = (self.batch.ids.shape[0],)
+            scores = self.place.put_rows(local_scores, size)
+            parts = component_figures({k: self.place.put_rows(v, size) for k, v in local_parts.items()},
+                                      self.valid, len(self.batch.texts), self.batch.samples)
         stats, scores = self._stats(models, self.q, self.qm, resp, resp_mask, scores, self.valid)
-        metrics = {f"eval/{k}": float(v) for k, v in jax.device_get(stats).items()}
+        metrics = {f"eval/{k}": float(v) for k, v in jax.device_get({**stats, **parts}).items()}
         samples = self._samples(num_samples, resp, resp_mask, scores, texts)
         metrics["time/eval"] = time.perf_counter() - t0
         return metrics, samples
@@ -209,13 +235,14 @@ class Evaluator:
         return max(0, min(self.hi, len(self.batch.texts)) - self.lo)
 
     def _score_text(self, resp: np.ndarray, resp_mask: np.ndarray):
-        """Decode and score this process's real rows; padding rows score 0 (left out later)."""
-        n = self._real_rows()
-        texts, real = score_texts(self.reward_fn, self.decode, self.batch.texts[self.lo:self.lo + n],
-                                  resp[:n], resp_mask[:n])
-        scores = np.zeros(len(resp), np.float32)
-        scores[:n] = real
-        return texts, scores
+        """Decode and score this process's real rows; padding rows score 0 (left out later),
+        and so do their reward components."""
+        n, b = self._real_rows(), self.batch
+        rows = None if b.rows is None else b.rows[self.lo:self.lo + n]
+        texts, real, parts = score_texts(self.reward_fn, self.decode, b.texts[self.lo:self.lo + n],
+                                         resp[:n], resp_mask[:n], rows)
+        pad = lambda x: np.concatenate([x, np.zeros(len(resp) - n, np.float32)])  # noqa: E731
+        return texts, pad(real), {k: pad(v) for k, v in parts.items()}
 
     def _samples(self, num: int, resp, resp_mask, scores, texts) -> list[dict]:
         n = min(num, self._real_rows())

@@ -24,7 +24,7 @@ from ppo_jax.models.hf_io import SafetensorsReader
 from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
 from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab
 from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
-from ppo_jax.trainer.data import PromptSet, read_prompts, tokenize_prompts
+from ppo_jax.trainer.data import PromptSet, prompt_records, tokenize_prompts
 from ppo_jax.trainer.lora_models import (
     LoadedModel, adapters_from, check_targets, policy_models, split_trained,
 )
@@ -345,10 +345,11 @@ def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
         vocabulary.
     """
     d = cfg.data
-    texts = read_prompts(d.prompts if path is None else path, d.prompt_field, key)
+    texts, rows = prompt_records(cfg, d.prompts if path is None else path, key)
     prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, use_chat_template=d.use_chat_template,
-                               system_prompt=d.system_prompt, pad_token_id=pad_token_id(tokenizer))
+                               system_prompt=d.system_prompt, pad_token_id=pad_token_id(tokenizer),
+                               response_prefix=d.response_prefix, rows=rows)
     pad = pad_token_id(tokenizer)
     if not 0 <= pad < model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's pad id {pad} is outside the model vocabulary "

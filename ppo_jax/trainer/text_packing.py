@@ -15,21 +15,24 @@ from ppo_jax.trainer.text_records import Messages
 
 
 def encode_prompt(tokenizer, prompt: Messages, *, use_chat_template: bool,
-                  system_prompt: str | None) -> list[int]:
+                  system_prompt: str | None, response_prefix: str | None = None) -> list[int]:
     """Prompt token ids, the same PPO's prompts get (`data.apply_template` calls this).
 
     With `use_chat_template` and a tokenizer that has a template: the template with
     `add_generation_prompt=True`, `system_prompt` prepended as a system turn when given and the
     messages have none, tokenised without extra special tokens. Otherwise
     `tokenizer("\\n".join(contents))` of every message in order (`system_prompt` unused, as in PPO).
+    `response_prefix` (`data.response_prefix`) is appended to the text before tokenising: the
+    start of the assistant's answer (e.g. "<answer>").
     """
+    prefix = response_prefix or ""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = [dict(m) for m in prompt]
         if system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": system_prompt})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer("\n".join(m["content"] for m in prompt))["input_ids"])
+        return list(tokenizer(text + prefix, add_special_tokens=False)["input_ids"])
+    return list(tokenizer("\n".join(m["content"] for m in prompt) + prefix)["input_ids"])
 
 
 def encode_response(tokenizer, response: str, eos_id: int, truncated: bool = False) -> list[int]:

@@ -19,32 +19,33 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ppo_jax.core import get_advantage_estimator, init_kl_controller, needs_greedy_baseline
+from ppo_jax.core import init_kl_controller
 from ppo_jax.models.functional import Model
 from ppo_jax.models.lora import join
-from ppo_jax.parallel.host import local_rows
 from ppo_jax.rollout.experience import PPOModels, make_experience
 from ppo_jax.rollout.sampler import ended_rows, sample
 from ppo_jax.rollout.scoring import Rollout, rollout_scores
 from ppo_jax.trainer.base import StageTrainer
 from ppo_jax.trainer.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.config import ConfigError, eval_enabled
-from ppo_jax.trainer.data import PromptSampler, read_prompts
+from ppo_jax.trainer.data import PromptSampler, prompt_records
 from ppo_jax.trainer.evaluation import Evaluator, eval_batch, eval_rows_multiple
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.optim import optimizer_from_config
-from ppo_jax.trainer.reward_functions import get_reward_function, score_texts
+from ppo_jax.trainer.reward_functions import get_reward_function
 from ppo_jax.trainer.setup import (
     abstract_models, build_models, pad_token_id, prompt_set, stop_token_ids,
 )
 from ppo_jax.trainer.stages.ppo_checks import check_names
 from ppo_jax.trainer.stages.ppo_parts import Learned, Sampled, Scored, step_metrics
 from ppo_jax.trainer.stages.ppo_programs import PPOPrograms
+from ppo_jax.trainer.stages.ppo_dynamic import DynamicSampling
+from ppo_jax.trainer.stages.ppo_rewards import PPORewards
 from ppo_jax.trainer.stages.ppo_settings import settings_for
 from ppo_jax.trainer.update import ppo_update
 
 
-class PPOTrainer(PPOPrograms, StageTrainer):
+class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
     """Owns the models, states and jitted steps of one PPO run.
 
     `PPOTrainer(cfg, resume=False, devices=None)` loads everything (raising ConfigError /
@@ -65,9 +66,9 @@ class PPOTrainer(PPOPrograms, StageTrainer):
 
     def _check_inputs(self) -> None:
         self._check_config()
-        read_prompts(self.cfg.data.prompts, self.cfg.data.prompt_field)  # fails before loading
+        prompt_records(self.cfg, self.cfg.data.prompts, "data.prompts")  # fails before loading
         if eval_enabled(self.cfg.eval):
-            read_prompts(self.cfg.eval.prompts, self.cfg.data.prompt_field, "eval.prompts")
+            prompt_records(self.cfg, self.cfg.eval.prompts, "eval.prompts")
 
     def _build(self) -> None:
         cfg, place = self.cfg, self.place
@@ -80,7 +81,8 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         self.prompts = self._prompt_set(cfg.data.prompts, "data.prompts")
         self.prompt_columns = PromptColumns(self.prompts.mask, cfg.data.prompt_buckets)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
-        self.reward_fn = get_reward_function(cfg.reward.function) if cfg.reward.kind == "function" else None
+        self.reward_fn = (get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
+                          if cfg.reward.kind == "function" else None)
         self.settings = settings_for(
             cfg, shared_critic=cfg.model.shared_critic, mesh=place.constraint_mesh,
             score_normalizer=models.score_normalizer if cfg.reward.normalize else None,
@@ -191,6 +193,8 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         critic_only = replace(st.update, train_actor=False)
         self._update_critic_only = jit_update(
             lambda a, c, f, e, k: update(a, c, f, e, k, critic_only))
+        if self.cfg.ppo.dynamic_sampling:
+            self._build_dynamic()
 
     def _build_evaluator(self) -> Evaluator:
         """The held-out evaluation (`eval.*`): its prompts tokenised like the training prompts,
@@ -206,7 +210,8 @@ class PPOTrainer(PPOPrograms, StageTrainer):
                                    "eval.max_new_tokens" if e.max_new_tokens
                                    else "generation.max_new_tokens")
         batch = eval_batch(prompts, e.num_prompts,
-                           eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size))
+                           eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size),
+                           e.samples_per_prompt)
         shardings = replace(self._model_shardings(), critic=None)
         return Evaluator(batch, self.settings.eval, place, shardings, seed=e.seed,
                          reward_fn=self.reward_fn, decode=self._decode)
@@ -250,17 +255,6 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         return self.evaluate() if every and step % every == 0 else {}
 
     # ----------------------------------------------------------------------------------------
-    def _decode(self, ids: np.ndarray, mask: np.ndarray) -> list[str]:
-        return [self.tokenizer.decode(row[m > 0].tolist(), skip_special_tokens=True)
-                for row, m in zip(ids, mask)]
-
-    def _text_scores(self, prompts: list[str], ids, mask) -> tuple[list[str], jax.Array]:
-        """This process's rows of responses `ids`, `mask` decoded and scored by the reward
-        function: `(responses, scores)`, the scores a `[B]` batch on the mesh."""
-        texts, local = score_texts(self.reward_fn, self._decode, prompts, local_rows(ids),
-                                   local_rows(mask))
-        return texts, self.place.put_rows(local, (self.cfg.ppo.batch_size,))
-
     def step(self) -> dict:
         """One PPO step, in three named parts: `sample_rollout` (prompts in, responses out),
         `score_rollout` (rewards and experience) and `learn` (the update); returns its metrics
@@ -272,7 +266,7 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         processes). Everything else stays on the devices until the step's scalars are read.
         """
         t0 = time.perf_counter()
-        sampled = self.sample_rollout()
+        sampled = self.dynamic_rollout() if self.cfg.ppo.dynamic_sampling else self.sample_rollout()
         scored = self.score_rollout(sampled)
         learned = self.learn(scored, sampled.update_key)
         self.state = {"actor": learned.actor, "critic": learned.critic, "kl": scored.kl_state,
@@ -302,21 +296,21 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         rng, gen_key, upd_key = self._split(self.state["rng"])
         actor = self.ppo_models(self.state["actor"].params).actor
         resp, resp_mask = jax.block_until_ready(self._generate(actor, q, qm, gen_key))
-        prompts = [self.prompts.texts[i] for i in idx]
-        baseline = self._greedy_baseline(actor, q, qm, gen_key, prompts)
+        prompts, rows = [self.prompts.texts[i] for i in idx], self._rows_of(idx)
+        baseline = self._greedy_baseline(actor, q, qm, gen_key, prompts, rows)
         resp, resp_mask, resp_width = self.response_columns(resp, resp_mask)
         return Sampled(prompts, Rollout(q, qm, resp, resp_mask), groups, baseline, upd_key, rng,
-                       int(width), int(resp_width), time.perf_counter())
+                       int(width), int(resp_width), time.perf_counter(), rows)
 
     def score_rollout(self, sampled: Sampled) -> Scored:
         """The reward (the reward function on this process's decoded rows, or the reward model
         inside the experience pass) and the experience: log-probs, reference log-probs,
         values, rewards, advantages, returns; the KL controller updated."""
-        responses, scores = None, None
+        responses, scores, parts = None, sampled.scores, sampled.reward_stats or {}
         r = sampled.rollout
-        if self.reward_fn is not None:
-            responses, scores = self._text_scores(sampled.prompts, r.response_ids,
-                                                  r.response_mask)
+        if self.reward_fn is not None and scores is None:
+            responses, scores, parts = self._text_scores(sampled.prompts, r.response_ids,
+                                                         r.response_mask, sampled.rows)
         release_host_memory()  # the freed buffers of a phase are not reusable by the next one
         ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
         critic = self.state["critic"]
@@ -325,7 +319,7 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         exp, kl_state, stats, tokens = self._experience(
             models, self.state["kl"], r, scores, sampled.group_ids, sampled.baseline_scores)
         del ref, reward, models  # offloaded frozen params: the device copy lives for this pass
-        stats = jax.device_get(stats)  # replicated scalars: readable on every process
+        stats = {**jax.device_get(stats), **parts}  # replicated scalars: readable everywhere
         release_host_memory()
         return Scored(exp, kl_state, stats, tokens, responses, time.perf_counter())
 
@@ -336,30 +330,6 @@ class PPOTrainer(PPOPrograms, StageTrainer):
         actor, critic, stats = update(self.state["actor"], self.state["critic"], self.frozen,
                                       scored.experience, key)
         return Learned(actor, critic, jax.device_get(stats), warmup, time.perf_counter())
-
-    def _greedy_baseline(self, actor: Model, q, qm, key, prompts: list[str]):
-        """ReMax: the score of the greedy response to each row's prompt (`[B]` rows), or None
-        when the advantage estimator does not need it."""
-        if not needs_greedy_baseline(get_advantage_estimator(self.cfg.ppo.advantage_estimator)):
-            return None
-        g_resp, g_mask = self._generate_greedy(actor, q, qm, key)
-        if self.reward_fn is None:
-            reward = Model(self.models.reward.graphdef, self.place.onload(self.reward_params))
-            return self._rm_scores(reward, Rollout(q, qm, g_resp, g_mask))
-        return self._text_scores(prompts, g_resp, g_mask)[1]
-
-    @property
-    def last_samples(self) -> list[dict]:
-        """This process's rows of the last step as `{"prompt", "response", "score"}` dicts
-        (decoded on demand when the reward came from a reward model)."""
-        if getattr(self, "_last_rollout", None) is None:
-            return []
-        prompts, responses, rollout, scores = self._last_rollout
-        if responses is None:
-            responses = self._decode(local_rows(rollout.response_ids),
-                                     local_rows(rollout.response_mask))
-        return [{"prompt": p_, "response": r_, "score": float(s_)}
-                for p_, r_, s_ in zip(prompts, responses, local_rows(scores))]
 
     # ----------------------------------------------------------------------------------------
     def export_actor(self, out_dir: Path | None = None) -> Path:

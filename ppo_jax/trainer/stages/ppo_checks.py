@@ -24,6 +24,7 @@ from ppo_jax.core import (
     get_policy_loss,
     get_reward_shaping,
     get_value_loss,
+    needs_greedy_baseline,
     uses_critic,
 )
 from ppo_jax.trainer.config import Config, ConfigError
@@ -130,9 +131,14 @@ def check_names(cfg: Config) -> None:
         raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
     if cfg.reward.kind == "function":
         try:
-            get_reward_function(cfg.reward.function)
+            get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
         except ValueError as e:
             raise ConfigError(f"reward.function: {e}") from None
+    if cfg.ppo.dynamic_sampling and needs_greedy_baseline(
+            get_advantage_estimator(cfg.ppo.advantage_estimator)):
+        raise ConfigError(f"ppo.dynamic_sampling=true does not sample ReMax's greedy baseline "
+                          f"(ppo.advantage_estimator={cfg.ppo.advantage_estimator!r}); use a "
+                          "group estimator such as grpo or rloo")
     _check_critic_free(cfg)
 
 

@@ -27,7 +27,8 @@ def _mean_stats(stats: dict) -> dict:
 class Sampled:
     """The rollout part of a step: this process's prompt texts, the batch's prompts and
     responses on the mesh (cut to their bucket widths), prompt groups, the ReMax baseline
-    scores (or None), the RNG keys for the update and the next step, and when it ended."""
+    scores (or None), the RNG keys for the update and the next step, when it ended, and the
+    prompts' rows (their records' other fields) for a reward function that reads them."""
 
     prompts: list[str]
     rollout: Rollout
@@ -38,6 +39,9 @@ class Sampled:
     prompt_width: int
     response_width: int
     end: float
+    rows: Optional[list[dict]] = None  # the prompts' rows (record fields) for the reward function
+    scores: Optional[jax.Array] = None  # [B], when already scored (dynamic sampling)
+    reward_stats: Optional[dict] = None  # the reward means of those scores
 
 
 @dataclass

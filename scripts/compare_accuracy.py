@@ -1,0 +1,122 @@
+"""Held-out accuracy of the starting actor and a trained one, over sampling seeds (RLVR runs).
+
+The held-out problems, their template, the response prefix, the sampling settings and the
+verifier all come from the run's config (its `eval.*`, `data.*`, `generation.*` and
+`reward.*`: `eval.prompts: task` gives the task's held-out problems of `eval.task_seed`, none
+of them trained on), so the figures are the trainer's `eval/accuracy` for more seeds. Each
+actor answers every problem once per seed (temperature `eval.temperature`, or greedy with
+`eval.greedy`); the script prints per seed the accuracy of base and trained, then the mean
+over seeds and the rise with its min / max. `--json PATH` writes them.
+
+Usage:
+  .venv/bin/python scripts/compare_accuracy.py runs/rlvr/actor_hf --config configs/rlvr.yaml
+      [--base smollm2] [--seeds 0 1 2] [--num-prompts 64] [--show 2] [--json PATH]
+
+Errors: a missing model directory or config, or a config whose reward function reports no
+`accuracy`, prints `error: ...` and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ppo_jax.models import load_model, load_tokenizer, split_model
+from ppo_jax.rollout.sampler import generate
+from ppo_jax.trainer.config import ConfigError, load_config
+from ppo_jax.trainer.reward_functions import get_reward_function, score_texts
+from ppo_jax.trainer.setup import build_prompts, pad_token_id, resolve_model_path, stop_token_ids
+
+
+def accuracies(path: Path, cfg, seeds, reward_fn) -> tuple[list[float], list[list[str]], list[str]]:
+    """Load the actor at `path` once; per seed the mean accuracy over the held-out problems and
+    the responses; the problems' prompts."""
+    tokenizer = load_tokenizer(path)
+    model, model_cfg = load_model(path, "causal_lm")
+    graphdef, params = split_model(model)
+    e = cfg.eval
+    prompts = build_prompts(cfg, tokenizer, model_cfg, path=e.prompts, key="eval.prompts",
+                            max_new_tokens=e.max_new_tokens)
+    n = min(e.num_prompts, len(prompts))
+    ids, mask, texts = prompts.ids[:n], prompts.mask[:n], prompts.texts[:n]
+    rows = None if prompts.rows is None else prompts.rows[:n]
+    pad, prefix = pad_token_id(tokenizer), cfg.data.response_prefix or ""
+
+    def decode(r, m):
+        return [prefix + tokenizer.decode(a[b > 0].tolist(), skip_special_tokens=True)
+                for a, b in zip(r, m)]
+
+    out, responses = [], []
+    for seed in seeds:
+        r, m = generate(graphdef, params, ids, mask, jax.random.PRNGKey(seed),
+                        max_new_tokens=e.max_new_tokens or cfg.generation.max_new_tokens,
+                        temperature=e.temperature, greedy=e.greedy, top_k=cfg.generation.top_k,
+                        top_p=cfg.generation.top_p, pad_token_id=pad,
+                        stop_token_ids=stop_token_ids(cfg, tokenizer, model_cfg))
+        text, _, parts = score_texts(reward_fn, decode, texts, np.asarray(r), np.asarray(m), rows)
+        if "accuracy" not in parts:
+            raise ConfigError(f"reward.function={cfg.reward.function!r} reports no accuracy")
+        out.append(float(np.mean(parts["accuracy"])))
+        responses.append(text)
+    return out, responses, texts
+
+
+def figures(seeds, before: list[float], after: list[float]) -> dict:
+    """Per-seed accuracies and the rise's mean / min / max over seeds."""
+    per_seed = [{"seed": s, "before": b, "after": a, "rise": a - b}
+                for s, b, a in zip(seeds, before, after)]
+    rises = [r["rise"] for r in per_seed]
+    return {"per_seed": per_seed, "mean_before": float(np.mean(before)),
+            "mean_after": float(np.mean(after)), "mean_rise": float(np.mean(rises)),
+            "min_rise": min(rises), "max_rise": max(rises)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trained", help="HF directory of the trained actor (runs/<run>/actor_hf)")
+    parser.add_argument("--config", required=True, help="the run's config (its eval and reward)")
+    parser.add_argument("--base", default="smollm2", help="starting actor: a directory or 'smollm2'")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--num-prompts", type=int, help="held-out problems (default eval.num_prompts)")
+    parser.add_argument("--show", type=int, default=2, help="print this many problems' answers")
+    parser.add_argument("--json", help="write the figures to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        overrides = [f"eval.num_prompts={args.num_prompts}"] if args.num_prompts else []
+        cfg = load_config(args.config, overrides)
+        reward_fn = get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
+        paths = [resolve_model_path(args.base, "--base"), resolve_model_path(args.trained, "trained")]
+        (before, b_text, texts), (after, a_text, _) = (accuracies(p, cfg, args.seeds, reward_fn)
+                                                       for p in paths)
+    except (FileNotFoundError, ValueError) as e:  # ConfigError among them
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i in range(min(args.show, len(texts))):
+        print(f"problem: {texts[i]}\n  base:    {b_text[0][i]!r}\n  trained: {a_text[0][i]!r}\n")
+    result = figures(args.seeds, before, after)
+    for r in result["per_seed"]:
+        print(f"seed {r['seed']}: accuracy base {r['before']:.3f}, trained {r['after']:.3f}, "
+              f"rise {r['rise']:+.3f}")
+    print(f"held-out accuracy over {len(texts)} problems and {len(args.seeds)} seeds: base "
+          f"{result['mean_before']:.3f}, trained {result['mean_after']:.3f}, rise "
+          f"{result['mean_rise']:+.3f} (min {result['min_rise']:+.3f}, max "
+          f"{result['max_rise']:+.3f})")
+    if args.json:
+        meta = {"trained": args.trained, "base": args.base, "config": args.config,
+                "num_prompts": len(texts), "seeds": args.seeds}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({**meta, **result}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

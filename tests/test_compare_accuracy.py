@@ -1,0 +1,41 @@
+"""scripts/compare_accuracy.py: held-out accuracy of two actors from a run's config."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("compare_accuracy", ROOT / "scripts/compare_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_same_actor_twice_has_zero_rise_on_every_seed(tiny_checkpoint, tmp_path, capsys):
+    script = _script()
+    out = tmp_path / "acc.json"
+    assert script.main([str(tiny_checkpoint), "--base", str(tiny_checkpoint), "--config",
+                        str(ROOT / "configs/rlvr/tiny.yaml"), "--seeds", "0", "1",
+                        "--num-prompts", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["seed"] for r in result["per_seed"]] == [0, 1] and result["num_prompts"] == 4
+    assert all(r["before"] == r["after"] and r["rise"] == 0 for r in result["per_seed"])
+    assert "held-out accuracy over 4 problems and 2 seeds" in capsys.readouterr().out
+    fig = script.figures([0, 1], [0.1, 0.3], [0.5, 0.4])
+    assert [r["rise"] for r in fig["per_seed"]] == pytest.approx([0.4, 0.1])
+    assert (fig["mean_before"], fig["mean_after"], fig["mean_rise"]) == pytest.approx((0.2, 0.45, 0.25))
+    assert (fig["min_rise"], fig["max_rise"]) == pytest.approx((0.1, 0.4))
+
+
+def test_a_reward_without_accuracy_is_an_error(tiny_checkpoint, capsys):
+    script = _script()
+    code = script.main([str(tiny_checkpoint), "--base", str(tiny_checkpoint), "--config",
+                        str(ROOT / "configs/tiny.yaml"), "--seeds", "0"])
+    assert code == 2 and "reports no accuracy" in capsys.readouterr().err

@@ -1,0 +1,207 @@
+"""Verifiable rewards (issue 25): answer extraction, the reasoning-gym and math-verify verifiers
+on hand-written responses, reward functions that read each prompt's row, reasoning-gym tasks
+as prompt sets with a disjoint held-out split, and the held-out accuracy / pass@k figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ppo_jax.trainer import verifiers
+from ppo_jax.trainer.config import ConfigError, load_config
+from ppo_jax.trainer.data import prompt_records
+from ppo_jax.trainer.reward_functions import (
+    get_reward_function, register_reward_function, reward_output, score_texts, takes_rows,
+)
+from ppo_jax.trainer.tasks import disjoint, held_out_records, task_splits
+
+CHAIN = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+
+
+# --- answer extraction ----------------------------------------------------------------------
+@pytest.mark.parametrize("response, want", [
+    ("<answer>7</answer>", "7"),
+    ("<answer> 7 </answer>", "7"),
+    ("I think <answer>3</answer>, no: <answer>-5</answer>.", "-5"),  # the last pair wins
+    ("<answer>7", None),  # never closed
+    ("the answer is 7", None),
+    ("<answer>\\frac{1}{2}</answer>", "\\frac{1}{2}"),
+    ("<answer>two\nlines</answer>", "two\nlines"),
+])
+def test_tagged_answer_is_the_last_closed_pair_like_reasoning_gym(response, want):
+    from reasoning_gym.utils import extract_answer
+
+    assert verifiers.tagged_answer(response) == want
+    assert extract_answer(response) == want
+
+
+def _chain_entry(expression: str, answer: str) -> dict:
+    return {"task": "chain_sum", "entry": {"question": f"{expression} =", "answer": answer,
+                                           "metadata": {"source_dataset": "chain_sum"}}}
+
+
+@pytest.mark.parametrize("response, want", [
+    ("<answer>-5</answer>", 1.0),
+    ("<answer>5</answer>", 0.0),  # wrong
+    ("-5", 0.0),  # missing tag: no answer given
+    ("<answer>3</answer> or <answer>-5</answer>", 1.0),  # several: the last
+    ("<answer>-5.0</answer>", 1.0),  # chain_sum compares numbers, not strings
+])
+def test_task_score_is_the_tasks_own_scorer_on_the_tagged_answer(response, want):
+    assert verifiers.task_score(response, _chain_entry("2 - 7", "-5")) == want
+
+
+def test_task_score_names_rows_without_a_task():
+    with pytest.raises(ValueError, match="data.prompts: task"):
+        verifiers.task_score("<answer>1</answer>", {"answer": "1"})
+
+
+@pytest.mark.parametrize("response, gold, want", [
+    ("<answer>7</answer>", "7", 1.0),
+    ("<answer>8</answer>", "7", 0.0),
+    ("The answer is 7.", "7", 1.0),  # no tag: the whole response
+    ("first 3, then 9", "7", 0.0),  # several numbers: math-verify reads the last
+    ("first 3, then 7", "7", 1.0),
+    ("$\\boxed{\\frac{1}{2}}$", "0.5", 1.0),  # LaTeX against a plain number
+    ("<answer>\\frac{2}{4}</answer>", "\\frac{1}{2}", 1.0),
+    ("<answer>seven</answer>", "7", 0.0),
+    ("no answer at all", "7", 0.0),
+])
+def test_math_correct_on_hand_written_responses(response, gold, want):
+    assert verifiers.math_correct(response, gold) == want
+
+
+def test_math_correct_needs_an_answer_field():
+    with pytest.raises(ValueError, match="answer"):
+        verifiers.math_correct("<answer>1</answer>", None)
+
+
+# --- reward functions with rows ---------------------------------------------------------------
+def test_verifier_rewards_add_the_weighted_format_reward_and_report_components():
+    rows = [_chain_entry("2 - 7", "-5")] * 3
+    out = get_reward_function("reasoning_gym", format_weight=0.25)(
+        ["q"] * 3, ["<answer>-5</answer>", "<answer>4</answer>", "-5"], rows=rows)
+    np.testing.assert_allclose(out["score"], [1.25, 0.25, 0.0])
+    np.testing.assert_array_equal(out["accuracy"], [1, 0, 0])
+    np.testing.assert_array_equal(out["format"], [1, 1, 0])
+    mv = get_reward_function("math_verify")(["q"] * 2, ["<answer>3</answer>", "3"],
+                                            rows=[{"answer": "3"}] * 2)
+    np.testing.assert_allclose(mv["score"], [1.0, 1.0])  # weight 0: format only logged
+    np.testing.assert_array_equal(mv["format"], [1, 0])
+
+
+def test_score_texts_passes_rows_only_to_functions_that_take_them():
+    decode = lambda ids, mask: [f"<answer>{int(i[0])}</answer>" for i in ids]  # noqa: E731
+    ids, mask = np.array([[3], [4]]), np.ones((2, 1))
+    old_style = lambda prompts, responses: [len(r) for r in responses]  # noqa: E731
+    assert not takes_rows(old_style) and takes_rows(get_reward_function("math_verify"))
+    texts, scores, parts = score_texts(old_style, decode, ["a", "b"], ids, mask)
+    assert texts == ["<answer>3</answer>", "<answer>4</answer>"] and parts == {}
+    np.testing.assert_array_equal(scores, [18, 18])
+    _, scores, parts = score_texts(get_reward_function("math_verify"), decode, ["a", "b"], ids,
+                                   mask, rows=[{"answer": "3"}, {"answer": "3"}])
+    np.testing.assert_array_equal(scores, [1, 0])
+    assert sorted(parts) == ["accuracy", "format"]
+
+
+def test_reward_output_checks_shapes_and_the_score_entry():
+    scores, parts = reward_output({"score": [1, 2], "x": [0, 1]}, 2)
+    assert scores.dtype == np.float32 and list(parts) == ["x"]
+    with pytest.raises(ValueError, match="'score'"):
+        reward_output({"accuracy": [1]}, 1)
+    with pytest.raises(ValueError, match=r"\[3\]"):
+        reward_output([1.0, 2.0], 3)
+
+
+def test_unknown_factory_kwargs_are_named():
+    with pytest.raises(ValueError, match="function_kwargs"):
+        get_reward_function("math_verify", weight=1)
+
+    @register_reward_function("test_rows_kw", override=True)
+    def factory(scale: float = 1.0):
+        return lambda prompts, responses, **kw: np.full(len(responses), scale * len(kw["rows"]))
+
+    assert get_reward_function("test_rows_kw", scale=2.0)(["a"], ["b"], rows=[{}])[0] == 2.0
+
+
+# --- tasks as prompt sets ---------------------------------------------------------------------
+class Task:
+    def __init__(self, **kw):
+        self.name, self.kwargs, self.size, self.seed = "chain_sum", dict(CHAIN), 300, 0
+        self.instruction = "Answer in <answer></answer>."
+        self.__dict__.update(kw)
+
+
+def test_held_out_problems_are_distinct_and_never_trained_on():
+    splits = task_splits(Task(), eval_seed=1, eval_size=64)
+    questions = [r["entry"]["question"] for r in splits.held_out]
+    assert len(questions) == 64 == len(set(questions))  # 200 possible sums: draws repeat
+    assert disjoint(splits.train, splits.held_out)
+    assert splits.dropped > 0 and len(splits.train) == 300 - splits.dropped
+    assert not {r["entry"]["question"] for r in splits.train} & set(questions)
+    row = splits.train[0]
+    assert row["prompt"].endswith("\nAnswer in <answer></answer>.")
+    assert row["task"] == "chain_sum" and row["answer"] == row["entry"]["answer"]
+    again = task_splits(Task(), eval_seed=1, eval_size=64)  # seeded: the same problems
+    assert [r["prompt"] for r in again.train] == [r["prompt"] for r in splits.train]
+
+
+def test_task_errors_are_named():
+    with pytest.raises(ValueError, match="another seed"):
+        task_splits(Task(), eval_seed=0, eval_size=8)
+    with pytest.raises(ValueError, match="data.task.name='no_such_task'"):
+        task_splits(Task(name="no_such_task"), eval_seed=1, eval_size=8)
+    tiny = dict(CHAIN, max_digits=1)
+    with pytest.raises(ValueError, match="distinct questions"):
+        held_out_records("chain_sum", tiny, size=500, seed=1, instruction="", max_tries=2)
+    with pytest.raises(ValueError, match="held-out"):
+        task_splits(Task(size=3), eval_seed=1, eval_size=199)
+
+
+def test_config_reads_task_prompts_and_checks_their_sources(tmp_path):
+    sets = ["data.prompts=task", "eval.prompts=task", "data.task.name=chain_sum",
+            "data.task.size=50", "eval.num_prompts=8"] + [f"data.task.kwargs.{k}={v}" for k, v in CHAIN.items()]
+    cfg = load_config(None, sets)
+    train, rows = prompt_records(cfg, "task", "data.prompts")
+    held, _ = prompt_records(cfg, "task", "eval.prompts")
+    assert len(held) == 8 and not set(train) & set(held) and rows[0]["task"] == "chain_sum"
+    with pytest.raises(ConfigError, match="needs data.task.name"):
+        load_config(None, ["data.prompts=task"])
+    with pytest.raises(ConfigError, match="no prompts come from it"):
+        load_config(None, ["data.task.name=chain_sum"])
+    with pytest.raises(ConfigError, match="eval.task_seed=0"):
+        load_config(None, sets + ["eval.task_seed=0"])
+
+
+def test_a_config_file_builds_on_its_base(tmp_path):
+    (tmp_path / "a.yaml").write_text("ppo: {kl_coef: 0.3, cliprange: 0.1}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nppo: {kl_coef: 0.2}\n")
+    cfg = load_config(tmp_path / "b.yaml", ["ppo.cliprange=0.15"])
+    assert (cfg.ppo.kl_coef, cfg.ppo.cliprange) == (0.2, 0.15)
+    (tmp_path / "c.yaml").write_text("base: d.yaml\n")
+    (tmp_path / "d.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "e.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(FileNotFoundError, match="the base of"):
+        load_config(tmp_path / "e.yaml")
+
+
+# --- held-out figures -------------------------------------------------------------------------
+def test_eval_batch_repeats_each_prompt_and_pass_at_k_counts_solved_prompts():
+    import jax.numpy as jnp
+
+    from ppo_jax.trainer.data import PromptSet
+    from ppo_jax.trainer.evaluation import component_figures, eval_batch
+
+    prompts = PromptSet(["p0", "p1", "p2"], np.arange(6).reshape(3, 2), np.ones((3, 2), np.int32),
+                        [{"answer": "0"}, {"answer": "1"}, {"answer": "2"}])
+    batch = eval_batch(prompts, 2, multiple=4, samples=3)  # 2 prompts x 3 = 6 rows -> 8
+    assert batch.texts == ["p0"] * 3 + ["p1"] * 3 and batch.rows[3] == {"answer": "1"}
+    np.testing.assert_array_equal(batch.valid, [1, 1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(batch.ids[:, 0], [0, 0, 0, 2, 2, 2, 0, 0])
+    acc = jnp.asarray([0, 1, 0, 0, 0, 0, 1, 1], jnp.float32)  # padding rows must not count
+    out = component_figures({"accuracy": acc, "format": jnp.ones(8)}, jnp.asarray(batch.valid), 6, 3)
+    assert float(out["accuracy"]) == pytest.approx(1 / 6)
+    assert float(out["pass@3"]) == 0.5 and float(out["format"]) == 1.0
+    assert "pass@1" not in component_figures({"accuracy": acc}, jnp.ones(8, bool), 8, 1)
