@@ -1,9 +1,10 @@
 """Batched autoregressive sampling with a preallocated KV cache, as one jitted call.
 
 Prompts are left-padded `[B, P]`; the cache holds `S = P + max_new_tokens - 1` slots shared by
-all rows. One prefill call writes the prompt and gives the first token; a `lax.while_loop` then
-runs each sampled token through the model to sample the next (N tokens: the prefill and N - 1
-one-token passes), stopping early once every row has emitted a stop token. Positions come from
+all rows. One prefill call writes the prompt and gives the first token (each distinct prompt
+once when `samples_per_prompt` > 1: `rollout.prefill`); a `lax.while_loop` then runs each
+sampled token through the model to sample the next (N tokens: the prefill and N - 1 one-token
+passes), stopping early once every row has emitted a stop token. Positions come from
 the attention mask (docs/contracts.md), so left padding never changes a row's distribution.
 
 Sampling filters (temperature, top-k, top-p) follow transformers' logits warpers
@@ -25,8 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ppo_jax.models.functional import Model
-from ppo_jax.models.kv_cache import KVCache, init_cache
 from ppo_jax.parallel.mesh import shard_rows
+from ppo_jax.rollout.prefill import check_groups, prefill_cache, shard_cache
 
 _NEG = -1e30  # finite "minus infinity" for filtered logits
 
@@ -63,12 +64,6 @@ def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
-
-
-def _shard_cache(cache: KVCache, mesh) -> KVCache:
-    """KV cache `[layers, B, S, KVH, hd]` laid out like the activations: rows over the batch
-    axes, KV heads over `tensor` (the column-parallel k/v projections produce them there)."""
-    return KVCache(*(shard_rows(c, mesh, axis=1, dims={3: "tensor"}) for c in cache))
 
 
 def _int_setting(name: str, value, minimum: int) -> int:
@@ -123,6 +118,14 @@ def _check_prompts(prompt_ids, prompt_mask, vocab_size: int) -> None:
         raise ValueError(f"row {empty[0]} of prompt_mask is all 0: every row needs a prompt token")
 
 
+def _as_arrays(prompt_ids, prompt_mask, vocab_size: int):
+    """Nested lists as numpy arrays (arrays stay as they are), checked (`_check_prompts`)."""
+    prompt_ids = prompt_ids if hasattr(prompt_ids, "ndim") else np.asarray(prompt_ids)
+    prompt_mask = prompt_mask if hasattr(prompt_mask, "ndim") else np.asarray(prompt_mask)
+    _check_prompts(prompt_ids, prompt_mask, vocab_size)
+    return prompt_ids, prompt_mask
+
+
 def _check_settings(cfg, prompt_width: int, max_new_tokens, temperature, top_k, top_p, greedy,
                     stop_token_ids, pad_token_id, cache_dtype) -> dict:
     """Validate the static settings; returns them normalised for `_generate`."""
@@ -157,23 +160,51 @@ def _check_settings(cfg, prompt_width: int, max_new_tokens, temperature, top_k, 
             "cache_dtype": cache_dtype}
 
 
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "samples_per_prompt",
+                                   "cache_dtype", "mesh"))
+def _prefill_jit(graphdef, params, prompt_ids, prompt_mask, *, max_new_tokens,
+                 samples_per_prompt, cache_dtype, mesh):
+    return prefill_cache(nnx.merge(graphdef, params), prompt_ids, prompt_mask,
+                         max_new_tokens=max_new_tokens, samples_per_prompt=samples_per_prompt,
+                         cache_dtype=cache_dtype, mesh=mesh)
+
+
+def prefill(graphdef, params, prompt_ids, prompt_mask, *, max_new_tokens: int,
+            samples_per_prompt: int = 1, cache_dtype=None, mesh=None):
+    """The sampler's prefill alone, jitted: what `generate` samples its first token from.
+
+    Args: as `generate` (`prompt_ids`, `prompt_mask` `[B, P]`).
+    Returns:
+      `(logits [B, V], cache KVCache [num_layers, B, P + N - 1, num_kv_heads, head_dim])`:
+      the last prompt position's logits and the cache with the prompt in slots [0, P).
+    Raises:
+      ValueError: as `generate` for the prompts, `max_new_tokens` and `samples_per_prompt`.
+    """
+    cfg = nnx.merge(graphdef, params).cfg
+    prompt_ids, prompt_mask = _as_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
+    n = check_groups(prompt_ids, prompt_mask, samples_per_prompt)
+    settings = _check_settings(cfg, prompt_ids.shape[1], max_new_tokens, 1.0, 0, 1.0, True, (),
+                               0, cache_dtype)
+    logits, cache, _ = _prefill_jit(
+        graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
+        max_new_tokens=settings["max_new_tokens"], samples_per_prompt=n,
+        cache_dtype=settings["cache_dtype"], mesh=mesh)
+    return logits, cache
+
+
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
                                    "greedy", "stop_token_ids", "pad_token_id", "cache_dtype",
-                                   "mesh"))
+                                   "samples_per_prompt", "mesh"))
 def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens, temperature,
-              top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype, mesh):
+              top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype, samples_per_prompt,
+              mesh):
     model = nnx.merge(graphdef, params)
     batch, prompt_len = prompt_ids.shape
-    # the last token is sampled but never fed back, so it needs no cache slot
-    total = prompt_len + max_new_tokens - 1
     rows = partial(shard_rows, mesh=mesh)
-    cache = _shard_cache(init_cache(model.cfg, batch, total, cache_dtype), mesh)
-    mask = rows(jnp.concatenate([prompt_mask.astype(jnp.int32),
-                                 jnp.zeros((batch, max_new_tokens - 1), jnp.int32)], axis=1))
-
-    hidden, cache = model.backbone(rows(prompt_ids.astype(jnp.int32)), mask, cache=cache,
-                                   cache_index=0)
-    logits = rows(model.lm_head(hidden[:, -1]))
+    logits, cache, mask = prefill_cache(model, prompt_ids, prompt_mask,
+                                        max_new_tokens=max_new_tokens,
+                                        samples_per_prompt=samples_per_prompt,
+                                        cache_dtype=cache_dtype, mesh=mesh)
     stops = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
 
     def sample_at(t, logits, tokens, resp_mask, done, rng):
@@ -197,7 +228,7 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens,
         hidden, cache = model.backbone(token[:, None], mask, cache=cache, cache_index=slot)
         logits = rows(model.lm_head(hidden[:, 0]))
         token, tokens, resp_mask, done, rng = sample_at(t + 1, logits, tokens, resp_mask, done, rng)
-        return t + 1, _shard_cache(cache, mesh), rows(mask), token, tokens, resp_mask, done, rng
+        return t + 1, shard_cache(cache, mesh), rows(mask), token, tokens, resp_mask, done, rng
 
     first = sample_at(0, logits, rows(jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)),
                       rows(jnp.zeros((batch, max_new_tokens), jnp.int32)),
@@ -210,7 +241,7 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens,
 def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
              stop_token_ids: Sequence[int] = (), pad_token_id: int = 0, cache_dtype=None,
-             mesh=None):
+             samples_per_prompt: int = 1, mesh=None):
     """Sample responses for a batch of left-padded prompts in one jitted call.
 
     Args:
@@ -226,6 +257,10 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         own; the loop ends early once every row has stopped.
       pad_token_id: written after a row's stop token (a token of the vocabulary).
       cache_dtype: KV cache float dtype (default: the model's compute dtype).
+      samples_per_prompt: n (static int >= 1 dividing B): the rows come in adjacent groups of n
+        copies of one prompt (`check_groups`); the prefill runs on the B/n distinct prompts and
+        its cache and first-token logits are repeated to the n rows of each group (`prefill`).
+        The draws are those of the repeated path: the same tokens under the same key.
       mesh: a `jax.sharding.Mesh` (static) to lay the rows of every per-row array (tokens,
         masks, logits, KV cache) over its ("data", "fsdp") axes and the KV heads over
         "tensor"; None (single device) adds no constraint. Params keep whatever sharding they
@@ -239,12 +274,12 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
     Raises:
       ValueError: malformed shapes, dtypes or settings, ids outside the vocabulary, a mask that
         is not 0/1 left padding (value checks only on concrete arrays, not under a caller's
-        jit), or more positions than GPT-2's table; all before compiling.
+        jit), or more positions than GPT-2's table, a bad `samples_per_prompt` or a group of
+        rows that is not one prompt (`check_groups`); all before compiling.
     """
     cfg = nnx.merge(graphdef, params).cfg
-    prompt_ids = prompt_ids if hasattr(prompt_ids, "ndim") else np.asarray(prompt_ids)
-    prompt_mask = prompt_mask if hasattr(prompt_mask, "ndim") else np.asarray(prompt_mask)
-    _check_prompts(prompt_ids, prompt_mask, cfg.vocab_size)
+    prompt_ids, prompt_mask = _as_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
+    n = check_groups(prompt_ids, prompt_mask, samples_per_prompt)
     settings = _check_settings(cfg, prompt_ids.shape[1], max_new_tokens, temperature, top_k,
                                top_p, greedy, stop_token_ids, pad_token_id, cache_dtype)
     if rng is None:
@@ -255,7 +290,7 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         raise ValueError(f"rng must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
                          f"{type(rng).__name__} {getattr(rng, 'shape', '')}")
     return _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
-                     mesh=mesh, **settings)
+                     samples_per_prompt=n, mesh=mesh, **settings)
 
 
 def _is_key(rng) -> bool:
@@ -278,6 +313,7 @@ class SamplingSettings:
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    samples_per_prompt: int = 1
     mesh: Optional[Mesh] = None
 
 

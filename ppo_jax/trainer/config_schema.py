@@ -174,6 +174,10 @@ class GenerationConfig:
                                 "max_new_tokens (trainer.columns); 1 = always max_new_tokens")
     samples_per_prompt: int = opt(1, "responses per prompt (GRPO / RLOO groups): a PPO batch "
                                   "holds ppo.batch_size / n prompts x n")
+    share_prompt_prefill: bool = opt(True, "with samples_per_prompt = n > 1, run each distinct "
+                                     "prompt through the model once and give its KV cache to "
+                                     "its n samples (rollout.prefill); the same tokens as n "
+                                     "prefills")
 
 
 @dataclass

@@ -3,8 +3,8 @@ report tables.
 
 Models run here only in `test_gpu_sh_dry_run` (`bench/gpu.sh --dry-run`: two tiny workers on
 the CPU, about a minute) and in the slow tests (one tiny ppo_jax worker step, the code path of
-`bench/ppo_step.py`; `bench/roofline.py --tiny`; the shipped tokenizer against the converted
-SmolLM2's).
+`bench/ppo_step.py`; `bench/roofline.py --tiny`; `bench/shared_prefill.py --tiny`; the shipped
+tokenizer against the converted SmolLM2's).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _load(name: str):
 ppo_step, gpu, report = _load("ppo_step"), _load("gpu"), _load("report")
 core_bench, generate, roofline = _load("core"), _load("generate"), _load("roofline")
 flops, harness, trl_step = _load("flops"), _load("harness"), _load("ppo_step_trl")
-logprob_memory = _load("logprob_memory")
+logprob_memory, shared_prefill = _load("logprob_memory"), _load("shared_prefill")
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])
@@ -718,6 +718,40 @@ def test_ppo_step_section_puts_first_step_beside_the_steady_median_and_counts_co
     assert "| jax-shared | 1.00 | 1.00 | 2.00 | 4.00 | 1.00 | 2.00 | 1.00 | 1,000 |" in text
     assert "| jax-shared | 400 | 55.0 | 440 | 10.0% |" in text  # 8 x 55 columns vs 400 tokens
     assert "| trl | 400 | 50.0 | 400 | 0.0% |" in text
+
+
+# --------------------------------------------------------------------------- shared prefill
+def test_shared_prefill_figures_and_section_from_hand_numbers():
+    """n = 4 on 2 prompts (batch 8) x 5 new tokens = 40 tokens: 2.0 s repeated, 1.0-1.25 s
+    shared -> 20 and 32-40 tokens/s, ratio of medians x1.78 (2 / 1.125), per round x1.6-x2."""
+    blocks = {"gen n=4 repeated": [[2.0], [2.0]], "gen n=4 shared": [[1.0], [1.25]],
+              "prefill n=4 repeated": [[0.4], [0.4]], "prefill n=4 shared": [[0.1], [0.1]]}
+    first = {k: 9.0 for k in blocks}
+    info = {"model": "m", "prompt_width": 30, "batch": {"4": 8}}
+    by_n = shared_prefill.figures(blocks, first, [4], info, new_tokens=5)
+    f = by_n["4"]
+    assert f["repeated"]["tokens_per_s"]["median"] == pytest.approx(20.0)
+    assert f["shared"]["tokens_per_s"]["median"] == pytest.approx(36.0)  # median of 40, 32
+    assert f["ratio"] == pytest.approx(2.0 / 1.125) and f["prefill_ratio"] == pytest.approx(4.0)
+    assert (f["paired_ratio"]["min"], f["paired_ratio"]["max"]) == pytest.approx((1.6, 2.0))
+    text = shared_prefill.markdown({**info, "by_n": by_n, "tiny": False, "prompts": 2,
+                                    "new_tokens": 5, "rounds": 2, "identical": True})
+    assert "| 4 | 8 | 20.0 | 36.0 (32.0–40.0) | ×1.78 (×1.60–×2.00) | 400 | 100 | ×4.00 |" in text
+    assert "Same tokens on both sides under one key: True." in text and "DRY RUN" not in text
+
+
+@pytest.mark.slow
+def test_shared_prefill_tiny_dry_run(tmp_path):
+    out = tmp_path / "shared_prefill.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/shared_prefill.py"), "--tiny", "--prompts", "2",
+         "--samples", "2", "4", "--new-tokens", "3", "--rounds", "1", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    data = json.loads(out.read_text())
+    assert data["tiny"] and data["identical"] and data["batch"] == {"2": 4, "4": 8}
+    assert all(data["by_n"][n]["ratio"] > 0 for n in ("2", "4"))
+    assert "DRY RUN" in data["markdown"] and "Measured " in proc.stdout
 
 
 # --------------------------------------------------------------------------- decode floor

@@ -55,3 +55,13 @@ def test_a_field_in_no_section_or_in_two_must_be_given():
         settings_from(Wants, (cfg.ppo, cfg.generation, cfg.eval))
     assert settings_from(Wants, (cfg.ppo, cfg.generation, cfg.eval), temperature=2.0).temperature == 2.0
     assert dataclasses.is_dataclass(settings_from(Wants, (cfg.ppo,), temperature=1.0))
+
+
+@pytest.mark.parametrize("share,want", [(True, 4), (False, 1)])
+def test_the_training_sampler_shares_each_groups_prefill_unless_switched_off(share, want):
+    cfg = load_config(ROOT / "configs/tiny.yaml", [
+        "generation.samples_per_prompt=4", "ppo.batch_size=8", "ppo.advantage_estimator=grpo",
+        f"generation.share_prompt_prefill={str(share).lower()}"])
+    s = settings_for(cfg)
+    assert s.sampling.samples_per_prompt == want
+    assert s.eval.sampling.samples_per_prompt == 1  # held-out prompts: one sample each

@@ -76,11 +76,12 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
     stops = () if g.ignore_eos else tuple(stop_token_ids)
     scoring = settings_from(ScoringSettings, (p, g, m), mesh=mesh,
                             score_normalizer=score_normalizer, reward_eos_id=reward_eos_id)
+    shared = g.samples_per_prompt if g.share_prompt_prefill else 1  # one prefill per group
     sampling = settings_from(SamplingSettings, (g,), stop_token_ids=stops,
-                             pad_token_id=pad_token_id, mesh=mesh)
-    eval_sampling = dataclasses.replace(
+                             pad_token_id=pad_token_id, samples_per_prompt=shared, mesh=mesh)
+    eval_sampling = dataclasses.replace(  # evaluation prompts are distinct: one sample each
         sampling, max_new_tokens=e.max_new_tokens or g.max_new_tokens,
-        temperature=e.temperature, greedy=e.greedy)
+        temperature=e.temperature, greedy=e.greedy, samples_per_prompt=1)
     return PPOSettings(
         sampling=sampling,
         experience=settings_from(ExperienceSettings, (p,), scoring=scoring,
