@@ -8,9 +8,14 @@ actor answers every problem once per seed (temperature `eval.temperature`, or gr
 `eval.greedy`); the script prints per seed the accuracy of base and trained, then the mean
 over seeds and the rise with its min / max. `--json PATH` writes them.
 
+Without a trained actor only the base is evaluated (its accuracy per seed and the mean):
+`--set data.task.name=leg_counting --set data.task.kwargs.max_animals=2` measures the starting
+model on another task or difficulty (`--set` as train.py's).
+
 Usage:
-  .venv/bin/python scripts/compare_accuracy.py runs/rlvr/actor_hf --config configs/rlvr.yaml
-      [--base smollm2] [--seeds 0 1 2] [--num-prompts 64] [--show 2] [--json PATH]
+  .venv/bin/python scripts/compare_accuracy.py [runs/rlvr/actor_hf] --config configs/rlvr.yaml
+      [--base smollm2] [--seeds 0 1 2] [--num-prompts 64] [--set KEY=VALUE ...] [--show 2]
+      [--json PATH]
 
 Errors: a missing model directory or config, or a config whose reward function reports no
 `accuracy`, prints `error: ...` and exits 2.
@@ -76,13 +81,33 @@ def figures(seeds, before: list[float], after: list[float]) -> dict:
             "min_rise": min(rises), "max_rise": max(rises)}
 
 
+def base_only(args, result) -> int:
+    """Print (and with --json write) the base's accuracy per seed and its mean."""
+    acc, _, texts = result
+    for seed, a in zip(args.seeds, acc):
+        print(f"seed {seed}: accuracy {a:.3f}")
+    print(f"held-out accuracy of {args.base} over {len(texts)} problems and {len(args.seeds)} "
+          f"seeds: {np.mean(acc):.3f} (min {min(acc):.3f}, max {max(acc):.3f})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "base": args.base, "config": args.config, "overrides": args.overrides,
+            "num_prompts": len(texts), "seeds": args.seeds, "accuracy": acc,
+            "mean": float(np.mean(acc))}, indent=2) + "\n")
+    return 0
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trained", help="HF directory of the trained actor (runs/<run>/actor_hf)")
+    parser.add_argument("trained", nargs="?",
+                        help="HF directory of the trained actor (runs/<run>/actor_hf); none: "
+                        "the base alone")
     parser.add_argument("--config", required=True, help="the run's config (its eval and reward)")
     parser.add_argument("--base", default="smollm2", help="starting actor: a directory or 'smollm2'")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--num-prompts", type=int, help="held-out problems (default eval.num_prompts)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, as train.py's (repeatable)")
     parser.add_argument("--show", type=int, default=2, help="print this many problems' answers")
     parser.add_argument("--json", help="write the figures to this file")
     return parser.parse_args(argv)
@@ -91,15 +116,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        overrides = [f"eval.num_prompts={args.num_prompts}"] if args.num_prompts else []
+        overrides = args.overrides + ([f"eval.num_prompts={args.num_prompts}"]
+                                      if args.num_prompts else [])
         cfg = load_config(args.config, overrides)
         reward_fn = get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
-        paths = [resolve_model_path(args.base, "--base"), resolve_model_path(args.trained, "trained")]
-        (before, b_text, texts), (after, a_text, _) = (accuracies(p, cfg, args.seeds, reward_fn)
-                                                       for p in paths)
+        paths = [resolve_model_path(args.base, "--base")]
+        if args.trained:
+            paths.append(resolve_model_path(args.trained, "trained"))
+        results = [accuracies(p, cfg, args.seeds, reward_fn) for p in paths]
     except (FileNotFoundError, ValueError) as e:  # ConfigError among them
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.trained:
+        return base_only(args, results[0])
+    (before, b_text, texts), (after, a_text, _) = results
     for i in range(min(args.show, len(texts))):
         print(f"problem: {texts[i]}\n  base:    {b_text[0][i]!r}\n  trained: {a_text[0][i]!r}\n")
     result = figures(args.seeds, before, after)

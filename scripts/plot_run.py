@@ -5,9 +5,12 @@ Panels against the PPO step: reward (the training batch's mean score, dashed, an
 (steps plus evaluations), KL to the reference (summed over the response), entropy per token,
 response length, and seconds per step by phase (generation, scoring, update).
 
+`--metric eval/accuracy` draws another held-out figure in place of `eval/reward_mean` (the
+training batch's `reward/accuracy` beside it when the runs log it).
+
 Usage:
   .venv/bin/python scripts/plot_run.py runs/default [runs/other ...] --out docs/default_run.png
-      [--names a b ...] [--title TEXT]
+      [--names a b ...] [--title TEXT] [--metric eval/reward_mean]
 Errors: a run directory without metrics.jsonl exits with status 2 and names it.
 """
 
@@ -57,12 +60,13 @@ PANELS = (("reward", "reward (dashed: training batch; solid: held-out)"),
           ("time", "seconds per step (dotted: generation, dashed: update)"))
 
 
-def draw(ax, panel: str, rows: list[dict], color, name: str) -> None:
+def draw(ax, panel: str, rows: list[dict], color, name: str, metric: str = "eval/reward_mean") -> None:
     if panel == "reward":
-        ax.plot(*series(rows, "score_mean"), "--", color=color, alpha=0.6)
-        ax.plot(*series(rows, "eval/reward_mean"), "o-", color=color, label=name)
+        train_key = "reward/" + metric.split("/", 1)[1] if metric != "eval/reward_mean" else "score_mean"
+        ax.plot(*series(rows, train_key), "--", color=color, alpha=0.6)
+        ax.plot(*series(rows, metric), "o-", color=color, label=name)
     elif panel == "eval_time":
-        steps, values = series(rows, "eval/reward_mean")
+        steps, values = series(rows, metric)
         minutes = wall_minutes(rows)
         ax.plot([minutes.get(s, 0.0) for s in steps], values, "o-", color=color, label=name)
     elif panel == "time":
@@ -73,8 +77,10 @@ def draw(ax, panel: str, rows: list[dict], color, name: str) -> None:
         ax.plot(*series(rows, panel), "-", color=color, label=name)
 
 
-def plot(runs: dict[str, list[dict]], out: Path, title: str | None = None) -> Path:
-    """Write the PNG of `runs` ({name: metrics rows}) to `out`; returns `out`."""
+def plot(runs: dict[str, list[dict]], out: Path, title: str | None = None,
+         metric: str = "eval/reward_mean") -> Path:
+    """Write the PNG of `runs` ({name: metrics rows}) to `out`, the held-out panels of `metric`;
+    returns `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,8 +90,9 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str | None = None) -> Pa
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (panel, label) in zip(axes.flat, PANELS):
         for i, (name, rows) in enumerate(runs.items()):
-            draw(ax, panel, rows, colors[i % len(colors)], name)
-        ax.set_title(label, fontsize=10)
+            draw(ax, panel, rows, colors[i % len(colors)], name, metric)
+        ax.set_title(label.replace("reward", metric.split("/", 1)[1], 2) if metric !=
+                     "eval/reward_mean" and panel in ("reward", "eval_time") else label, fontsize=10)
         ax.set_xlabel("minutes" if panel == "eval_time" else "step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
@@ -104,6 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
     parser.add_argument("--names", nargs="*", help="legend names (default: directory names)")
     parser.add_argument("--title")
+    parser.add_argument("--metric", default="eval/reward_mean", help="the held-out figure drawn")
     args = parser.parse_args(argv)
     names = args.names or [p.name for p in args.runs]
     if len(names) != len(args.runs):
@@ -114,7 +122,7 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(plot(runs, args.out, args.title))
+    print(plot(runs, args.out, args.title, args.metric))
     return 0
 
 

@@ -5,7 +5,9 @@ Columns: held-out reward at the start (step 0), at the last evaluation, its rise
 evaluation and its step, KL at the end (mean of the last 5 steps), median seconds per step (steps 2 on; step 1 compiles), wall
 time and peak resident memory.
 
-Usage: .venv/bin/python scripts/summarize_runs.py RUN_DIR [RUN_DIR ...]
+`--metric eval/accuracy` tabulates another held-out figure than `eval/reward_mean`.
+
+Usage: .venv/bin/python scripts/summarize_runs.py RUN_DIR [RUN_DIR ...] [--metric KEY]
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_run import read_metrics, series  # noqa: E402
 
 
-def row(run: Path) -> str:
+def row(run: Path, metric: str = "eval/reward_mean") -> str:
     rows = read_metrics(run)
-    eval_steps, evals = series(rows, "eval/reward_mean")
+    eval_steps, evals = series(rows, metric)
     kl = [r["kl"] for r in rows if "kl" in r][-5:]
     steps = [r["time/step"] for r in rows if "time/step" in r][1:] or [float("nan")]
     timing = run.parent / f"{run.name}.time"
@@ -39,16 +41,22 @@ def row(run: Path) -> str:
 
 
 def main(argv=None) -> int:
-    runs = [Path(p) for p in (argv if argv is not None else sys.argv[1:])]
+    args = list(argv if argv is not None else sys.argv[1:])
+    metric = "eval/reward_mean"
+    if "--metric" in args:
+        i = args.index("--metric")
+        metric, args = args[i + 1], args[:i] + args[i + 2:]
+    runs = [Path(p) for p in args]
     if not runs:
         print(__doc__)
         return 2
-    print("| run | held-out reward, start | at the end | rise | best (step) | KL (last 5 steps) | "
+    what = "reward" if metric == "eval/reward_mean" else metric.split("/", 1)[1]
+    print(f"| run | held-out {what}, start | at the end | rise | best (step) | KL (last 5 steps) | "
           "s / step | wall | peak RSS |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in runs:
         try:
-            print(row(run))
+            print(row(run, metric))
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -39,3 +39,14 @@ def test_a_reward_without_accuracy_is_an_error(tiny_checkpoint, capsys):
     code = script.main([str(tiny_checkpoint), "--base", str(tiny_checkpoint), "--config",
                         str(ROOT / "configs/tiny.yaml"), "--seeds", "0"])
     assert code == 2 and "reports no accuracy" in capsys.readouterr().err
+
+
+def test_without_a_trained_actor_the_base_alone_is_measured_with_overrides(tiny_checkpoint, tmp_path):
+    script = _script()
+    out = tmp_path / "base.json"
+    assert script.main(["--base", str(tiny_checkpoint), "--config",
+                        str(ROOT / "configs/rlvr/tiny.yaml"), "--seeds", "3",
+                        "--set", "eval.num_prompts=2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 2 and result["seeds"] == [3] and len(result["accuracy"]) == 1
+    assert result["overrides"] == ["eval.num_prompts=2"]

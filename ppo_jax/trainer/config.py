@@ -26,11 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ppo_jax.trainer.config_checks import validate
-from ppo_jax.trainer.config_help import describe, type_name
+from ppo_jax.trainer.config_help import describe, leaves, type_name
 from ppo_jax.trainer.config_schema import (
     SMOLLM2, STAGES, Config, ConfigError, DataConfig, DistributedConfig, EvalConfig,
     GenerationConfig, MeshConfig, ModelsConfig, OptimConfig, PPOConfig, RewardConfig, Stage,
-    SupervisedConfig, TrainConfig, leaves, opt, section,
+    SupervisedConfig, TrainConfig, opt, section,
 )
 
 _leaves = leaves  # the name tests and older callers use

@@ -11,8 +11,9 @@ from typing import Literal
 
 from ppo_jax.core.gae import GAE_METHODS
 from ppo_jax.models.config import LORA_TARGETS
+from ppo_jax.trainer.config_help import leaves
 from ppo_jax.trainer.config_schema import (
-    Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig, leaves,
+    Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
 )
 
 

@@ -7,7 +7,18 @@ import dataclasses
 import typing
 from typing import Literal
 
-from ppo_jax.trainer.config_schema import Config, leaves
+from ppo_jax.trainer.config_schema import Config
+
+
+def leaves(obj, prefix: str = ""):
+    """(dotted key, value, resolved type) of every field of a config dataclass, depth first."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, key + ".")
+        else:
+            yield key, value, hints[f.name]
 
 
 def type_name(kind) -> str:

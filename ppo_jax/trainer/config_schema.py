@@ -18,8 +18,6 @@ nothing from `ppo_jax.trainer.stages` or any other module above the config.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Optional
 
@@ -389,15 +387,3 @@ class Config:
     mesh: MeshConfig = section(MeshConfig)
     distributed: DistributedConfig = section(DistributedConfig)
     train: TrainConfig = section(TrainConfig)
-
-
-
-def leaves(obj, prefix: str = ""):
-    """(dotted key, value, resolved type) of every field of a config dataclass, depth first."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            yield from leaves(value, key + ".")
-        else:
-            yield key, value, hints[f.name]

@@ -67,7 +67,8 @@ class EvalBatch:
 
 def eval_batch(prompts: PromptSet, num_prompts: int, multiple: int, samples: int = 1) -> EvalBatch:
     """The first `num_prompts` prompts (all when the set has fewer), each `samples` times in
-    adjacent rows, padded with copies of prompt 0 to `B`, the next multiple of `multiple`.
+    adjacent rows, padded with copies of prompt 0 to `B`, the next multiple of `multiple` and
+    `samples`.
 
     Raises:
       ValueError: `num_prompts`, `multiple` or `samples` < 1.
@@ -77,6 +78,7 @@ def eval_batch(prompts: PromptSet, num_prompts: int, multiple: int, samples: int
                          "must be >= 1")
     n = min(num_prompts, len(prompts))
     real = np.repeat(np.arange(n), samples)
+    multiple = math.lcm(multiple, samples)  # whole groups of copies: one shared prefill each
     rows = -(-len(real) // multiple) * multiple
     take = np.concatenate([real, np.zeros(rows - len(real), np.int64)])
     prompt_rows = None if prompts.rows is None else [prompts.rows[i] for i in real]

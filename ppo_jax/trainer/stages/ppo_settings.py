@@ -79,9 +79,10 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
     shared = g.samples_per_prompt if g.share_prompt_prefill else 1  # one prefill per group
     sampling = settings_from(SamplingSettings, (g,), stop_token_ids=stops,
                              pad_token_id=pad_token_id, samples_per_prompt=shared, mesh=mesh)
-    eval_sampling = dataclasses.replace(  # evaluation prompts are distinct: one sample each
+    eval_sampling = dataclasses.replace(  # eval.samples_per_prompt answers share a prefill too
         sampling, max_new_tokens=e.max_new_tokens or g.max_new_tokens,
-        temperature=e.temperature, greedy=e.greedy, samples_per_prompt=1)
+        temperature=e.temperature, greedy=e.greedy,
+        samples_per_prompt=e.samples_per_prompt if g.share_prompt_prefill else 1)
     return PPOSettings(
         sampling=sampling,
         experience=settings_from(ExperienceSettings, (p,), scoring=scoring,
