@@ -196,12 +196,14 @@ def test_eval_batch_repeats_each_prompt_and_pass_at_k_counts_solved_prompts():
 
     prompts = PromptSet(["p0", "p1", "p2"], np.arange(6).reshape(3, 2), np.ones((3, 2), np.int32),
                         [{"answer": "0"}, {"answer": "1"}, {"answer": "2"}])
-    batch = eval_batch(prompts, 2, multiple=4, samples=3)  # 2 prompts x 3 = 6 rows -> 8
+    # 2 prompts x 3 = 6 rows -> 12: a multiple of 4 (the mesh) and of 3 (whole groups of copies,
+    # each group one prompt, so that the group shares one prefill)
+    batch = eval_batch(prompts, 2, multiple=4, samples=3)
     assert batch.texts == ["p0"] * 3 + ["p1"] * 3 and batch.rows[3] == {"answer": "1"}
-    np.testing.assert_array_equal(batch.valid, [1, 1, 1, 1, 1, 1, 0, 0])
-    np.testing.assert_array_equal(batch.ids[:, 0], [0, 0, 0, 2, 2, 2, 0, 0])
-    acc = jnp.asarray([0, 1, 0, 0, 0, 0, 1, 1], jnp.float32)  # padding rows must not count
-    out = component_figures({"accuracy": acc, "format": jnp.ones(8)}, jnp.asarray(batch.valid), 6, 3)
+    np.testing.assert_array_equal(batch.valid, [1] * 6 + [0] * 6)
+    np.testing.assert_array_equal(batch.ids[:, 0], [0, 0, 0, 2, 2, 2] + [0] * 6)
+    acc = jnp.asarray([0, 1, 0, 0, 0, 0] + [1] * 6, jnp.float32)  # padding rows must not count
+    out = component_figures({"accuracy": acc, "format": jnp.ones(12)}, jnp.asarray(batch.valid), 6, 3)
     assert float(out["accuracy"]) == pytest.approx(1 / 6)
     assert float(out["pass@3"]) == 0.5 and float(out["format"]) == 1.0
-    assert "pass@1" not in component_figures({"accuracy": acc}, jnp.ones(8, bool), 8, 1)
+    assert "pass@1" not in component_figures({"accuracy": acc}, jnp.ones(12, bool), 12, 1)
