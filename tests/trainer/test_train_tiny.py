@@ -160,8 +160,9 @@ def test_a_forks_registered_loss_runs_through_train_import(tmp_path, monkeypatch
             "--set", "ppo.policy_loss_kwargs.pg_coef=0.0", "--set", "ppo.advantage_kwargs.method=scan"]
     try:
         assert train.main(args) == 0
-    finally:
-        unregister("policy loss", "plain_pg")
+    finally:  # the module registers two losses: leave neither behind for later tests
+        for name in ("plain_pg", "ppo_clip_entropy"):
+            unregister("policy loss", name)
         sys.modules.pop("examples.my_losses", None)
     (record,) = [r for r in read_metrics(out) if r["step"] == 1]
     assert record["pg_loss"] == 0.0 and "clipfrac" not in record  # pg_coef reached plain_pg
