@@ -5,13 +5,15 @@
 # key every time); wall time and peak RSS from /usr/bin/time. Then every trained actor against
 # SmolLM2 on the held-out problems with three sampling seeds (scripts/compare_accuracy.py),
 # docs/rlvr_recipes.png (scripts/plot_run.py) and a table (scripts/summarize_runs.py).
-# Usage: scripts/compare_rlvr.sh [RECIPE ...]   [env: OUT=runs/rlvr_recipes STEPS=30 SEED=0]
+# Usage: scripts/compare_rlvr.sh [RECIPE ...]
+#   [env: OUT=runs/rlvr_recipes STEPS=30 SEED=0 PLOT=docs/rlvr_recipes.png]
 # (default: all five); a run whose OUT/NAME.time exists is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/rlvr_recipes}
 STEPS=${STEPS:-30}
 SEED=${SEED:-0}
+PLOT=${PLOT:-docs/rlvr_recipes.png}
 py=.venv/bin/python
 recipes=("$@")
 [ ${#recipes[@]} -gt 0 ] || recipes=(ppo grpo dr_grpo gspo dapo)
@@ -29,5 +31,5 @@ for name in "${recipes[@]}"; do
     --seeds 0 1 2 --show 0 --json "$run.accuracy.json"
 done
 "$py" scripts/plot_run.py "${recipes[@]/#/$OUT/}" --names "${recipes[@]}" --metric eval/accuracy \
-  --out docs/rlvr_recipes.png --title "SmolLM2-135M, chain sums, 64 responses per step"
+  --out "$PLOT" --title "SmolLM2-135M, chain sums, 64 responses per step"
 "$py" scripts/summarize_runs.py "${recipes[@]/#/$OUT/}" --metric eval/accuracy
