@@ -170,12 +170,24 @@ def test_a_stop_signal_mid_run_saves_that_step_exits_0_and_resume_equals_the_uni
     assert_same_run(run.out, straight)
 
 
+def catches_sigint(pid: int) -> bool:
+    """Whether process `pid` has a handler for SIGINT (bit 1 of SigCgt in /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    (mask,) = re.findall(r"^SigCgt:\s*([0-9a-f]+)$", status, re.MULTILINE)
+    return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
+
+
 @pytest.mark.slow
 def test_a_second_sigint_kills_at_once_without_a_new_checkpoint(cache, tmp_path):
-    run = Run(tmp_path / "run")
+    # 40 PPO epochs: a step of seconds, so the second Ctrl-C comes while step 3 still runs (a
+    # warm tiny step can end, save and exit in 0.2 s)
+    run = Run(tmp_path / "run", "ppo.ppo_epochs=40")
     run.when_saved(2)
     run.proc.send_signal(signal.SIGINT)
-    time.sleep(0.2)  # delivered apart, not merged into one pending signal
+    deadline = time.perf_counter() + 10
+    while catches_sigint(run.proc.pid):  # delivered: the kernel gave SIGINT its default back
+        assert time.perf_counter() < deadline, "the first SIGINT was not delivered in 10 s"
+        time.sleep(0.001)
     sent = time.perf_counter()
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(timeout=30) == -signal.SIGINT  # the default action: killed by the signal
