@@ -2,7 +2,8 @@
 
 Rewards, KL, GAE, reward shaping, per-token losses (PPO, GSPO; SFT next-token NLL; Bradley-Terry)
 and their one reduction (loss aggregation), DAPO's overlong penalty and dynamic-sampling group
-selection, masked statistics, KL controllers and name registries. Every function works on
+selection, masked statistics, KL controllers, name registries, and the rollout / trainer
+log-prob mismatch (measured, and corrected by importance weights). Every function works on
 ``[B, T]`` response-token arrays with a 0/1 ``mask`` (1 on real tokens up to and including EOS)
 or on their ``[B]`` rows, is NaN-safe on masked slots, and validates shapes and dtypes at trace
 time (``ValueError`` naming the argument). Imports only jax / chex / numpy.
@@ -60,6 +61,12 @@ from ppo_jax.core.registry import (
     registered_names,
     unregister,
 )
+from ppo_jax.core.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    check_rollout_correction,
+    rollout_correction_weights,
+    rollout_mismatch,
+)
 from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl, last_valid_onehot
 from ppo_jax.core.sequence_losses import gspo_loss, sequence_log_ratio
 from ppo_jax.core.shaping import kl_penalty_shaping
@@ -76,11 +83,13 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "LossInputs",
     "Normalizers",
+    "ROLLOUT_CORRECTIONS",
     "Registry",
     "aggregate",
     "bradley_terry_loss",
     "check_aggregation",
     "check_estimator",
+    "check_rollout_correction",
     "chunked_logprobs_and_entropy",
     "clipped_value_loss",
     "compute_gae",
@@ -120,6 +129,8 @@ __all__ = [
     "register_reward_shaping",
     "register_value_loss",
     "registered_names",
+    "rollout_correction_weights",
+    "rollout_mismatch",
     "safe_divide",
     "select_groups",
     "sequence_log_ratio",

@@ -37,6 +37,10 @@ class LossInputs(NamedTuple):
       group_ids: ``[B]`` int32, the group (prompt) of each row; rows of one prompt share an id.
         Until the trainer samples several responses per prompt every row is its own group
         (its row index in the experience batch).
+      rollout_logprobs: ``[B, T]`` float32, the log-probs the sampler drew the tokens with
+        (the rollout engine's, possibly from bf16 weights); equal to ``old_logprobs`` when the
+        sampler returns none. ``old_logprobs - rollout_logprobs`` is the rollout / trainer
+        mismatch (``core.rollout_correction``).
     """
 
     mask: jax.Array
@@ -49,6 +53,7 @@ class LossInputs(NamedTuple):
     old_values: Optional[jax.Array] = None
     returns: Optional[jax.Array] = None
     group_ids: Optional[jax.Array] = None
+    rollout_logprobs: Optional[jax.Array] = None
 
 
 PER_TOKEN_FIELDS: tuple[str, ...] = tuple(f for f in LossInputs._fields if f not in ("mask", "group_ids"))

@@ -22,10 +22,10 @@ from flax import nnx
 
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache
+from ppo_jax.models.paged_cache import PagedKVCache, PagedView
 from ppo_jax.models.lora import linear
 from ppo_jax.models.layers import (
-    Context, LayerNorm, activation, check_inputs, dot_attention, make_context, scan_layers, stacked,
-    write_and_read_cache,
+    Context, LayerNorm, activation, attend, forward_context, scan_layers, stacked,
 )
 
 
@@ -47,8 +47,7 @@ class GPT2Attention(nnx.Module):
         q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
         shape = (b, l, self.num_heads, self.head_dim)
         q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
-        k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
-        out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed)
+        out, cache = attend(cache, layer, q, k, v, ctx)
         return self.c_proj(out), cache
 
 
@@ -86,7 +85,8 @@ class GPT2Backbone(nnx.Module):
     """Token + position embedding -> N scanned `GPT2Block`s -> `ln_f`.
 
     `__call__(input_ids [B, L] int32, attention_mask [B, S] int32, *, cache=None,
-    cache_index=None) -> (hidden [B, L, D] in cfg.dtype, cache)`. Positions past
+    cache_index=None, paged=None) -> (hidden [B, L, D] in cfg.dtype, cache)`; over a
+    `PagedKVCache`, `paged` (a `PagedView`) gives positions and pages. Positions past
     `max_position_embeddings - 1` are clipped to the last row of the position table.
     """
 
@@ -102,10 +102,11 @@ class GPT2Backbone(nnx.Module):
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=cfg.jnp_param_dtype)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
-                 cache: KVCache | None = None, cache_index=None):
+                 cache: KVCache | PagedKVCache | None = None, cache_index=None,
+                 paged: PagedView | None = None):
         cfg = self.cfg
-        input_ids, attention_mask = check_inputs(input_ids, attention_mask, cache, cache_index)
-        ctx = make_context(cfg, attention_mask, input_ids.shape[1], cache_index, rope=False)
+        input_ids, ctx = forward_context(cfg, input_ids, attention_mask, cache, cache_index,
+                                         paged, rope=False)
         positions = jnp.minimum(ctx.positions, cfg.max_position_embeddings - 1)
         x = self.wte(input_ids) + self.wpe(positions)
         x, cache = scan_layers(cfg, self.layers, x.astype(cfg.jnp_dtype), ctx, cache)

@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ppo_jax.models.attention import MASK_VALUE, dot_attention  # noqa: F401 (re-exported)
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache, slot_layout
-
-MASK_VALUE = -1e30
-
+from ppo_jax.models.paged_cache import PagedKVCache, PagedView, paged_attention, write_pages
 
 @jax.custom_jvp
 def silu(x: jax.Array) -> jax.Array:
@@ -132,7 +131,9 @@ class Context(NamedTuple):
     """Per-call tensors shared by every layer (computed once, outside the layer scan).
 
     positions `[B, L]`, allowed `[B, L, S]` bool, q_slots `[L]`, k_slots `[S]`,
-    cos/sin `[B, L, hd]` float32 or None (GPT-2), cache_index int32 scalar.
+    cos/sin `[B, L, hd]` float32 or None (GPT-2), cache_index int32 scalar; with a paged cache
+    `paged` is the call's `PagedView` and allowed / q_slots / k_slots are None (the pages'
+    mask follows `paged.positions` and `paged.kv_lens`).
     """
 
     positions: jax.Array
@@ -142,6 +143,7 @@ class Context(NamedTuple):
     cos: jax.Array | None
     sin: jax.Array | None
     cache_index: jax.Array
+    paged: PagedView | None = None
 
 
 def make_context(cfg: ModelConfig, attention_mask, length: int, cache_index, rope: bool) -> Context:
@@ -165,26 +167,18 @@ def write_and_read_cache(cache: KVCache | None, layer, k_new, v_new, cache_index
     return kc[layer], vc[layer], KVCache(kc, vc)
 
 
-def dot_attention(q, k, v, allowed, *, window=None, q_slots=None, k_slots=None):
-    """Masked grouped-query attention.
-
-    q `[B, L, H, hd]`, k/v `[B, S, KVH, hd]` (H a multiple of KVH), allowed `[B, L, S]` bool.
-    window: int32 scalar (0 = none); keys with `q_slot - k_slot >= window` are dropped
-    (transformers `sliding_window_overlay`). Scores and softmax in float32; returns
-    `[B, L, H * hd]` in v.dtype. Source: Ainslie et al. 2023 (GQA); HF `eager_attention_forward`.
-    """
-    b, l, h, hd = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, l, kvh, h // kvh, hd)
-    scores = jnp.einsum("blkgd,bskd->bkgls", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(hd ** -0.5)
-    if window is not None:
-        in_window = (q_slots[:, None] - k_slots[None, :]) < window
-        allowed = allowed & ((window <= 0) | in_window)[None]
-    scores = jnp.where(allowed[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
-    return out.reshape(b, l, h * hd)
+def attend(cache, layer, q, k, v, ctx: Context, window=None):
+    """Write this call's `k, v [B, L, KVH, hd]` to the cache and attend `q [B, L, H, hd]` over
+    it: the dense `KVCache` (or none) through `dot_attention`, a `PagedKVCache` through
+    `paged_cache.paged_attention`. Returns `(out [B, L, H * hd], cache)`."""
+    if isinstance(cache, PagedKVCache):
+        kv = write_pages(cache.kv, layer, ctx.paged, k, v)
+        out = paged_attention(q, kv[layer], ctx.paged, window)
+        return out, PagedKVCache(kv)
+    k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
+    out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed,
+                        window=window, q_slots=ctx.q_slots, k_slots=ctx.k_slots)
+    return out, cache
 
 
 def remat_layer(fn: Callable, remat: str) -> Callable:
@@ -228,6 +222,22 @@ def scan_layers(cfg: ModelConfig, layers: nnx.Module, x: jax.Array, ctx: Context
     xs = (state, windows, jnp.arange(cfg.num_layers, dtype=jnp.int32))
     (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
     return x, cache
+
+
+def forward_context(cfg: ModelConfig, input_ids, attention_mask, cache, cache_index,
+                    paged: PagedView | None, rope: bool):
+    """`(input_ids int32, ctx)` of one backbone call: checked (`check_inputs`) with positions
+    from the attention mask, or, over a `PagedKVCache`, with positions from `paged` (the
+    attention mask is not read). Raises ValueError on inconsistent shapes."""
+    if paged is None:
+        input_ids, attention_mask = check_inputs(input_ids, attention_mask, cache, cache_index)
+        return input_ids, make_context(cfg, attention_mask, input_ids.shape[1], cache_index, rope)
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if not isinstance(cache, PagedKVCache) or paged.positions.shape != input_ids.shape:
+        raise ValueError(f"a PagedView needs a PagedKVCache and positions {paged.positions.shape}"
+                         f" shaped like input_ids {input_ids.shape}")
+    cos, sin = rope_cos_sin(cfg, paged.positions) if rope else (None, None)
+    return input_ids, Context(paged.positions, None, None, None, cos, sin, jnp.int32(0), paged)
 
 
 def check_inputs(input_ids, attention_mask, cache, cache_index):

@@ -21,10 +21,10 @@ from flax import nnx
 
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache
+from ppo_jax.models.paged_cache import PagedKVCache, PagedView
 from ppo_jax.models.lora import linear
 from ppo_jax.models.layers import (
-    Context, RMSNorm, activation, apply_rope, check_inputs, dot_attention, make_context, scan_layers,
-    stacked, write_and_read_cache,
+    Context, RMSNorm, activation, apply_rope, attend, forward_context, scan_layers, stacked,
 )
 
 
@@ -49,9 +49,7 @@ class LlamaAttention(nnx.Module):
         k = self.k_proj(x).reshape(b, l, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, l, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
-        out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed,
-                            window=window, q_slots=ctx.q_slots, k_slots=ctx.k_slots)
+        out, cache = attend(cache, layer, q, k, v, ctx, window)
         return self.o_proj(out), cache
 
 
@@ -90,7 +88,9 @@ class LlamaBackbone(nnx.Module):
     """Embedding -> N scanned `LlamaBlock`s -> final RMSNorm.
 
     `__call__(input_ids [B, L] int32, attention_mask [B, S] int32, *, cache=None,
-    cache_index=None) -> (hidden [B, L, D] in cfg.dtype, cache)`; S == L without a cache.
+    cache_index=None, paged=None) -> (hidden [B, L, D] in cfg.dtype, cache)`; S == L without
+    a cache. Over a `PagedKVCache`, `paged` (a `PagedView`) gives positions and pages and the
+    mask is not read.
     Positions come from the mask (`max(cumsum(mask) - 1, 0)`), see `kv_cache.slot_layout`.
     """
 
@@ -105,10 +105,11 @@ class LlamaBackbone(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, param_dtype=cfg.jnp_param_dtype)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
-                 cache: KVCache | None = None, cache_index=None):
+                 cache: KVCache | PagedKVCache | None = None, cache_index=None,
+                 paged: PagedView | None = None):
         cfg = self.cfg
-        input_ids, attention_mask = check_inputs(input_ids, attention_mask, cache, cache_index)
-        ctx = make_context(cfg, attention_mask, input_ids.shape[1], cache_index, rope=True)
+        input_ids, ctx = forward_context(cfg, input_ids, attention_mask, cache, cache_index,
+                                         paged, rope=True)
         x = self.embed_tokens(input_ids).astype(cfg.jnp_dtype)
         x, cache = scan_layers(cfg, self.layers, x, ctx, cache)
         return self.norm(x), cache

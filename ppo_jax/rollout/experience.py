@@ -9,6 +9,9 @@ the registered advantage estimator and advantage whitening. With `ppo.overlong_b
 DAPO's soft overlong punishment (`core.overlong_penalty`, DAPO eq. 13) is added to the score
 before the shaping (`score_mean` stays the raw score; `overlong_penalty` is its batch mean). The order and formulas follow TRL
 0.11 `PPOTrainer.step` (`batched_forward_pass`, `compute_rewards`, `compute_advantages`).
+The sampler's own log-probs, when given, are kept beside the recomputed ones and their gap is
+logged (`mismatch/*`, `core.rollout_mismatch`); the update can correct for it
+(`ppo.rollout_correction`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ppo_jax.core import (
     masked_mean,
     overlong_penalty,
     masked_whiten,
+    rollout_mismatch,
     sequence_kl,
     update_kl_controller,
 )
@@ -108,6 +112,9 @@ class Experience:
     advantages: jax.Array  # [B, N] float32 (whitened when configured)
     returns: jax.Array  # [B, N] float32
     group_ids: jax.Array  # [B] int32, rows answering the same prompt share an id
+    # [B, N] float32, the log-probs the sampler drew the tokens with (the rollout engine's);
+    # equal to `logprobs` when the sampler gives none (then no rollout correction applies)
+    rollout_logprobs: jax.Array
 
 
 def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
@@ -158,8 +165,8 @@ def _advantages(values, rewards, mask, scores, group_ids, baseline_scores, s: Ex
 
 
 def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended, *,
-                    settings: ExperienceSettings, group_ids=None, baseline_scores=None
-                    ) -> tuple[Experience, Any, dict[str, jax.Array]]:
+                    settings: ExperienceSettings, group_ids=None, baseline_scores=None,
+                    rollout_logprobs=None) -> tuple[Experience, Any, dict[str, jax.Array]]:
     """Score a rollout and compute rewards, advantages and returns.
 
     Args:
@@ -174,6 +181,10 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         None: every row its own group.
       baseline_scores: `[B]` float32 raw scores of the greedy response to each row's prompt
         (ReMax), scaled like `scores`; None: zeros. A critic-free estimator gets zero values.
+      rollout_logprobs: `[B, N]` float, the log-probs the sampler drew the responses with
+        (full distribution, sampling temperature); stored in the experience, and the stats gain
+        `core.rollout_mismatch(logprobs, rollout_logprobs, mask)` (`mismatch/*`). None: the
+        experience's `rollout_logprobs` are its `logprobs` (no mismatch, no `mismatch/*` stats).
 
     Returns:
       `(experience, new_kl_state, stats)`. The KL controller is updated with this batch's KL
@@ -181,7 +192,7 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
 
     Raises:
       ValueError: the batch is not a multiple of micro_batch_size; an unknown estimator or
-        reward shaping.
+        reward shaping; `rollout_logprobs` not a float array of the responses' shape.
     """
     s = settings
     mask = rollout.response_mask.astype(jnp.int32)
@@ -213,6 +224,15 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         **_row_stats("returns", returns, mask),
         **_row_stats("values", values, mask),
     }
-    exp = Experience(rollout.query_ids, rollout.query_mask, rollout.response_ids, mask, logprobs,
-                     ref_logprobs, values, scores, rewards, advantages, returns, group_ids)
+    if rollout_logprobs is None:
+        rollout_logprobs = logprobs
+    else:
+        stats.update(rollout_mismatch(logprobs, rollout_logprobs, mask))
+        rollout_logprobs = rollout_logprobs.astype(jnp.float32)
+    exp = Experience(
+        query_ids=rollout.query_ids, query_mask=rollout.query_mask,
+        response_ids=rollout.response_ids, response_mask=mask, logprobs=logprobs,
+        ref_logprobs=ref_logprobs, values=values, scores=scores, rewards=rewards,
+        advantages=advantages, returns=returns, group_ids=group_ids,
+        rollout_logprobs=rollout_logprobs)
     return exp, new_kl_state, stats

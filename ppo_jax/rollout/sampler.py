@@ -7,17 +7,16 @@ sampled token through the model to sample the next (N tokens: the prefill and N 
 passes), stopping early once every row has emitted a stop token. Positions come from
 the attention mask (docs/contracts.md), so left padding never changes a row's distribution.
 
-Sampling filters (temperature, top-k, top-p) follow transformers' logits warpers
-(`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`); greedy is argmax. The
-filtered distribution is used only to draw tokens: PPO recomputes log-probs from the full
-distribution (`rollout.scoring`).
+Draws (filters, one key per sample and position, the draw's log-prob) are `rollout.sampling`'s,
+shared with the paged engine (`rollout.engine`), so both give the same tokens under one key.
+This static batch is the reference engine (`generation.engine: static`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,43 +27,7 @@ from jax.sharding import Mesh
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.mesh import shard_rows
 from ppo_jax.rollout.prefill import check_groups, prefill_cache, shard_cache
-
-_NEG = -1e30  # finite "minus infinity" for filtered logits
-
-
-def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0) -> jax.Array:
-    """Temperature, then top-k, then top-p (nucleus) filtering of `[B, V]` float32 logits.
-
-    top_k = 0 and top_p = 1.0 switch the filters off. Top-p keeps the smallest set of most
-    probable tokens whose total probability reaches `top_p` (always at least one token), as
-    transformers' `TopPLogitsWarper`. Returns `[B, V]` float32 with filtered entries at -1e30.
-    """
-    logits = logits.astype(jnp.float32) / temperature
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, _NEG, logits)
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
-        keep_sorted = mass_before < top_p
-        keep_sorted = keep_sorted.at[:, 0].set(True)
-        # threshold = smallest kept logit per row
-        threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, _NEG, logits)
-    return logits
-
-
-def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0, greedy: bool = False) -> jax.Array:
-    """Draw one token per row from `[B, V]` logits -> `[B]` int32."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
-
+from ppo_jax.rollout.sampling import draw, filter_logits, sample_keys, sample_tokens  # noqa: F401
 
 def _int_setting(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -192,6 +155,17 @@ def prefill(graphdef, params, prompt_ids, prompt_mask, *, max_new_tokens: int,
     return logits, cache
 
 
+class _Decoded(NamedTuple):
+    """The decode loop's record: tokens and their log-probs `[B, N]`, the response mask, the
+    last drawn token `[B]` and which rows are done `[B]`."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    mask: jax.Array
+    token: jax.Array
+    done: jax.Array
+
+
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
                                    "greedy", "stop_token_ids", "pad_token_id", "cache_dtype",
                                    "samples_per_prompt", "mesh"))
@@ -206,42 +180,43 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens,
                                         samples_per_prompt=samples_per_prompt,
                                         cache_dtype=cache_dtype, mesh=mesh)
     stops = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
+    row_keys = sample_keys(rng, jnp.arange(batch))
 
-    def sample_at(t, logits, tokens, resp_mask, done, rng):
+    def sample_at(t, logits, rec: _Decoded) -> _Decoded:
         """Draw token t of every row (pad once a row is done) and record it."""
-        rng, key = jax.random.split(rng)
-        token = sample_tokens(logits, key, temperature=temperature, top_k=top_k, top_p=top_p,
-                              greedy=greedy)
-        token = jnp.where(done, pad_token_id, token)
-        tokens = tokens.at[:, t].set(token)
-        resp_mask = resp_mask.at[:, t].set((~done).astype(jnp.int32))
-        return token, rows(tokens), rows(resp_mask), rows(done | jnp.isin(token, stops)), rng
+        token, logp = draw(logits, row_keys, t, temperature=temperature, top_k=top_k,
+                           top_p=top_p, greedy=greedy)
+        token = jnp.where(rec.done, pad_token_id, token)
+        return _Decoded(rows(rec.tokens.at[:, t].set(token)),
+                        rows(rec.logprobs.at[:, t].set(jnp.where(rec.done, 0.0, logp))),
+                        rows(rec.mask.at[:, t].set((~rec.done).astype(jnp.int32))), token,
+                        rows(rec.done | jnp.isin(token, stops)))
 
     def cond(state):  # another token is wanted and some row is still going
-        t, _, _, _, _, _, done, _ = state
-        return (t + 1 < max_new_tokens) & ~jnp.all(done)
+        t, _, _, rec = state
+        return (t + 1 < max_new_tokens) & ~jnp.all(rec.done)
 
     def body(state):  # run token t through the model, then sample token t + 1
-        t, cache, mask, token, tokens, resp_mask, done, rng = state
+        t, cache, mask, rec = state
         slot = prompt_len + t
         mask = mask.at[:, slot].set(1)
-        hidden, cache = model.backbone(token[:, None], mask, cache=cache, cache_index=slot)
-        logits = rows(model.lm_head(hidden[:, 0]))
-        token, tokens, resp_mask, done, rng = sample_at(t + 1, logits, tokens, resp_mask, done, rng)
-        return t + 1, shard_cache(cache, mesh), rows(mask), token, tokens, resp_mask, done, rng
+        hidden, cache = model.backbone(rec.token[:, None], mask, cache=cache, cache_index=slot)
+        rec = sample_at(t + 1, rows(model.lm_head(hidden[:, 0])), rec)
+        return t + 1, shard_cache(cache, mesh), rows(mask), rec
 
-    first = sample_at(0, logits, rows(jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)),
-                      rows(jnp.zeros((batch, max_new_tokens), jnp.int32)),
-                      rows(jnp.zeros((batch,), bool)), rng)
-    init = (jnp.int32(0), cache, mask) + first
-    _, _, _, _, tokens, resp_mask, _, _ = jax.lax.while_loop(cond, body, init)
-    return tokens, resp_mask
+    shape = (batch, max_new_tokens)
+    empty = _Decoded(rows(jnp.full(shape, pad_token_id, jnp.int32)),
+                     rows(jnp.zeros(shape, jnp.float32)), rows(jnp.zeros(shape, jnp.int32)),
+                     jnp.zeros((batch,), jnp.int32), rows(jnp.zeros((batch,), bool)))
+    init = (jnp.int32(0), cache, mask, sample_at(0, logits, empty))
+    rec = jax.lax.while_loop(cond, body, init)[3]
+    return rec.tokens, rec.mask, rec.logprobs
 
 
 def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
              stop_token_ids: Sequence[int] = (), pad_token_id: int = 0, cache_dtype=None,
-             samples_per_prompt: int = 1, mesh=None):
+             samples_per_prompt: int = 1, mesh=None, return_logprobs: bool = False):
     """Sample responses for a batch of left-padded prompts in one jitted call.
 
     Args:
@@ -266,10 +241,14 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         "tensor"; None (single device) adds no constraint. Params keep whatever sharding they
         come with (`ppo_jax.parallel.tree_shardings`).
 
+      return_logprobs: also return the log-prob of each drawn token (`sampling.draw`).
+
     Returns:
-      `(response_ids [B, N] int32, response_mask [B, N] int32)`; the mask is 1 on every
-      generated token up to and including the first stop token, 0 after it. N tokens take the
-      prefill and N - 1 one-token passes (the last token is not fed back).
+      `(response_ids [B, N] int32, response_mask [B, N] int32)`, and with `return_logprobs`
+      `logprobs [B, N]` float32 (0 after a row's stop); the mask is 1 on every generated token
+      up to and including the first stop token, 0 after it. N tokens take the prefill and
+      N - 1 one-token passes (the last token is not fed back). Token t of row b is drawn with
+      the key `fold_in(fold_in(rng, b), t)` (`rollout.sampling`).
 
     Raises:
       ValueError: malformed shapes, dtypes or settings, ids outside the vocabulary, a mask that
@@ -289,8 +268,9 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
     elif not _is_key(rng):
         raise ValueError(f"rng must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
                          f"{type(rng).__name__} {getattr(rng, 'shape', '')}")
-    return _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
-                     samples_per_prompt=n, mesh=mesh, **settings)
+    out = _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
+                    samples_per_prompt=n, mesh=mesh, **settings)
+    return out if return_logprobs else out[:2]
 
 
 def _is_key(rng) -> bool:
@@ -318,10 +298,11 @@ class SamplingSettings:
 
 
 def sample(model: Model, prompt_ids, prompt_mask, rng, *, settings: SamplingSettings):
-    """`generate` with a `Model` and `SamplingSettings`: `(response_ids, response_mask)`
-    `[B, N]` int32 for `[B, P]` left-padded prompts."""
+    """`generate` with a `Model` and `SamplingSettings`: `(response_ids, response_mask,
+    logprobs)` `[B, N]` for `[B, P]` left-padded prompts (the draws' log-probs, float32)."""
     kwargs = {f.name: getattr(settings, f.name) for f in fields(settings)}
-    return generate(model.graphdef, model.params, prompt_ids, prompt_mask, rng, **kwargs)
+    return generate(model.graphdef, model.params, prompt_ids, prompt_mask, rng,
+                    return_logprobs=True, **kwargs)
 
 
 def ended_rows(response_ids: jax.Array, response_mask: jax.Array,

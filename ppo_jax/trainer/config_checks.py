@@ -10,6 +10,7 @@ import typing
 from typing import Literal
 
 from ppo_jax.core.gae import GAE_METHODS
+from ppo_jax.core.rollout_correction import check_rollout_correction
 from ppo_jax.models.config import LORA_TARGETS
 from ppo_jax.trainer.config_help import leaves
 from ppo_jax.trainer.config_schema import (
@@ -148,10 +149,16 @@ def _validate_optim_train(o: OptimConfig, t: TrainConfig) -> None:
 
 
 def _validate_loss_terms(p: PPOConfig) -> None:
-    """ppo.loss_aggregation and the built-in loss terms (entropy bonus, KL in the loss)."""
+    """ppo.loss_aggregation, the built-in loss terms (entropy bonus, KL in the loss) and the
+    rollout correction."""
     for name in ("entropy_coef", "kl_loss_coef"):
         if getattr(p, name) < 0:
             raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
+    try:
+        check_rollout_correction(p.rollout_correction, p.rollout_correction_cap)
+    except ValueError as e:
+        raise ConfigError(f"ppo.rollout_correction={p.rollout_correction!r}, "
+                          f"ppo.rollout_correction_cap={p.rollout_correction_cap!r}: {e}") from None
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Dict, Literal, Optional
 from ppo_jax.core.aggregation import LossAggregation
 from ppo_jax.core.kl import KLEstimator
 from ppo_jax.core.kl_control import KLControllerKind
+from ppo_jax.core.rollout_correction import RolloutCorrection
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
 from ppo_jax.trainer.data import Truncation
@@ -238,6 +239,11 @@ class PPOConfig:
                               "kl_coef")
     kl_loss_estimator: KLEstimator = opt("low_var_kl", "estimator of the KL in the loss (k3, as "
                                          "GRPO)")
+    rollout_correction: RolloutCorrection = opt(
+        "none", "weights on pg_loss for the sampler / trainer log-prob mismatch: none, tis "
+        "(token min(ratio, cap); Yao et al. 2025), mis (sequence ratio, 0 above cap; Liu, Li "
+        "et al. 2025)")
+    rollout_correction_cap: float = opt(2.0, "tis / mis cap C on pi_old / pi_rollout, >= 1")
     reward_shaping_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of reward_shaping "
                                                 "(scalars or strings)", factory=dict)
     advantage_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of the estimator, e.g. "

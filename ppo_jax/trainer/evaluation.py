@@ -180,7 +180,7 @@ class Evaluator:
         self.key = place.replicate(jax.random.PRNGKey(seed))
 
         def sample_responses(actor, q, qm, key):
-            return sample(actor, q, qm, key, settings=settings.sampling)
+            return sample(actor, q, qm, key, settings=settings.sampling)[:2]
 
         def stats(models, q, qm, r, rm, scores, valid):
             return eval_stats(models, Rollout(q, qm, r, rm), scores, valid, settings=settings)

@@ -12,6 +12,9 @@ loss returns a per-token loss, to which the built-in terms are added (`ppo.entro
 the accumulated gradients and stats equal those of the whole minibatch at once in every mode,
 never means of means. Stats: each loss term's aggregate (`pg_loss`, `entropy_loss`, `kl_loss`,
 `vf_loss`; 0 for a term that is off) and each per-token stat's minibatch token mean.
+With `ppo.rollout_correction` "tis" / "mis" the registered loss's per-token `pg_loss` (not the
+built-in terms) is multiplied by `core.rollout_correction_weights` (old vs the sampler's
+log-probs), whose `rollout_correction/*` stats are minibatch-exact too.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from jax.sharding import Mesh
 from ppo_jax.core import (
     LossInputs,
     aggregate,
+    check_rollout_correction,
     get_policy_loss,
     get_value_loss,
     loss_normalizers,
     masked_inputs,
     policy_regularizers,
     reduce_loss,
+    rollout_correction_weights,
 )
 from ppo_jax.models.lora import join
 from ppo_jax.parallel import shard_rows_tree
@@ -71,6 +76,9 @@ class UpdateSettings:
     # seq-mean-token-sum's constant T (generation.max_new_tokens); None: the experience's width.
     # Pinned so that cutting all-pad response columns (trainer.columns) changes no loss.
     max_response_length: Optional[int] = None
+    # core.ROLLOUT_CORRECTIONS: weights on pg_loss for the sampler / trainer log-prob mismatch
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0  # C of tis (truncation) and mis (rejection)
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call."""
@@ -95,22 +103,30 @@ def loss_inputs(m: Experience, group_ids: jax.Array, **new) -> LossInputs:
     values), masked slots zeroed (`core.masked_inputs`)."""
     return masked_inputs(LossInputs(
         mask=m.response_mask, old_logprobs=m.logprobs, ref_logprobs=m.ref_logprobs,
-        advantages=m.advantages, old_values=m.values, returns=m.returns, group_ids=group_ids, **new))
+        advantages=m.advantages, old_values=m.values, returns=m.returns, group_ids=group_ids,
+        rollout_logprobs=m.rollout_logprobs, **new))
 
 
 def policy_objective(batch: LossInputs, norms, s: UpdateSettings):
     """`(loss, stats)` of the actor: registered policy loss + built-in terms, one reduction.
 
     Stats: `pg_loss`, `entropy_loss`, `kl_loss` (each term's aggregate, 0 when off; they add up
-    to the loss), the loss's per-token stats as token means, and `entropy` (token mean).
+    to the loss), the loss's per-token stats as token means, and `entropy` (token mean); with a
+    rollout correction, `pg_loss` is the weighted term and `rollout_correction/*` its stats.
     """
     per_token, stats = get_policy_loss(s.policy_loss)(batch, **s.policy_kwargs())
+    correction = {}
+    if s.rollout_correction != "none":  # "none": the loss exactly as without the feature
+        weights, correction = rollout_correction_weights(
+            batch.old_logprobs, batch.rollout_logprobs, batch.mask, mode=s.rollout_correction,
+            cap=s.rollout_correction_cap, normalizers=norms)
+        per_token = per_token * weights
     terms = {"pg_loss": per_token, **policy_regularizers(
         batch, entropy_coef=s.entropy_coef, kl_loss_coef=s.kl_loss_coef,
         kl_loss_estimator=s.kl_loss_estimator)}
     loss, out = reduce_loss(terms, stats, batch.mask, s.loss_aggregation, norms)
     zero = jnp.zeros((), loss.dtype)
-    out = {"entropy_loss": zero, "kl_loss": zero, **out}
+    out = {"entropy_loss": zero, "kl_loss": zero, **out, **correction}
     # token mean over the minibatch (TRL's ppo/policy/entropy); the experience's `entropy` is
     # the mean per-response sum (TRL's objective/entropy) and must not be overwritten by it
     out["policy_entropy"] = aggregate(jax.lax.stop_gradient(batch.entropy), batch.mask, "token-mean", norms)
@@ -131,9 +147,10 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
     model's base; `{}` or None: none), joined to them in the forward pass, never differentiated.
 
     Raises:
-      ValueError: an unknown policy / value loss name.
+      ValueError: an unknown policy / value loss name or rollout correction; a bad cap.
     """
     get_policy_loss(s.policy_loss), get_value_loss(s.value_loss)  # unknown names fail here
+    check_rollout_correction(s.rollout_correction, s.rollout_correction_cap)
     frozen = frozen or {}
     actor_base, critic_base = frozen.get("actor", {}), frozen.get("critic", {})
 
@@ -193,7 +210,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
 
     Raises:
       ValueError: batch sizes that do not divide, or a critic-only update of a shared critic;
-        unknown loss names.
+        unknown loss names; an unknown rollout correction or a bad cap.
     """
     s = settings
     if s.shared_critic and not s.train_actor:

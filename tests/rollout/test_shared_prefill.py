@@ -84,7 +84,7 @@ def test_shared_prefill_samples_the_tokens_of_the_repeated_path(split, n, how):
     kw = dict(max_new_tokens=12, pad_token_id=0, stop_token_ids=(stop_token(split, how),),
               **SAMPLERS[how])
     key = jax.random.PRNGKey(7)
-    got, got_mask = sample(Model(*split), ids, mask, key,
+    got, got_mask, _ = sample(Model(*split), ids, mask, key,
                            settings=SamplingSettings(samples_per_prompt=n, **kw))
     want, want_mask = generate(*split, ids, mask, key, **kw)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

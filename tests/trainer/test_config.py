@@ -75,6 +75,11 @@ def test_missing_config_file():
     (["mesh.fsdp=0"], "mesh.fsdp=0"),
     (["data.truncation=right"], "config key 'data.truncation': Invalid value 'right'"),
     (["model.logprob_chunk_size=-1"], "model.logprob_chunk_size=-1"),
+    (["ppo.rollout_correction=is"], "config key 'ppo.rollout_correction': Invalid value 'is'"),
+    (["ppo.rollout_correction=tis", "ppo.rollout_correction_cap=0.5"],
+     "ppo.rollout_correction_cap=0.5"),
+    (["ppo.rollout_correction=mis", "ppo.rollout_correction_cap=inf"],
+     "ppo.rollout_correction_cap=inf"),
     (["stage=sft", "sft.data=x.jsonl", "sft.backbone_lr_scale=0.5"], "sft.backbone_lr_scale=0.5"),
     (["stage=reward_model", "model.reward_model=m", "reward_model.data=x.jsonl",
       "reward_model.backbone_lr_scale=-1"], "reward_model.backbone_lr_scale=-1.0"),
@@ -103,6 +108,7 @@ def _code_accepts():
     from ppo_jax.core.gae import GAE_METHODS, compute_gae
     from ppo_jax.core.kl import KL_ESTIMATORS
     from ppo_jax.core.kl_control import KL_CONTROLLER_KINDS
+    from ppo_jax.core.rollout_correction import ROLLOUT_CORRECTIONS, check_rollout_correction
     from ppo_jax.models.config import DTYPES, remat_policy_names
     from ppo_jax.models.lora import INITS, fresh_adapter
     from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
@@ -126,6 +132,7 @@ def _code_accepts():
         "ppo.kl_estimator": (KL_ESTIMATORS, check_estimator),
         "ppo.kl_loss_estimator": (KL_ESTIMATORS, check_estimator),
         "ppo.loss_aggregation": (LOSS_AGGREGATIONS, lambda v: aggregate(ones, ones, v)),
+        "ppo.rollout_correction": (ROLLOUT_CORRECTIONS, lambda v: check_rollout_correction(v, 2.0)),
         "ppo.advantage_kwargs.method": (GAE_METHODS, lambda v: compute_gae(
             ones, ones, ones, gamma=1.0, lam=0.9, method=v)),
         "optim.schedule": (SCHEDULES, lambda v: make_schedule(1e-3, schedule=v, warmup_steps=0, total_steps=3)),
@@ -199,3 +206,22 @@ def test_logprob_chunk_size_reaches_the_scoring_and_update_settings():
     settings = settings_for(load_config(None, ["model.logprob_chunk_size=4096"]))
     assert settings.experience.scoring.logprob_chunk_size == 4096
     assert settings.update.logprob_chunk_size == 4096
+
+
+def test_a_bad_rollout_correction_is_refused_at_load_and_a_good_one_reaches_the_update():
+    from ppo_jax.trainer.config_checks import validate
+    from ppo_jax.trainer.stages.ppo_settings import settings_for
+
+    with pytest.raises(ConfigError, match=r"ppo.rollout_correction.*'is'.*\['none', 'tis', 'mis'\]"):
+        load_config(None, ["ppo.rollout_correction=is"])
+    with pytest.raises(ConfigError, match=r"ppo.rollout_correction='tis', "
+                                          r"ppo.rollout_correction_cap=0.9: .*>= 1"):
+        load_config(None, ["ppo.rollout_correction=tis", "ppo.rollout_correction_cap=0.9"])
+    cfg = Config()
+    cfg.ppo.rollout_correction = "sis"  # a Config built in Python is checked too
+    with pytest.raises(ConfigError, match="ppo.rollout_correction='sis'"):
+        validate(cfg)
+    upd = settings_for(load_config(None, ["ppo.rollout_correction=mis",
+                                          "ppo.rollout_correction_cap=3"])).update
+    assert (upd.rollout_correction, upd.rollout_correction_cap) == ("mis", 3.0)
+    assert settings_for(load_config(None)).update.rollout_correction == "none"

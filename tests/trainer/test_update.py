@@ -391,3 +391,71 @@ def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
     assert float(np.abs(s_w["pg_loss"]).max()) > 0
     for narrow, wide in ((a_n.params, a_w.params), (c_n.params, c_w.params)):
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), narrow, wide)
+
+
+def test_the_sampler_log_probs_are_kept_and_their_mismatch_logged(models):
+    """`make_experience(rollout_logprobs=...)` stores them and logs `mismatch/*`; without them
+    the experience's rollout log-probs are its own log-probs and nothing is logged."""
+    ag, ap, cg, cp = models
+    exp, _, stats = experience(models)
+    np.testing.assert_array_equal(exp.rollout_logprobs, exp.logprobs)
+    assert not any(key.startswith("mismatch/") for key in stats)
+    shift = np.where(np.asarray(exp.response_mask) > 0, 0.1, np.nan).astype(np.float32)
+    shift[0, 0] = -0.2
+    sampled = exp.logprobs - jnp.asarray(shift)  # NaN in the padding
+    exp2, _, stats2 = make_experience(
+        models_of(ag, ap, ap, cg, cp), Rollout(*rollout()), init_kl_controller("fixed", 0.1),
+        jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
+        settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4)),
+        rollout_logprobs=sampled)
+    np.testing.assert_array_equal(exp2.rollout_logprobs, sampled)
+    d = np.asarray(exp2.logprobs - sampled, np.float64)[np.asarray(exp.response_mask) > 0]
+    np.testing.assert_allclose(d, np.where(np.arange(d.size) == 0, -0.2, 0.1), atol=2e-5)
+    np.testing.assert_allclose(stats2["mismatch/abs_logprob_diff"], np.abs(d).mean(), rtol=1e-4)
+    np.testing.assert_allclose(stats2["mismatch/k3_kl"], (np.exp(d) - d - 1).mean(), rtol=1e-3)
+    np.testing.assert_allclose(stats2["mismatch/max_ratio"], np.exp(d.max()), rtol=1e-4)
+    np.testing.assert_allclose(stats2["mismatch/min_ratio"], np.exp(-0.2), rtol=1e-4)
+
+
+def test_a_rollout_correction_on_equal_log_probs_leaves_the_update_bit_identical(models):
+    """rollout_logprobs == logprobs (no sampler log-probs): tis and mis weigh every token
+    exactly 1, so losses, stats and params equal those without a correction bit for bit."""
+    exp, _, _ = experience(models)
+    kw = dict(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1)
+    a0, c0, s0 = run_update(models, exp, UpdateSettings(**kw))
+    assert not any(key.startswith("rollout_correction/") for key in s0)
+    for mode in ("tis", "mis"):
+        a1, c1, s1 = run_update(models, exp, UpdateSettings(rollout_correction=mode, **kw))
+        for key, value in s0.items():
+            np.testing.assert_array_equal(s1[key], value, err_msg=f"{mode} {key}")
+        np.testing.assert_allclose(s1["rollout_correction/weight_mean"], 1.0, rtol=1e-6)
+        assert float(jnp.abs(s1["rollout_correction/truncated_fraction"]).max()) == 0.0
+        jax.tree.map(np.testing.assert_array_equal, (a1.params, c1.params), (a0.params, c0.params))
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_a_rollout_correction_weighs_each_tokens_pg_loss(models, mode):
+    """One minibatch (the whole batch), one epoch, micro-batches of one row: new log-probs
+    equal old ones, so the per-token PPO loss is -A and pg_loss = sum_t w_t (-A_t) / N with the
+    hand-computed weights of old - rollout = shift (rows of 5, 3, 1 and 4 tokens)."""
+    exp, _, _ = experience(models)
+    valid = np.asarray(exp.response_mask) > 0
+    if mode == "tis":  # token ratios e^1 (truncated at 2), e^-0.5, e^0.3
+        shift = np.random.default_rng(3).choice([1.0, -0.5, 0.3], valid.shape)
+        weights, truncated = np.minimum(np.exp(shift), 2.0), (np.exp(shift) >= 2.0)[valid].mean()
+    else:  # row log-ratios 0.5, 0.9 (> log 2: rejected), -0.2, 0.2
+        shift = np.broadcast_to(np.array([0.1, 0.3, -0.2, 0.05])[:, None], valid.shape)
+        rho = np.exp((shift * valid).sum(1))
+        weights, truncated = np.where(rho <= 2.0, rho, 0.0)[:, None] * valid, 0.25
+    exp = exp.replace(rollout_logprobs=exp.logprobs - jnp.asarray(shift, jnp.float32))
+    settings = UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=1,
+                              rollout_correction=mode, rollout_correction_cap=2.0)
+    _, _, stats = run_update(models, exp, settings)
+    adv = np.asarray(exp.advantages, np.float64)
+    want = (weights * -adv)[valid].sum() / valid.sum()
+    np.testing.assert_allclose(stats["pg_loss"][0, 0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["rollout_correction/weight_mean"][0, 0],
+                               weights[valid].mean(), rtol=1e-5)
+    np.testing.assert_allclose(stats["rollout_correction/truncated_fraction"][0, 0], truncated,
+                               rtol=1e-6)
+    assert 0 < truncated < 1

@@ -169,7 +169,7 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
         def sampler(settings):
             return jax.jit(partial(sample, settings=settings),
                            in_shardings=(models_sh.actor, rows, rows, rep),
-                           out_shardings=(rows, rows))
+                           out_shardings=(rows, rows, rows))
 
         self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
         self._generate = sampler(st.sampling)
@@ -295,7 +295,7 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
         groups = place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
         rng, gen_key, upd_key = self._split(self.state["rng"])
         actor = self.ppo_models(self.state["actor"].params).actor
-        resp, resp_mask = jax.block_until_ready(self._generate(actor, q, qm, gen_key))
+        resp, resp_mask, _ = jax.block_until_ready(self._generate(actor, q, qm, gen_key))
         prompts, rows = [self.prompts.texts[i] for i in idx], self._rows_of(idx)
         baseline = self._greedy_baseline(actor, q, qm, gen_key, prompts, rows)
         resp, resp_mask, resp_width = self.response_columns(resp, resp_mask)

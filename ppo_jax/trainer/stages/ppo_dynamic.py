@@ -76,7 +76,7 @@ class DynamicSampling:
         idx, width = whole[lo:hi], self.prompt_columns.full
         q = place.put_rows(self.prompts.ids[idx], (batch, width))
         qm = place.put_rows(self.prompts.mask[idx], (batch, width))
-        resp, mask = jax.block_until_ready(self._generate(actor, q, qm, key))
+        resp, mask, _ = jax.block_until_ready(self._generate(actor, q, qm, key))
         _, scores, means = self._text_scores([self.prompts.texts[i] for i in idx], resp, mask,
                                              self._rows_of(idx))
         informative = int(np.sum(jax.device_get(self._informative(scores))))

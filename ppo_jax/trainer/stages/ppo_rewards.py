@@ -49,7 +49,7 @@ class PPORewards:
         when the advantage estimator does not need it."""
         if not needs_greedy_baseline(get_advantage_estimator(self.cfg.ppo.advantage_estimator)):
             return None
-        g_resp, g_mask = self._generate_greedy(actor, q, qm, key)
+        g_resp, g_mask, _ = self._generate_greedy(actor, q, qm, key)
         if self.reward_fn is None:
             reward = Model(self.models.reward.graphdef, self.place.onload(self.reward_params))
             return self._rm_scores(reward, Rollout(q, qm, g_resp, g_mask))

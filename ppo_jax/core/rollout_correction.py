@@ -1,0 +1,204 @@
+"""The rollout / trainer log-prob mismatch: measured, and corrected by importance weights.
+
+The rollout engine samples with its own weights and kernels (bf16 weights, other reduction
+orders) and returns the log-probs it sampled with, ``rollout_logprobs`` (full-distribution
+log-softmax at the sampling temperature). The trainer recomputes them in float32: the
+experience's ``logprobs``, PPO's ``old_logprobs``. The two differ, so PPO's ratio
+``pi_theta / pi_old`` starts from a policy that did not sample the batch: the update is
+off-policy by ``pi_old / pi_rollout`` (TRL #4772, NeMo-RL #4243, vLLM RFC #42259).
+
+``rollout_mismatch`` measures the gap; ``rollout_correction_weights`` gives per-token weights
+that multiply the per-token policy-gradient loss (``ppo.rollout_correction``):
+
+- ``"none"``: weight 1 on every real token (no correction).
+- ``"tis"``: token-level truncated importance sampling, ``w_t = min(pi_old / pi_rollout, C)``
+  (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+  the truncated-IS correction of the policy gradient).
+- ``"mis"``: sequence-level masked importance sampling, ``rho = prod_t pi_old / pi_rollout``
+  over a response's real tokens, ``w = rho`` if ``rho <= C`` else 0 for all its tokens (Liu,
+  Li et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the
+  Training-Inference Mismatch", sequence-level MIS).
+
+The weight is the behaviour-policy correction of decoupled PPO (Hilton et al. 2021, "Batch
+size-invariance for policy optimization"): PPO's clip stays around ``pi_old`` and the weight
+moves the expectation from ``pi_rollout`` to ``pi_old``. Both blog-post sources state the
+formulas without equation numbers.
+
+Masked slots may hold NaN / inf in any input: they are replaced with ``jnp.where`` before any
+arithmetic and reach no weight, stat or gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ppo_jax.core import validation as V
+from ppo_jax.core.aggregation import Normalizers, aggregate, loss_normalizers
+from ppo_jax.core.kl import kl_penalty
+from ppo_jax.core.masked import masked_mean, safe_divide
+
+ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
+RolloutCorrection = Literal[ROLLOUT_CORRECTIONS]  # the config's type of ppo.rollout_correction
+
+
+def check_rollout_correction(mode: str, cap: Any = 2.0) -> None:
+    """Checks a correction mode and, for ``"tis"`` / ``"mis"``, its cap ``C``.
+
+    ``C >= 1``: an exactly on-policy token or sequence (ratio 1) keeps weight 1, so a run with
+    no mismatch is unchanged; ``C = 1`` is the one-sided truncation of Retrace / V-trace
+    (Munos et al. 2016; Espeholt et al. 2018, rho-bar = 1). ``C < 1`` would truncate (tis) or
+    drop (mis) on-policy data too. A traced ``cap`` is checked for rank and dtype only.
+
+    Raises:
+      ValueError: ``mode`` not in ``ROLLOUT_CORRECTIONS`` (naming it and the known names); a
+        ``cap`` that is not a numeric scalar, or a static one that is not finite or is < 1.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}; known: "
+                         f"{', '.join(ROLLOUT_CORRECTIONS)}")
+    if mode == "none":
+        return
+    if V.is_static_number(cap):
+        if not (math.isfinite(float(cap)) and float(cap) >= 1.0):
+            raise ValueError(f"rollout correction cap must be a finite number >= 1 for "
+                             f"{mode!r}, got {cap!r}")
+    else:
+        V.as_scalar("cap", cap)
+
+
+def _prepare(names: tuple[str, str], a: Any, b: Any, mask: Any):
+    """Validated ``(a, b)`` with masked slots replaced by 0, the bool ``valid`` mask, dtype."""
+    for name, x in zip(names, (a, b)):
+        if x is None:
+            raise ValueError(f"{name} is missing (None)")
+    a, b = V.as_float(names[0], a, ndim=2), V.as_float(names[1], b, ndim=2)
+    V.same_shape(**{names[0]: a, names[1]: b})
+    valid = V.as_valid("mask", mask, a.shape)
+    dtype = jnp.result_type(a, b)
+    return (jnp.where(valid, a, 0).astype(dtype), jnp.where(valid, b, 0).astype(dtype), valid,
+            dtype)
+
+
+def rollout_mismatch(logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax.Array
+                     ) -> dict[str, jax.Array]:
+    """How far the trainer's log-probs are from the sampler's, over the real tokens.
+
+    With ``d = logprobs - rollout_logprobs`` on real tokens:
+
+    - ``mismatch/abs_logprob_diff``: token mean of ``|d|``.
+    - ``mismatch/k3_kl``: token mean of ``exp(d) - d - 1``, Schulman's (2020) k3 estimate of
+      ``KL(pi_rollout || pi_trainer)`` from tokens sampled by ``pi_rollout``
+      (``kl_penalty(rollout_logprobs, logprobs, "low_var_kl")``); >= 0.
+    - ``mismatch/max_ratio`` / ``mismatch/min_ratio``: max / min of ``exp(d)``; 1 when no
+      token is real.
+
+    Args:
+      logprobs: ``[B, T]`` float, the trainer's recomputed log-probs (float32).
+      rollout_logprobs: ``[B, T]`` float, the sampler's log-probs of the same tokens.
+      mask: ``[B, T]`` 0/1 response mask; anything (NaN, inf) may sit in masked slots.
+
+    Returns:
+      ``{name: scalar}`` of the inputs' float dtype (at least float32), ``stop_gradient``-ed;
+      token means are 0 on an empty mask.
+
+    Raises:
+      ValueError: inputs missing (None) or not rank-2 float arrays of one shape; a mask of
+        another shape or a bad dtype.
+    """
+    lp, rl, valid, _ = _prepare(("logprobs", "rollout_logprobs"), logprobs, rollout_logprobs,
+                                mask)
+    d = lp - rl  # 0 on masked slots
+    any_valid = jnp.any(valid)
+    max_d = jnp.where(any_valid, jnp.max(jnp.where(valid, d, -jnp.inf)), 0)
+    min_d = jnp.where(any_valid, jnp.min(jnp.where(valid, d, jnp.inf)), 0)
+    stats = {
+        "mismatch/abs_logprob_diff": masked_mean(jnp.abs(d), valid),
+        "mismatch/k3_kl": masked_mean(kl_penalty(rl, lp, "low_var_kl"), valid),
+        "mismatch/max_ratio": jnp.exp(max_d),
+        "mismatch/min_ratio": jnp.exp(min_d),
+    }
+    return jax.lax.stop_gradient(stats)
+
+
+def _tis(log_ratio: jax.Array, valid: jax.Array, cap: jax.Array):
+    """Token weights ``min(exp(log_ratio), cap)`` and the 0/1 tokens at the cap."""
+    ratio = jnp.exp(log_ratio)  # inf for a huge log-ratio: min(inf, cap) = cap, no NaN
+    at_cap = valid & (ratio >= cap)
+    return jnp.where(valid, jnp.minimum(ratio, cap), 0), at_cap
+
+
+def _mis(log_ratio: jax.Array, valid: jax.Array, cap: jax.Array):
+    """Token weights of sequence-level MIS and the ``[B]`` 0/1 rejected rows.
+
+    ``log rho = sum_t log_ratio`` (0 on masked slots); kept when ``log rho <= log cap``, in log
+    space, so a sum past float range (inf) or NaN is rejected, never turned into a weight.
+    """
+    log_rho = jnp.sum(jnp.where(valid, log_ratio, 0), axis=1)
+    log_cap = jnp.log(cap)
+    keep = log_rho <= log_cap  # False for NaN and +inf
+    row_weight = jnp.where(keep, jnp.exp(jnp.where(keep, log_rho, 0)), 0)
+    rejected = ~keep & jnp.any(valid, axis=1)
+    return jnp.where(valid, row_weight[:, None], 0), rejected
+
+
+def rollout_correction_weights(old_logprobs: jax.Array, rollout_logprobs: jax.Array,
+                               mask: jax.Array, *, mode: str, cap: Any = 2.0,
+                               normalizers: Optional[Normalizers] = None
+                               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Per-token importance weights from the sampler's policy to the trainer's (module doc).
+
+    With ``d_t = old_logprobs - rollout_logprobs`` on real tokens:
+
+    - ``"none"``: ``w_t = 1``.
+    - ``"tis"`` (Yao et al. 2025): ``w_t = min(exp(d_t), C)``.
+    - ``"mis"`` (Liu, Li et al. 2025): ``rho_b = exp(sum_t d_t)``; ``w_t = rho_b`` when
+      ``rho_b <= C``, else 0, for every real token of row ``b`` (computed in log space: a huge
+      sum gives weight 0, never inf or NaN).
+
+    Stats (scalars, ``stop_gradient``-ed), each a sum over this call's rows divided by the
+    minibatch constants of ``normalizers`` (``core.aggregation``), so the stats of the
+    micro-batches of a minibatch add up to the minibatch's:
+
+    - ``rollout_correction/weight_mean``: token mean of ``w`` (``sum w / N``).
+    - ``rollout_correction/truncated_fraction``: tis: fraction of real tokens at the cap
+      (``exp(d_t) >= C``, ``/ N``); mis: fraction of rows rejected (``rho_b > C``, ``/ S``; a row
+      with no real token has ``rho = 1`` and is never rejected); none: 0.
+
+    Args:
+      old_logprobs: ``[B, T]`` float, the trainer's log-probs at rollout time (PPO's old).
+      rollout_logprobs: ``[B, T]`` float, the sampler's log-probs of the same tokens.
+      mask: ``[B, T]`` 0/1 response mask; anything (NaN, inf) may sit in masked slots.
+      mode: one of ``ROLLOUT_CORRECTIONS`` (static).
+      cap: ``C`` (static number >= 1, or a traced scalar); unused for ``"none"``.
+      normalizers: the whole minibatch's ``Normalizers``; None: this call's own.
+
+    Returns:
+      ``(weights [B, T], stats)``: weights of the inputs' float dtype (float32 for float32
+      inputs), ``stop_gradient``-ed, 0 on masked slots.
+
+    Raises:
+      ValueError: as ``check_rollout_correction``; inputs missing (None) or not rank-2 float
+        arrays of one shape; a mask of another shape or a bad dtype.
+    """
+    check_rollout_correction(mode, cap)
+    old, rl, valid, dtype = _prepare(("old_logprobs", "rollout_logprobs"), old_logprobs,
+                                     rollout_logprobs, mask)
+    norms = loss_normalizers(valid) if normalizers is None else normalizers
+    log_ratio = old - rl  # 0 on masked slots
+    truncated = jnp.zeros((), dtype)
+    if mode == "none":
+        weights = valid.astype(dtype)
+    elif mode == "tis":
+        weights, at_cap = _tis(log_ratio, valid, V.as_scalar("cap", cap).astype(dtype))
+        truncated = aggregate(at_cap.astype(dtype), valid, "token-mean", norms)
+    else:
+        weights, rejected = _mis(log_ratio, valid, V.as_scalar("cap", cap).astype(dtype))
+        seqs = V.as_scalar("normalizers.seqs", norms.seqs).astype(dtype)
+        truncated = safe_divide(jnp.sum(rejected, dtype=dtype), seqs)
+    stats = {"rollout_correction/weight_mean": aggregate(weights, valid, "token-mean", norms),
+             "rollout_correction/truncated_fraction": truncated}
+    return jax.lax.stop_gradient(weights), jax.lax.stop_gradient(stats)

@@ -1,0 +1,146 @@
+"""A paged key/value cache and attention over its pages (the rollout engine's cache).
+
+The cache is one array `kv [num_layers, R, num_pages, page_size, 2 * num_kv_heads, head_dim]`:
+R independent replicas (one per data-parallel row block of the mesh, `rollout.engine`), each
+with its own pool of fixed-size pages. Keys and values of KV head h sit at combined heads 2h
+and 2h + 1 (the layout of jax's Pallas `ragged_paged_attention`, so its TPU kernel reads the
+pool as it is). A sequence's token at position p (its index in the sequence, prompt first)
+lives in page `page_table[r, s, p // page_size]` at offset `p % page_size`. Page 0 of every
+replica is the trash page: it is never given to a sequence, and the writes of padding tokens
+and idle slots land there, so no write ever reaches another sequence's page.
+
+A forward call over pages takes a `PagedView`: the page table of its rows, the position of
+every new token (RoPE and the causal mask follow it), which new tokens are written, and each
+row's KV length after the writes. The plain-JAX reference (`paged_attention_reference`) gathers
+a row's pages into one `[W * page_size]` sequence and masks it by position and length: the same
+softmax as the dense cache's `dot_attention`, over a width the caller chooses (the engine
+passes the fewest pages that hold its longest live row). Sources: Kwon et al. 2023 (vLLM,
+PagedAttention); jax `ragged_paged_attention` (kernel and `ref_ragged_paged_attention`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ppo_jax.models.attention import dot_attention
+from ppo_jax.models.config import ModelConfig
+
+TRASH_PAGE = 0
+ATTENTION_KERNELS = ("reference", "pallas")
+
+
+class PagedKVCache(NamedTuple):
+    """kv: `[num_layers, R, num_pages, page_size, 2 * num_kv_heads, head_dim]` (RoPE applied
+    to the keys; k of head h at combined head 2h, v at 2h + 1)."""
+
+    kv: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per replica, the trash page included."""
+        return self.kv.shape[2]
+
+
+@struct.dataclass
+class PagedView:
+    """What one forward call over pages reads and writes.
+
+    page_table: `[R, S, W]` int32, the first W pages of each of the S rows of every replica
+      (page ids local to the replica; unused entries point at the trash page).
+    positions: `[R * S, L]` int32, the position of each new token in its sequence.
+    write: `[R * S, L]` bool, the new tokens whose k/v are stored (padding and idle rows: no).
+    kv_lens: `[R * S]` int32, each row's sequence length after this call's writes.
+    kernel: "reference" (gather the pages, everywhere) or "pallas" (TPU; one-token decode
+      calls only, `paged_attention_tpu`); static.
+    mesh: the mesh the Pallas kernel is mapped over (None: one device); static.
+    """
+
+    page_table: jax.Array
+    positions: jax.Array
+    write: jax.Array
+    kv_lens: jax.Array
+    kernel: str = struct.field(pytree_node=False, default="reference")
+    mesh: Any = struct.field(pytree_node=False, default=None)
+
+
+def init_paged_cache(cfg: ModelConfig, replicas: int, num_pages: int, page_size: int,
+                     dtype=None) -> PagedKVCache:
+    """Zero pool `[num_layers, replicas, num_pages, page_size, 2 * num_kv_heads, head_dim]` in
+    `dtype` (default the compute dtype). Memory: that product times the item size."""
+    dtype = cfg.jnp_dtype if dtype is None else jnp.dtype(dtype)
+    shape = (cfg.num_layers, replicas, num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+    return PagedKVCache(jnp.zeros(shape, dtype))
+
+
+def _per_replica(x: jax.Array, replicas: int) -> jax.Array:
+    """`[R * S, ...]` -> `[R, S, ...]`."""
+    return x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+
+
+def write_pages(kv: jax.Array, layer, view: PagedView, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Store the new `k, v [R * S, L, KVH, hd]` of layer `layer` (int32 scalar, traced ok) at
+    their positions' pages; tokens with `view.write` False go to the trash page. Returns the
+    updated pool (the same shape)."""
+    replicas, _, _ = view.page_table.shape
+    page_size = kv.shape[3]
+    b, length, kvh, hd = k.shape
+    new = jnp.stack([k, v], axis=3).reshape(b, length, 2 * kvh, hd).astype(kv.dtype)
+    pos = _per_replica(view.positions, replicas)
+    page = jnp.take_along_axis(view.page_table, pos // page_size, axis=2)
+    page = jnp.where(_per_replica(view.write, replicas), page, TRASH_PAGE)
+    offset = pos % page_size
+
+    def one(kv_r, page_r, offset_r, new_r):  # kv_r [layers, pages, page_size, 2 KVH, hd]
+        return kv_r.at[layer, page_r, offset_r].set(new_r)
+
+    return jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)(
+        kv, page, offset, _per_replica(new, replicas))
+
+
+def gather_pages(kv_layer: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One layer's pool `[R, P, page_size, 2 KVH, hd]` read through `page_table [R, S, W]` ->
+    `(k, v)`, each `[R * S, W * page_size, KVH, hd]`: every row's first W pages, in order."""
+    replicas, rows, width = page_table.shape
+    pages = jax.vmap(lambda kv_r, table_r: kv_r[table_r])(kv_layer, page_table)
+    flat = pages.reshape(replicas * rows, width * kv_layer.shape[2], *kv_layer.shape[3:])
+    return flat[:, :, 0::2], flat[:, :, 1::2]
+
+
+def paged_mask(view: PagedView, kv_width: int, window: Optional[jax.Array] = None) -> jax.Array:
+    """`[R * S, L, kv_width]` bool: key j is seen by the new token at position p when
+    `j <= p`, `j < kv_len` and (with a sliding window w > 0) `p - j < w`."""
+    j = jnp.arange(kv_width, dtype=jnp.int32)
+    pos = view.positions[:, :, None]
+    allowed = (j <= pos) & (j < view.kv_lens[:, None, None])
+    if window is not None:
+        allowed = allowed & ((window <= 0) | (pos - j < window))
+    return allowed
+
+
+def paged_attention_reference(q: jax.Array, kv_layer: jax.Array, view: PagedView,
+                              window: Optional[jax.Array] = None) -> jax.Array:
+    """Attention of the new queries `q [R * S, L, H, hd]` over their rows' pages, gathered
+    (`gather_pages`) and masked (`paged_mask`); scores and softmax in float32 as
+    `attention.dot_attention`. Returns `[R * S, L, H * hd]` in q.dtype."""
+    k, v = gather_pages(kv_layer, view.page_table)
+    allowed = paged_mask(view, k.shape[1], window)
+    return dot_attention(q, k.astype(q.dtype), v.astype(q.dtype), allowed)
+
+
+def paged_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView,
+                    window: Optional[jax.Array] = None) -> jax.Array:
+    """`paged_attention_reference`, or jax's Pallas `ragged_paged_attention` on TPU when
+    `view.kernel == "pallas"` and the call decodes one token per row (L = 1)."""
+    if view.kernel == "pallas" and q.shape[1] == 1:
+        from ppo_jax.models.paged_attention_tpu import pallas_decode_attention
+
+        return pallas_decode_attention(q, kv_layer, view, window)
+    return paged_attention_reference(q, kv_layer, view, window)

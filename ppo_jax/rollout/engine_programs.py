@@ -1,0 +1,234 @@
+"""The paged engine's device programs: prefill admitted groups into their pages and slots, decode
+a chunk of k tokens in every live slot, and gather the responses (`rollout.engine` runs them).
+
+Every array has a leading replica axis R (one replica per row block of the mesh's batch axes):
+slots `[R, S]`, responses `[R, B / R, N]` (replica r answers batch rows r * B / R ...), the
+pool `[layers, R, pages, ...]` (`models.paged_cache`). Slot state, pages and responses stay on
+the devices for the whole batch; the host sends page tables and admissions, and reads back
+only the slots' lengths and done flags after each chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ppo_jax.models.functional import Model
+from ppo_jax.models.paged_cache import PagedKVCache, PagedView
+from ppo_jax.rollout.sampling import draw, sample_keys
+
+
+@dataclass(frozen=True)
+class DrawSettings:
+    """How tokens are drawn and when a sequence ends (static): `sampling.draw`'s filters, the
+    stop tokens, the pad id written after a response, N = max_new_tokens, the attention kernel
+    ("reference" | "pallas") and the mesh it is mapped over."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    kernel: str = "reference"
+    mesh: Any = None
+
+    def draw(self, logits, keys, t):
+        return draw(logits, keys, t, temperature=self.temperature, top_k=self.top_k,
+                    top_p=self.top_p, greedy=self.greedy)
+
+    def stops(self, token):
+        return jnp.isin(token, jnp.asarray(self.stop_token_ids or (-1,), jnp.int32))
+
+
+@struct.dataclass
+class SlotState:
+    """Per slot `[R, S]`: the last drawn token (not yet fed), its position in the sequence, the
+    slot's batch row (local to the replica), response tokens drawn, whether it is done."""
+
+    token: jax.Array
+    position: jax.Array
+    row: jax.Array
+    length: jax.Array
+    done: jax.Array
+
+
+@struct.dataclass
+class Responses:
+    """Tokens and their log-probs `[R, B / R, N]`, written as they are drawn."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+
+
+@struct.dataclass
+class Admission:
+    """The groups one prefill admits, G per replica (padded; `valid` False for padding), n
+    samples each (groups of one after a preemption: the other samples invalid).
+
+    group_rows `[R, G]` (local row of sample 0), prompt_pages `[R, G, Wp]`, and per sample
+    `[R, G, n]`: rows (local), slots, valid, copy_src / copy_dst (the partial prompt page each
+    later sample copies; the trash page for none)."""
+
+    group_rows: jax.Array
+    prompt_pages: jax.Array
+    rows: jax.Array
+    slots: jax.Array
+    valid: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
+
+
+def empty_state(replicas: int, slots: int, rows: int, max_new_tokens: int, pad_token_id: int):
+    """`(SlotState, Responses)` of an empty engine: every slot done, responses all pad."""
+    z = jnp.zeros((replicas, slots), jnp.int32)
+    shape = (replicas, rows, max_new_tokens)
+    return (SlotState(z, z, z, z, jnp.ones((replicas, slots), bool)),
+            Responses(jnp.full(shape, pad_token_id, jnp.int32), jnp.zeros(shape, jnp.float32)))
+
+
+def _rows_of(x: jax.Array) -> jax.Array:
+    """`[R, X, ...]` -> `[R * X, ...]`."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _global_rows(local_rows: jax.Array, rows_per_replica: int) -> jax.Array:
+    """Local rows `[R, ...]` -> batch rows `r * B / R + local` (the draws' keys)."""
+    r = jnp.arange(local_rows.shape[0], dtype=jnp.int32).reshape(-1, *[1] * (local_rows.ndim - 1))
+    return r * rows_per_replica + local_rows
+
+
+def _record(responses: Responses, rows, t, tokens, logprobs, keep) -> Responses:
+    """Write `tokens`, `logprobs` at `(replica, rows, t)` (each `[R, X]`) where `keep`."""
+    n_rows = responses.tokens.shape[1]
+    rows = jnp.where(keep, rows, n_rows)  # out of range: dropped
+
+    def one(resp_t, resp_l, r, tt, tok, lp):
+        return resp_t.at[r, tt].set(tok, mode="drop"), resp_l.at[r, tt].set(lp, mode="drop")
+
+    tok, lp = jax.vmap(one)(responses.tokens, responses.logprobs, rows, t, tokens, logprobs)
+    return Responses(tok, lp)
+
+
+def _copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    """Every layer's page `src[r, i]` copied to `dst[r, i]` (`[R, X]`; trash to trash: none)."""
+    def one(kv_r, s, d):  # kv_r [layers, pages, ...]
+        return kv_r.at[:, d].set(kv_r[:, s])
+
+    return PagedKVCache(jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(cache.kv, src, dst))
+
+
+def _prefill_logits(model, cache: PagedKVCache, ids, mask, pages, s: DrawSettings):
+    """The admitted prompts `[R, G, P]` through the model into their pages -> logits of each
+    prompt's last position `[R, G, V]`, the cache."""
+    replicas, groups, width = ids.shape
+    mask = _rows_of(mask)
+    view = PagedView(pages, jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0), mask > 0,
+                     mask.sum(axis=1), "reference", s.mesh)
+    hidden, cache = model.backbone(_rows_of(ids), None, cache=cache, paged=view)
+    logits = model.lm_head(hidden[:, -1])
+    return logits.reshape(replicas, groups, -1), cache
+
+
+def prefill_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
+                    prompt_ids, prompt_mask, admission: Admission, step_key, *,
+                    settings: DrawSettings):
+    """Admit groups: prompts `[B, P]` (left-padded, batch rows) -> the admitted groups' prompts
+    in their pages, the later samples' partial pages copied, each sample's first token drawn
+    (key of its batch row, position 0) into its slot and its response row.
+
+    Returns `(cache, state, responses)`."""
+    s, a = settings, admission
+    replicas, rows = state.token.shape[0], responses.tokens.shape[1]
+    local = lambda x: x.reshape(replicas, rows, *x.shape[1:])  # noqa: E731
+    take = jax.vmap(lambda x, i: x[i])
+    ids = take(local(prompt_ids.astype(jnp.int32)), a.group_rows)
+    mask = take(local(prompt_mask.astype(jnp.int32)), a.group_rows) * a.valid[:, :, :1]
+    logits, cache = _prefill_logits(model.merge(), cache, ids, mask, a.prompt_pages, s)
+    cache = _copy_pages(cache, a.copy_src.reshape(replicas, -1), a.copy_dst.reshape(replicas, -1))
+    n = a.rows.shape[2]
+    sample_logits = jnp.repeat(logits, n, axis=1)  # [R, G * n, V]
+    keys = sample_keys(step_key, _global_rows(a.rows, rows).reshape(-1))
+    token, logp = s.draw(_rows_of(sample_logits), keys, 0)
+    token, logp = token.reshape(replicas, -1), logp.reshape(replicas, -1)
+    valid, sample_rows = a.valid.reshape(replicas, -1), a.rows.reshape(replicas, -1)
+    prompt_len = jnp.repeat(mask.sum(axis=2), n, axis=1)
+    done = s.stops(token) | (s.max_new_tokens <= 1)
+    slots = jnp.where(valid, a.slots.reshape(replicas, -1), state.token.shape[1])
+    put = jax.vmap(lambda x, i, v: x.at[i].set(v, mode="drop"))
+    state = SlotState(put(state.token, slots, token), put(state.position, slots, prompt_len),
+                      put(state.row, slots, sample_rows),
+                      put(state.length, slots, jnp.ones_like(token)), put(state.done, slots, done))
+    responses = _record(responses, sample_rows, jnp.zeros_like(token), token, logp, valid)
+    return cache, state, responses
+
+
+def _decode_step(model, cache, state: SlotState, responses: Responses, page_table, live,
+                 step_key, s: DrawSettings):
+    """Feed every active slot's last token, draw the next one, record it."""
+    replicas, slots = state.token.shape
+    active = live & ~state.done
+    position = jnp.where(active, state.position, 0)
+    view = PagedView(page_table, _rows_of(position)[:, None], _rows_of(active)[:, None],
+                     _rows_of(position) + 1, s.kernel, s.mesh)
+    hidden, cache = model.backbone(_rows_of(state.token)[:, None], None, cache=cache, paged=view)
+    logits = model.lm_head(hidden[:, 0])
+    rows_per_replica = responses.tokens.shape[1]
+    keys = sample_keys(step_key, _rows_of(_global_rows(state.row, rows_per_replica)))
+    token, logp = s.draw(logits, keys, _rows_of(state.length))
+    token, logp = token.reshape(replicas, slots), logp.reshape(replicas, slots)
+    responses = _record(responses, state.row, state.length, token, logp, active)
+    ended = s.stops(token) | (state.length + 1 >= s.max_new_tokens)
+    step = active.astype(jnp.int32)
+    state = SlotState(jnp.where(active, token, state.token), state.position + step, state.row,
+                      state.length + step, state.done | (active & ended))
+    return cache, state, responses
+
+
+def decode_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
+                   page_table, live, step_key, *, settings: DrawSettings, chunk: int):
+    """Up to `chunk` one-token steps of every live, unfinished slot (`live [R, S]` from the
+    host; `page_table [R, S, W]` holds every page the chunk writes), stopping early when no
+    slot is active. Returns `(cache, state, responses, lengths [R, S], done [R, S], steps)`
+    (steps: the one-token steps run, int32)."""
+    module = model.merge()
+
+    def cond(carry):
+        i, _, st, _ = carry
+        return (i < chunk) & jnp.any(live & ~st.done)
+
+    def body(carry):
+        i, c, st, resp = carry
+        c, st, resp = _decode_step(module, c, st, resp, page_table, live, step_key, settings)
+        return i + 1, c, st, resp
+
+    steps, cache, state, responses = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state,
+                                                                    responses))
+    return cache, state, responses, state.length, state.done, steps
+
+
+def finalize(responses: Responses, lengths, pad_token_id: int):
+    """Responses `[R, B / R, N]` and each row's final length `[R, B / R]` -> `(response_ids,
+    response_mask, logprobs)` `[B, N]`: tokens after a row's length are pad, log-probs 0."""
+    n = responses.tokens.shape[2]
+    mask = jnp.arange(n, dtype=jnp.int32) < lengths[..., None]
+    tokens = jnp.where(mask, responses.tokens, pad_token_id)
+    logprobs = jnp.where(mask, responses.logprobs, 0.0)
+    return _rows_of(tokens), _rows_of(mask.astype(jnp.int32)), _rows_of(logprobs)
+
+
+def decode_width_buckets(max_pages: int, buckets: int) -> tuple[int, ...]:
+    """The page-table widths the decode program compiles for: `buckets` evenly spaced widths up
+    to `max_pages` (the fewest that hold the longest live sequence is used each chunk)."""
+    buckets = max(1, min(buckets, max_pages))
+    return tuple(sorted({-(-max_pages * (i + 1) // buckets) for i in range(buckets)}))
+
+
+def pick_width(widths: tuple[int, ...], need: int) -> int:
+    """The smallest of `widths` >= need (the last when none is)."""
+    return next((w for w in widths if w >= need), widths[-1])

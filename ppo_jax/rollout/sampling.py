@@ -1,0 +1,88 @@
+"""Drawing the next token: sampling filters, one key per sample, and the log-prob of the draw.
+
+Shared by both rollout engines (`rollout.sampler`, the static batch, and `rollout.engine`, the
+paged engine). The token at response position t of the sample in batch row b (sample j of
+prompt i, b = i * n + j) is drawn with the key `fold_in(fold_in(step_key, b), t)`: a
+sequence's tokens depend on its row, its position and the step's key only, never on which slot,
+chunk or sub-batch ran it, so both engines draw the same tokens from the same logits.
+
+Sampling filters (temperature, top-k, top-p) follow transformers' logits warpers
+(`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`); greedy is argmax. The
+filtered distribution is used only to draw: the log-prob returned with a token is that of the
+full distribution at the temperature, the quantity the trainer recomputes
+(`core.logprobs_from_logits`), so the two can be compared (the rollout/trainer mismatch).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity" for filtered logits
+
+
+def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0) -> jax.Array:
+    """Temperature, then top-k, then top-p (nucleus) filtering of `[B, V]` float32 logits.
+
+    top_k = 0 and top_p = 1.0 switch the filters off. Top-p keeps the smallest set of most
+    probable tokens whose total probability reaches `top_p` (always at least one token), as
+    transformers' `TopPLogitsWarper`. Returns `[B, V]` float32 with filtered entries at -1e30.
+    """
+    logits = logits.astype(jnp.float32) / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, _NEG, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly better tokens
+        keep_sorted = mass_before < top_p
+        keep_sorted = keep_sorted.at[:, 0].set(True)
+        # threshold = smallest kept logit per row
+        threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, _NEG, logits)
+    return logits
+
+
+def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, greedy: bool = False) -> jax.Array:
+    """Draw one token per row from `[B, V]` logits -> `[B]` int32."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+
+
+
+
+def sample_keys(step_key: jax.Array, rows: jax.Array) -> jax.Array:
+    """`[B]` keys, one per sample: `fold_in(step_key, row)` for each batch row in `rows [B]`."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, rows.astype(jnp.uint32))
+
+
+def draw(logits: jax.Array, row_keys: jax.Array, t, *, temperature: float = 1.0, top_k: int = 0,
+         top_p: float = 1.0, greedy: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Draw response token `t` of every row from `[B, V]` logits.
+
+    Args:
+      logits: `[B, V]` (any float dtype; filtered in float32).
+      row_keys: `[B]` keys from `sample_keys`; t: the response position, a scalar or `[B]`
+        int32 (each row's own position).
+      temperature, top_k, top_p, greedy: as `filter_logits`; greedy draws the argmax.
+
+    Returns:
+      `(tokens [B] int32, logprobs [B] float32)`: the draws, each with its log-prob under the
+      unfiltered distribution `log_softmax(logits / temperature)`.
+    """
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        t = jnp.broadcast_to(jnp.asarray(t, jnp.uint32), row_keys.shape[:1])
+        keys = jax.vmap(jax.random.fold_in)(row_keys, t)
+        filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
