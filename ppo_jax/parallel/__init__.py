@@ -14,6 +14,7 @@ from ppo_jax.parallel.mesh import (
     shard_rows_tree,
 )
 from ppo_jax.parallel.rules import (
+    ROLLOUT_RULES,
     RULES,
     describe,
     param_spec,

@@ -74,6 +74,17 @@ def _adapter_rules(rules) -> tuple[Rule, ...]:
 RULES = RULES + _adapter_rules(RULES)
 
 
+def _without_fsdp(rules) -> tuple[Rule, ...]:
+    return tuple((pattern, tuple(None if a == "fsdp" else a for a in axes))
+                 for pattern, axes in rules)
+
+
+# The rollout copy of the actor (`generation.rollout_layout: tensor`): the same tensor splits,
+# replicated over data and fsdp, so a decode step gathers no weights (verl's resharding of the
+# actor into the inference engine's layout, once per step).
+ROLLOUT_RULES: tuple[Rule, ...] = _without_fsdp(RULES)
+
+
 def param_spec(path: str, shape: Sequence[int], mesh: Mesh,
                rules: Sequence[Rule] = RULES) -> P:
     """The PartitionSpec of one array by the first rule whose regex matches `path`.

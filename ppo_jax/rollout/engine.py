@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Optional
+from typing import Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,10 @@ from ppo_jax.rollout.engine_programs import (
     pick_width, prefill_program,
 )
 from ppo_jax.rollout.scheduler import Admitted, ReplicaScheduler, pages_for
+
+ENGINES = ("static", "paged")
+RolloutEngine = Literal[ENGINES]  # generation.engine
+AttentionKernel = Literal[ATTENTION_KERNELS]  # generation.attention
 
 
 @dataclass(frozen=True)
@@ -87,23 +91,18 @@ def engine_layout(settings: EngineSettings, *, batch: int, prompt_width: int,
                   max_new_tokens: int, group_size: int, replicas: int) -> EngineLayout:
     """Check the settings against one batch shape and size the engine (before any compile).
 
-    The cache length of a sequence is `prompt_width + max_new_tokens`; a page size must divide
-    it. Each replica's pool must hold the trash page and one sequence of that length (and a
-    whole group's first chunk), its slots one group.
+    A sequence holds at most `prompt_width + max_new_tokens - 1` tokens (the last token is
+    never fed back). Each replica's pool must hold the trash page and one sequence of that
+    length (and a whole group's first chunk), its slots one group.
 
     Raises:
-      ValueError: naming the `generation.*` setting and its value: a page size that does not
-        divide the cache length; too few pages; slots not a multiple of the replicas or fewer
-        than a group per replica; a replica's rows not whole groups; a bad chunk or kernel.
+      ValueError: naming the `generation.*` setting and its value: too few pages; slots not a
+        multiple of the replicas or fewer than a group per replica; a replica's rows not whole
+        groups; a bad page size, chunk or kernel.
     """
     s, n = settings, group_size
     cache_len = prompt_width + max_new_tokens
     _positive(page_size=s.page_size, decode_chunk=s.decode_chunk, decode_buckets=s.decode_buckets)
-    if cache_len % s.page_size:
-        fits = [d for d in range(1, min(cache_len, 256) + 1) if cache_len % d == 0][-4:]
-        raise ValueError(f"generation.page_size={s.page_size} does not divide the cache length "
-                         f"{cache_len} (prompt width {prompt_width} + max_new_tokens "
-                         f"{max_new_tokens}); page sizes that do: {fits}")
     if s.attention not in ATTENTION_KERNELS:
         raise ValueError(f"generation.attention={s.attention!r}; one of {ATTENTION_KERNELS}")
     if batch % replicas or (batch // replicas) % n:
@@ -126,6 +125,20 @@ def engine_layout(settings: EngineSettings, *, batch: int, prompt_width: int,
                          f"its first chunk, in pages of {s.page_size}; give at least "
                          f"{need * replicas} (a multiple of {replicas})")
     return EngineLayout(replicas, batch // replicas, slots // replicas, pages, max_pages, n)
+
+
+def check_page_size(page_size: int, cache_len: int, what: str) -> None:
+    """A run's page size must divide its cache length `what` = `cache_len` (the longest
+    prompt plus max_new_tokens), so the longest sequence fills whole pages.
+
+    Raises:
+      ValueError: naming `generation.page_size`, the cache length and page sizes that fit.
+    """
+    _positive(page_size=page_size)
+    if cache_len % page_size:
+        fits = [d for d in range(1, min(cache_len, 256) + 1) if cache_len % d == 0][-4:]
+        raise ValueError(f"generation.page_size={page_size} does not divide the cache length "
+                         f"{cache_len} ({what}); page sizes that do: {fits}")
 
 
 def _positive(**values) -> None:

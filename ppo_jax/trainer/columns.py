@@ -122,6 +122,8 @@ class ResponseColumns:
         self._longest = jax.jit(_longest, **kw)
         kw = {} if rows is None else {"in_shardings": (rows, rows), "out_shardings": (rows, rows)}
         self._narrow = jax.jit(_narrow, static_argnums=2, **kw)
+        kw = {} if rows is None else {"in_shardings": rows, "out_shardings": rows}
+        self._narrow_one = jax.jit(lambda x, width: x[:, :width], static_argnums=1, **kw)
 
     def width(self, mask: jax.Array) -> int:
         """The bucket width of the batch's longest response (a device -> host read of a
@@ -138,3 +140,8 @@ class ResponseColumns:
             return ids, mask, full
         ids, mask = self._narrow(ids, mask, width)
         return ids, mask, width
+
+    def cut(self, x: jax.Array, width: int) -> jax.Array:
+        """The first `width` columns of another `[B, N]` array of the responses (their
+        log-probs), as `__call__` cut the ids."""
+        return x if width == x.shape[1] else self._narrow_one(x, width)

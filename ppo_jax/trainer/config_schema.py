@@ -27,6 +27,8 @@ from ppo_jax.core.kl_control import KLControllerKind
 from ppo_jax.core.rollout_correction import RolloutCorrection
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
+from ppo_jax.rollout.engine import AttentionKernel, RolloutEngine
+from ppo_jax.rollout.weights import RolloutLayout
 from ppo_jax.trainer.data import Truncation
 from ppo_jax.trainer.optim import Schedule
 from ppo_jax.trainer.reward_functions import RewardKind
@@ -177,6 +179,29 @@ class GenerationConfig:
                                      "prompt through the model once and give its KV cache to "
                                      "its n samples (rollout.prefill); the same tokens as n "
                                      "prefills")
+    engine: RolloutEngine = opt("static", "static: one batch, a [B, P + N] KV cache, every row "
+                                "until the longest stops (rollout.sampler); paged: KV pages, "
+                                "decode slots refilled as rows finish (rollout.engine, "
+                                "docs/rollout_engine.md); the same tokens under one key")
+    page_size: int = opt(16, "paged: tokens per KV page; must divide data.max_prompt_length + "
+                         "max_new_tokens")
+    num_pages: int = opt(0, "paged: KV pages in all replicas' pools together (one replica per "
+                         "mesh data x fsdp block); 0: the static sampler's KV memory")
+    max_concurrent: int = opt(0, "paged: decode slots (sequences decoded at once) over all "
+                              "replicas; 0: the batch size")
+    decode_chunk: int = opt(8, "paged: tokens decoded between two scheduling rounds (finished "
+                            "rows leave and new ones enter at chunk ends)")
+    decode_buckets: int = opt(4, "paged: page-table widths the decode chunk compiles for; "
+                              "attention reads the longest live sequence's width bucket")
+    attention: AttentionKernel = opt("reference", "paged: attention over the pages: reference "
+                                     "(gather the pages; CPU, GPU) or pallas (jax's ragged "
+                                     "paged attention kernel; TPU)")
+    param_dtype: Optional[Dtype] = opt(None, "dtype of the rollout copy of the actor's weights "
+                                       "(e.g. bfloat16); null: the training params' dtype")
+    rollout_layout: RolloutLayout = opt("tensor", "layout of the rollout weights: tensor (split "
+                                        "over tensor only, copied once per step when fsdp > 1: "
+                                        "no weight gathers while decoding) or train (the "
+                                        "training layout, gathered at every decode step)")
 
 
 @dataclass

@@ -23,7 +23,8 @@ from ppo_jax.core import init_kl_controller
 from ppo_jax.models.functional import Model
 from ppo_jax.models.lora import join
 from ppo_jax.rollout.experience import PPOModels, make_experience
-from ppo_jax.rollout.sampler import ended_rows, sample
+from ppo_jax.rollout.sampler import ended_rows
+from ppo_jax.rollout.weights import rollout_copy_fn
 from ppo_jax.rollout.scoring import Rollout, rollout_scores
 from ppo_jax.trainer.base import StageTrainer
 from ppo_jax.trainer.columns import PromptColumns, ResponseColumns
@@ -41,6 +42,9 @@ from ppo_jax.trainer.stages.ppo_parts import Learned, Sampled, Scored, step_metr
 from ppo_jax.trainer.stages.ppo_programs import PPOPrograms
 from ppo_jax.trainer.stages.ppo_dynamic import DynamicSampling
 from ppo_jax.trainer.stages.ppo_rewards import PPORewards
+from ppo_jax.trainer.stages.ppo_rollout import (
+    check_engine, engine_metrics, engine_settings, make_sampler, rollout_shardings,
+)
 from ppo_jax.trainer.stages.ppo_settings import settings_for
 from ppo_jax.trainer.update import ppo_update
 
@@ -75,6 +79,7 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
         if cfg.ppo.batch_size % place.batch_shards:
             raise ConfigError(f"ppo.batch_size={cfg.ppo.batch_size} is not a multiple of mesh "
                               f"data x fsdp = {place.batch_shards}")
+        check_engine(cfg, place.batch_shards)
         build = abstract_models if self.is_abstract else build_models
         models = build(cfg, sharding_fn=place.sharding_fn)
         self.models, self.tokenizer = models, models.tokenizer
@@ -149,11 +154,13 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
         models_sh = self._model_shardings()
         stops = self.stop_ids
 
-        def experience(models, kl_state, rollout, scores, group_ids, baseline_scores):
+        def experience(models, kl_state, rollout, scores, group_ids, baseline_scores,
+                       rollout_logprobs):
             ended = ended_rows(rollout.response_ids, rollout.response_mask, stops)
             exp, kl_state, stats = make_experience(
                 models, rollout, kl_state, scores, ended, settings=st.experience,
-                group_ids=group_ids, baseline_scores=baseline_scores)
+                group_ids=group_ids, baseline_scores=baseline_scores,
+                rollout_logprobs=rollout_logprobs)
             tokens = {"prompt": rollout.query_mask.sum(), "response": rollout.response_mask.sum()}
             return exp, kl_state, stats, tokens
 
@@ -166,14 +173,16 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
                               actor_tx=self.actor_tx, critic_tx=self.critic_tx, settings=settings,
                               frozen=frozen)
 
-        def sampler(settings):
-            return jax.jit(partial(sample, settings=settings),
-                           in_shardings=(models_sh.actor, rows, rows, rep),
-                           out_shardings=(rows, rows, rows))
-
         self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
-        self._generate = sampler(st.sampling)
-        self._generate_greedy = sampler(replace(st.sampling, greedy=True))
+        g = self.cfg.generation
+        self._rollout_copy = rollout_copy_fn(self.state["actor"].params, place.constraint_mesh,
+                                             g.rollout_layout, g.param_dtype)
+        actor_sh = rollout_shardings(models_sh.actor, place, g.rollout_layout,
+                                     self._rollout_copy is not None)
+        engine = engine_settings(self.cfg)
+        self._generate = make_sampler(st.sampling, engine, actor_sh, place, self.models.actor.cfg)
+        self._generate_greedy = make_sampler(replace(st.sampling, greedy=True), engine, actor_sh,
+                                             place, self.models.actor.cfg)
         self._rm_scores = jax.jit(
             lambda reward, rollout: rollout_scores(reward, rollout, st.experience.scoring),
             in_shardings=(models_sh.reward, Rollout(rows, rows, rows, rows)), out_shardings=rows)
@@ -182,7 +191,7 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
                                                 self.cfg.generation.response_buckets, rows, rep)
         self._experience = jax.jit(
             experience, in_shardings=(models_sh, rep, Rollout(rows, rows, rows, rows), rows, rows,
-                                      rows),
+                                      rows, rows),
             out_shardings=(rows, rep, rep, rep))
         actor_sh, critic_sh = place.shardings(self.state["actor"]), place.shardings(self.state["critic"])
         frozen_sh = place.shardings(self.frozen)
@@ -195,6 +204,15 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
             lambda a, c, f, e, k: update(a, c, f, e, k, critic_only))
         if self.cfg.ppo.dynamic_sampling:
             self._build_dynamic()
+
+    def rollout_actor(self) -> Model:
+        """The actor the sampler runs: the trained params, or their rollout copy (cast to
+        `generation.param_dtype`, laid out by `generation.rollout_layout`; made once per step,
+        `rollout.weights`)."""
+        actor = self.ppo_models(self.state["actor"].params).actor
+        if self._rollout_copy is None:
+            return actor
+        return Model(actor.graphdef, self._rollout_copy(actor.params))
 
     def _build_evaluator(self) -> Evaluator:
         """The held-out evaluation (`eval.*`): its prompts tokenised like the training prompts,
@@ -294,13 +312,15 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
         qm = place.put_rows(cut(self.prompts.mask[idx], width), (batch, width))
         groups = place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
         rng, gen_key, upd_key = self._split(self.state["rng"])
-        actor = self.ppo_models(self.state["actor"].params).actor
-        resp, resp_mask, _ = jax.block_until_ready(self._generate(actor, q, qm, gen_key))
+        actor = self.rollout_actor()
+        resp, resp_mask, logprobs = jax.block_until_ready(self._generate(actor, q, qm, gen_key))
         prompts, rows = [self.prompts.texts[i] for i in idx], self._rows_of(idx)
         baseline = self._greedy_baseline(actor, q, qm, gen_key, prompts, rows)
         resp, resp_mask, resp_width = self.response_columns(resp, resp_mask)
         return Sampled(prompts, Rollout(q, qm, resp, resp_mask), groups, baseline, upd_key, rng,
-                       int(width), int(resp_width), time.perf_counter(), rows)
+                       int(width), int(resp_width), time.perf_counter(), rows,
+                       rollout_logprobs=self.response_columns.cut(logprobs, resp_width),
+                       engine_stats=engine_metrics(self._generate))
 
     def score_rollout(self, sampled: Sampled) -> Scored:
         """The reward (the reward function on this process's decoded rows, or the reward model
@@ -317,7 +337,8 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
         models = self.ppo_models(self.state["actor"].params,
                                  None if critic is None else critic.params, ref, reward)
         exp, kl_state, stats, tokens = self._experience(
-            models, self.state["kl"], r, scores, sampled.group_ids, sampled.baseline_scores)
+            models, self.state["kl"], r, scores, sampled.group_ids, sampled.baseline_scores,
+            sampled.rollout_logprobs)
         del ref, reward, models  # offloaded frozen params: the device copy lives for this pass
         stats = {**jax.device_get(stats), **parts}  # replicated scalars: readable everywhere
         release_host_memory()

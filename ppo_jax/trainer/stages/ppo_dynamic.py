@@ -38,13 +38,13 @@ def select_rollout(rollouts: tuple, scores: tuple, *, keep: int, n: int):
     """The training batch from several drawn rounds: `(rollout, scores, rows, kept)`.
 
     Args:
-      rollouts: per round a `Rollout` of `[B, ...]` rows (prompts at one width, responses at
-        max_new_tokens), the rows of a group adjacent.
+      rollouts: per round a pytree of `[B, ...]` rows (the `Rollout`, prompts at one width and
+        responses at max_new_tokens, and the sampler's log-probs), the rows of a group adjacent.
       scores: per round the `[B]` scores.
       keep: groups in the batch (B / n); n: samples per prompt.
 
     Returns:
-      the selected `Rollout` and `[B]` scores, `rows [B]` int32 (indices into the rounds
+      the selected rows of that pytree and `[B]` scores, `rows [B]` int32 (indices into the rounds
       concatenated), `kept` (informative groups in the batch, int32).
     """
     both = jax.tree.map(lambda *x: jnp.concatenate(x), *rollouts)
@@ -76,18 +76,18 @@ class DynamicSampling:
         idx, width = whole[lo:hi], self.prompt_columns.full
         q = place.put_rows(self.prompts.ids[idx], (batch, width))
         qm = place.put_rows(self.prompts.mask[idx], (batch, width))
-        resp, mask, _ = jax.block_until_ready(self._generate(actor, q, qm, key))
+        resp, mask, logprobs = jax.block_until_ready(self._generate(actor, q, qm, key))
         _, scores, means = self._text_scores([self.prompts.texts[i] for i in idx], resp, mask,
                                              self._rows_of(idx))
         informative = int(np.sum(jax.device_get(self._informative(scores))))
-        return whole, Rollout(q, qm, resp, mask), scores, means, informative
+        return whole, (Rollout(q, qm, resp, mask), logprobs), scores, means, informative
 
     def dynamic_rollout(self) -> Sampled:
         """A `Sampled` batch of informative groups (module doc), its scores and reward means
         attached (`Sampled.scores`, `Sampled.reward_stats`)."""
         place, batch, n = self.place, self.cfg.ppo.batch_size, self.cfg.generation.samples_per_prompt
         rng, key, upd_key = self._split(self.state["rng"])
-        actor = self.ppo_models(self.state["actor"].params).actor
+        actor = self.rollout_actor()
         drawn, found = [], 0
         while True:
             drawn.append(self._draw_round(key, actor))
@@ -95,8 +95,8 @@ class DynamicSampling:
             if found >= batch // n or len(drawn) == self.cfg.ppo.max_sampling_rounds:
                 break
             rng, key, _ = self._split(rng)
-        rollout, scores, rows, kept = self._select(tuple(d[1] for d in drawn),
-                                                   tuple(d[2] for d in drawn))
+        (rollout, logprobs), scores, rows, kept = self._select(tuple(d[1] for d in drawn),
+                                                               tuple(d[2] for d in drawn))
         source = np.concatenate([d[0] for d in drawn])[np.asarray(jax.device_get(rows))]
         lo, hi = place.row_range(batch)
         idx = source[lo:hi]
@@ -110,4 +110,5 @@ class DynamicSampling:
         return Sampled([self.prompts.texts[i] for i in idx],
                        Rollout(rollout.query_ids, rollout.query_mask, resp, resp_mask), groups,
                        None, upd_key, rng, int(self.prompt_columns.full), int(resp_width),
-                       time.perf_counter(), self._rows_of(idx), scores, stats)
+                       time.perf_counter(), self._rows_of(idx), scores, stats,
+                       rollout_logprobs=self.response_columns.cut(logprobs, resp_width))

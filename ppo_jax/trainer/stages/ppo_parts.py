@@ -42,6 +42,8 @@ class Sampled:
     rows: Optional[list[dict]] = None  # the prompts' rows (record fields) for the reward function
     scores: Optional[jax.Array] = None  # [B], when already scored (dynamic sampling)
     reward_stats: Optional[dict] = None  # the reward means of those scores
+    rollout_logprobs: Optional[jax.Array] = None  # [B, N] the sampler's log-probs of its draws
+    engine_stats: Optional[dict] = None  # the paged engine's `rollout/*` figures
 
 
 @dataclass
@@ -79,6 +81,7 @@ def step_metrics(t0: float, sampled: Sampled, scored: Scored, learned: Learned,
     total_tokens = float(scored.tokens["prompt"]) + gen_tokens
     metrics = {k: float(v) for k, v in scored.stats.items()}
     metrics.update(_mean_stats(learned.stats))
+    metrics.update(sampled.engine_stats or {})
     metrics.update({
         "time/generation": t_gen - t0, "time/scoring": t_score - t_gen,
         "time/update": t_update - t_score, "time/step": t_update - t0,

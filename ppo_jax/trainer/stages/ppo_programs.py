@@ -38,7 +38,8 @@ class PPOPrograms:
         models = self.ppo_models(actor.params, None if critic is None else critic.params, ref,
                                  reward)
         rollout = Rollout(q, qm, resp, resp_mask)
-        exp_args = (models, self.state["kl"], rollout, scores, ids(size), baseline)
+        logprobs = batch_shape(place, (size, new), jnp.float32)
+        exp_args = (models, self.state["kl"], rollout, scores, ids(size), baseline, logprobs)
         exp = out_shapes(lambda *a: self._experience(*a)[0], exp_args, place.rows)
         sample_args = (models.actor, q, qm, gen_key)
         out = [Program("sampler", self._generate, sample_args, while_trips=new - 1)]
