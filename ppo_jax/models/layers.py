@@ -19,7 +19,9 @@ from flax import nnx
 from ppo_jax.models.attention import MASK_VALUE, dot_attention  # noqa: F401 (re-exported)
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache, slot_layout
-from ppo_jax.models.paged_cache import PagedKVCache, PagedView, paged_attention, write_pages
+from ppo_jax.models.paged_cache import (
+    PagedKVCache, PagedView, paged_attention_reference, write_pages,
+)
 
 @jax.custom_jvp
 def silu(x: jax.Array) -> jax.Array:
@@ -167,10 +169,21 @@ def write_and_read_cache(cache: KVCache | None, layer, k_new, v_new, cache_index
     return kc[layer], vc[layer], KVCache(kc, vc)
 
 
+def paged_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView, window=None):
+    """Attention of `q [R * S, L, H, hd]` over one layer's pages: jax's Pallas
+    `ragged_paged_attention` (TPU) when `view.kernel == "pallas"` and the call decodes one
+    token per row, else `paged_cache.paged_attention_reference`. `[R * S, L, H * hd]` out."""
+    if view.kernel == "pallas" and q.shape[1] == 1:
+        from ppo_jax.models.paged_attention_tpu import pallas_decode_attention  # TPU only
+
+        return pallas_decode_attention(q, kv_layer, view, window)
+    return paged_attention_reference(q, kv_layer, view, window)
+
+
 def attend(cache, layer, q, k, v, ctx: Context, window=None):
     """Write this call's `k, v [B, L, KVH, hd]` to the cache and attend `q [B, L, H, hd]` over
     it: the dense `KVCache` (or none) through `dot_attention`, a `PagedKVCache` through
-    `paged_cache.paged_attention`. Returns `(out [B, L, H * hd], cache)`."""
+    `paged_attention`. Returns `(out [B, L, H * hd], cache)`."""
     if isinstance(cache, PagedKVCache):
         kv = write_pages(cache.kv, layer, ctx.paged, k, v)
         out = paged_attention(q, kv[layer], ctx.paged, window)

@@ -59,7 +59,7 @@ class PagedView:
     write: `[R * S, L]` bool, the new tokens whose k/v are stored (padding and idle rows: no).
     kv_lens: `[R * S]` int32, each row's sequence length after this call's writes.
     kernel: "reference" (gather the pages, everywhere) or "pallas" (TPU; one-token decode
-      calls only, `paged_attention_tpu`); static.
+      calls only, `paged_attention_tpu`; `layers.paged_attention` dispatches); static.
     mesh: the mesh the Pallas kernel is mapped over (None: one device); static.
     """
 
@@ -133,14 +133,3 @@ def paged_attention_reference(q: jax.Array, kv_layer: jax.Array, view: PagedView
     k, v = gather_pages(kv_layer, view.page_table)
     allowed = paged_mask(view, k.shape[1], window)
     return dot_attention(q, k.astype(q.dtype), v.astype(q.dtype), allowed)
-
-
-def paged_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView,
-                    window: Optional[jax.Array] = None) -> jax.Array:
-    """`paged_attention_reference`, or jax's Pallas `ragged_paged_attention` on TPU when
-    `view.kernel == "pallas"` and the call decodes one token per row (L = 1)."""
-    if view.kernel == "pallas" and q.shape[1] == 1:
-        from ppo_jax.models.paged_attention_tpu import pallas_decode_attention
-
-        return pallas_decode_attention(q, kv_layer, view, window)
-    return paged_attention_reference(q, kv_layer, view, window)

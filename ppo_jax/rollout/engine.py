@@ -25,7 +25,7 @@ recompute preemption); Yu et al. 2022 (Orca: iteration-level scheduling).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, Optional
 

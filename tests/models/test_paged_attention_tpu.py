@@ -29,7 +29,9 @@ from ppo_jax.models import paged_attention_tpu as pat
 from ppo_jax.models.paged_attention_tpu import (
     BlockSizes, block_sizes, pallas_decode_attention, unsupported_reason,
 )
-from ppo_jax.models.paged_cache import PagedView, paged_attention_reference
+from ppo_jax.models.heads import init_model
+from ppo_jax.models.paged_cache import PagedView, init_paged_cache, paged_attention_reference
+from ppo_jax.models.tiny_random import tiny_config
 
 HD, PAGE, WIDTH, PAGES = 128, 16, 4, 40  # head_dim 128: the only one the kernel takes
 MIB = 2 ** 20
@@ -102,7 +104,15 @@ def test_the_standin_is_the_kernels_decode_contract(window):
 
 @pytest.fixture
 def standin(monkeypatch):
-    monkeypatch.setattr(pat, "ragged_paged_attention", _standin)
+    """The stand-in in place of the kernel; the list of the static arguments of its calls."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append({k: v for k, v in kwargs.items() if k != "sm_scale"})
+        return _standin(*args, **kwargs)
+
+    monkeypatch.setattr(pat, "ragged_paged_attention", counted)
+    return calls
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -118,6 +128,7 @@ def test_the_decode_call_equals_the_paged_reference(standin, jit, replicas, head
     fn = jax.jit(lambda *a: pallas_decode_attention(*a, window)) if jit else (
         lambda *a: pallas_decode_attention(*a, window))
     got = fn(q, kv, view)
+    assert {c["sliding_window"] for c in standin} == {window}
     want = paged_attention_reference(q, kv, view, None if window is None else jnp.int32(window))
     assert got.shape == (q.shape[0], 1, heads * HD) and got.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -134,6 +145,38 @@ def test_a_traced_window_runs_the_reference_only_where_it_bites(standin, monkeyp
     monkeypatch.setattr(pat, "paged_attention_reference", lambda q, *a: jnp.zeros_like(want))
     zeros = jax.jit(lambda *a: pallas_decode_attention(*a))(q, kv, view, jnp.int32(window))
     assert bool(np.all(np.asarray(zeros) == 0)) == (0 < window < WIDTH * PAGE)
+
+
+def _decode_logits(model, kernel, steps=5, rows=3, width=2):
+    """Prefill 6-token prompts into pages (reference attention), then `steps` greedy one-token
+    steps with `kernel`: the logits of every step `[steps + 1, rows, V]`."""
+    rng = np.random.default_rng(5)
+    ids = jnp.asarray(rng.integers(4, 64, (rows, 6)), jnp.int32)
+    table = jnp.asarray(np.arange(1, rows * width + 1).reshape(1, rows, width), jnp.int32)
+    cache = init_paged_cache(model.cfg, 1, rows * width + 1, PAGE, jnp.float32)
+    lens = np.full(rows, 6, np.int32)
+    view = PagedView(table, jnp.tile(jnp.arange(6, dtype=jnp.int32), (rows, 1)),
+                     jnp.ones((rows, 6), bool), jnp.asarray(lens))
+    hidden, cache = model.backbone(ids, None, cache=cache, paged=view)
+    logits = [model.lm_head(hidden[:, -1])]
+    for t in range(steps):
+        token = jnp.argmax(logits[-1], axis=-1)[:, None]
+        view = PagedView(table, jnp.asarray(lens + t)[:, None], jnp.ones((rows, 1), bool),
+                         jnp.asarray(lens + t + 1), kernel=kernel)
+        hidden, cache = model.backbone(token, None, cache=cache, paged=view)
+        logits.append(model.lm_head(hidden[:, 0]))
+    return jnp.stack(logits)
+
+
+@pytest.mark.parametrize("windows", [(), (4, 0)])
+def test_a_model_decoding_through_the_kernel_gives_the_reference_logits(standin, windows):
+    """Through `paged_cache.paged_attention` (view.kernel = "pallas") inside the model's layer
+    scan, where a model with sliding windows hands a traced window (4 bites from step 0)."""
+    model = init_model(tiny_config(64, head_dim=HD, sliding_windows=windows), seed=2)
+    got = _decode_logits(model, "pallas")
+    assert standin and all(c["sliding_window"] is None for c in standin)
+    want = _decode_logits(model, "reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 def test_a_row_of_length_zero_reads_nothing_and_returns_zeros(standin):
