@@ -33,7 +33,14 @@ INTERNAL: CpuCallback error ... AttributeError: 'ReshapeTransform' object has no
 'indices'` (pallas/mosaic/interpret/utils.py `to_range`); the generic `interpret=True`
 discharge interpreter fails with `AttributeError: 'TypedInt' object has no attribute 'shape'`
 (pallas/primitives.py `_swap_discharge_rule`) and has no strided loads, which the kernel uses.
-The flag is kept so the same call runs once jax's interpreter handles the kernel.
+The flag is kept so the same call runs once jax's interpreter handles the kernel; a caller that
+goes through `layers.paged_attention` (no flag) gets the same by tracing under
+`with pltpu.force_tpu_interpret_mode():` (the mode is part of jax's jit cache key).
+
+Compiling on a CPU host for TPU (`aot.topology.slice_devices`): with `view.mesh` set, the
+shard_map gives the kernel's lowering the chip kind; with `view.mesh=None`, lower inside
+`jax.set_mesh(mesh)` of a mesh of the target devices, else the lowering reads the default
+(CPU) device: "ValueError: Unsupported TPU device kind: cpu".
 """
 
 from __future__ import annotations
@@ -123,7 +130,7 @@ def block_sizes(queries: int, num_heads: int, num_kv_heads: int, head_dim: int, 
     per_page = 2 * page_size * kv_heads2 * head_dim * size + 2 * bq * group * page_size * 4
     bkv = max(1, min(width, MAX_KV_PAGES_PER_BLOCK, (VMEM_BUDGET_BYTES - fixed) // per_page))
     footprint = fixed + bkv * per_page
-    limit = max(MIN_VMEM_LIMIT_BYTES, -(-3 * footprint // 2 // 2 ** 20) * 2 ** 20)
+    limit = max(MIN_VMEM_LIMIT_BYTES, math.ceil(1.5 * footprint / 2 ** 20) * 2 ** 20)
     return BlockSizes(bkv, bq, limit)
 
 
@@ -208,9 +215,9 @@ def pallas_decode_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView,
                             window=None, *, interpret: bool = False) -> jax.Array:
     """Decode attention of `q [R * S, 1, H, hd]` over one layer's pool `kv_layer [R, P,
     page_size, 2 * KVH, hd]` through `view` (`page_table [R, S, W]`, `kv_lens [R * S]`, `mesh`);
-    returns `[R * S, 1, H * hd]` in q.dtype, `paged_attention_reference(q, kv_layer, view,
-    window)` for rows whose position is `kv_len - 1` (float32: to ~1e-6; bfloat16 pages: q is
-    rounded to bfloat16 first).
+    returns `[R * S, 1, H * hd]` in q.dtype: `paged_attention_reference(q, kv_layer, view,
+    window)` for rows whose position is `kv_len - 1` (jax's `ref_ragged_paged_attention`, the
+    kernel's specification, equals it to 1e-5 in float32; q is cast to the pages' dtype).
 
     window: None, an int, or an int32 scalar (<= 0: none). A concrete one is the kernel's static
     `sliding_window`. A traced one (the layer scan of a model with sliding windows) runs the

@@ -136,7 +136,8 @@ def check_page_size(page_size: int, cache_len: int, what: str) -> None:
     """
     _positive(page_size=page_size)
     if cache_len % page_size:
-        fits = [d for d in range(1, min(cache_len, 256) + 1) if cache_len % d == 0][-4:]
+        divisors = [d for d in range(1, min(cache_len, 256) + 1) if cache_len % d == 0]
+        fits = sorted(sorted(divisors, key=lambda d: abs(d - page_size))[:4])
         raise ValueError(f"generation.page_size={page_size} does not divide the cache length "
                          f"{cache_len} ({what}); page sizes that do: {fits}")
 
@@ -304,3 +305,37 @@ class PagedEngine:
                     src[r, g, j], dst[r, g, j] = a, b
         return Admission(*(self._put(x) for x in (group_rows, prompt_pages, rows, slots, valid,
                                                   src, dst)))
+
+    # ------------------------------------------------------------------ ahead of time
+    def programs(self, params, prompt_ids, prompt_mask, step_key) -> list[dict]:
+        """The engine's jitted programs with abstract arguments (`jax.ShapeDtypeStruct`s of
+        `params`, prompts and key) for `train.py --compile-for`, at their upper bound: every
+        response `max_new_tokens` long, so each replica fills its slots `rounds` = rows / slots
+        times. Each item: `{"name", "fn", "args", "per_step", "while_trips"}`: the prefill
+        admitting a full set of slots (`rounds` calls), the decode chunk at the widest page
+        table (`rounds * ceil((N - 1) / k)` calls of k steps)."""
+        lay, k = self.layout, self.settings.decode_chunk
+        rep, rows = self._sharding(P()), self._sharding(P(BATCH_AXES))
+        abstract = lambda fn, sh: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), jax.eval_shape(fn))
+        cache = abstract(self._new_cache, self.cache_sharding())
+        state, responses = abstract(self._empty, rows)
+        groups = lay.slots // lay.group_size
+        width = pages_for(self.prompt_width, self.settings.page_size)
+        host = lambda shape, dtype=np.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+        per_sample = (lay.replicas, groups, lay.group_size)
+        admission = Admission(host((lay.replicas, groups)), host((lay.replicas, groups, width)),
+                              host(per_sample), host(per_sample), host(per_sample, bool),
+                              host(per_sample), host(per_sample))
+        model = Model(self.graphdef, params)
+        rounds = -(-lay.rows // lay.slots)
+        chunks = rounds * -(-(self.draw.max_new_tokens - 1) // k)
+        table = host((lay.replicas, lay.slots, self.widths[-1]))
+        live = host((lay.replicas, lay.slots), bool)
+        return [
+            {"name": "engine_prefill", "fn": self._prefill, "per_step": rounds, "while_trips": 1,
+             "args": (model, cache, state, responses, prompt_ids, prompt_mask, admission,
+                      step_key)},
+            {"name": "engine_decode", "fn": self._decode, "per_step": chunks, "while_trips": k,
+             "args": (model, cache, state, responses, table, live, step_key)},
+        ]

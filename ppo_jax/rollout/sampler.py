@@ -169,7 +169,8 @@ class _Decoded(NamedTuple):
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
                                    "greedy", "stop_token_ids", "pad_token_id", "cache_dtype",
                                    "samples_per_prompt", "mesh"))
-def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens, temperature,
+def _generate(graphdef, params, prompt_ids, prompt_mask, rng, first_row, *, max_new_tokens,
+              temperature,
               top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype, samples_per_prompt,
               mesh):
     model = nnx.merge(graphdef, params)
@@ -180,7 +181,7 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens,
                                         samples_per_prompt=samples_per_prompt,
                                         cache_dtype=cache_dtype, mesh=mesh)
     stops = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
-    row_keys = sample_keys(rng, jnp.arange(batch))
+    row_keys = sample_keys(rng, first_row + jnp.arange(batch, dtype=jnp.int32))
 
     def sample_at(t, logits, rec: _Decoded) -> _Decoded:
         """Draw token t of every row (pad once a row is done) and record it."""
@@ -216,7 +217,8 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens,
 def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
              stop_token_ids: Sequence[int] = (), pad_token_id: int = 0, cache_dtype=None,
-             samples_per_prompt: int = 1, mesh=None, return_logprobs: bool = False):
+             samples_per_prompt: int = 1, mesh=None, return_logprobs: bool = False,
+             first_row: int = 0):
     """Sample responses for a batch of left-padded prompts in one jitted call.
 
     Args:
@@ -242,13 +244,15 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         come with (`ppo_jax.parallel.tree_shardings`).
 
       return_logprobs: also return the log-prob of each drawn token (`sampling.draw`).
+      first_row: the batch row of this call's first row, for the draws' keys (a batch answered
+        in sub-batches draws the tokens of the whole batch; traced, no recompile).
 
     Returns:
       `(response_ids [B, N] int32, response_mask [B, N] int32)`, and with `return_logprobs`
       `logprobs [B, N]` float32 (0 after a row's stop); the mask is 1 on every generated token
       up to and including the first stop token, 0 after it. N tokens take the prefill and
       N - 1 one-token passes (the last token is not fed back). Token t of row b is drawn with
-      the key `fold_in(fold_in(rng, b), t)` (`rollout.sampling`).
+      the key `fold_in(fold_in(rng, first_row + b), t)` (`rollout.sampling`).
 
     Raises:
       ValueError: malformed shapes, dtypes or settings, ids outside the vocabulary, a mask that
@@ -269,7 +273,7 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         raise ValueError(f"rng must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
                          f"{type(rng).__name__} {getattr(rng, 'shape', '')}")
     out = _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
-                    samples_per_prompt=n, mesh=mesh, **settings)
+                    jnp.int32(first_row), samples_per_prompt=n, mesh=mesh, **settings)
     return out if return_logprobs else out[:2]
 
 

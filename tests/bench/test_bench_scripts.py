@@ -1070,3 +1070,21 @@ def test_lora_update_worker_trains_only_adapters_and_its_section_renders(tiny_ch
                                  "rounds": 3, "calls": 3, "profile_calls": 2, "models": [model]})
     assert "| m (4 layers) | lora | 4.00M | 1.60 | 0.53 | 1.6 | 10.0 | 30.0 |" in text
     assert "| m (4 layers) | 0.80 | 0.80 | 1.00 |" in text
+
+
+@pytest.mark.slow
+def test_engine_bench_runs_on_the_tiny_model(tmp_path):
+    """bench/engine.py --tiny: both sides draw the same tokens (the script checks it) and the
+    table holds each workload's ratio."""
+    out = tmp_path / "engine.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/engine.py"), "--tiny", "--rounds", "1",
+                           "--responses", "16", "--rows", "4", "--slots", "4", "--new-tokens", "24",
+                           "--workload", "heavy", "default", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PPO_JAX_MALLOC_TUNING": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    heavy = data["workloads"]["heavy"]
+    assert heavy["batch"] == 16 and heavy["slots"] == 4 and heavy["useful_tokens"] > 0
+    assert heavy["static_steps"] >= heavy["engine"]["steps"] // 4  # 4 slots: steps per slot
+    assert "paged / static" in data["markdown"]

@@ -170,7 +170,7 @@ def _decode_logits(model, kernel, steps=5, rows=3, width=2):
 
 @pytest.mark.parametrize("windows", [(), (4, 0)])
 def test_a_model_decoding_through_the_kernel_gives_the_reference_logits(standin, windows):
-    """Through `paged_cache.paged_attention` (view.kernel = "pallas") inside the model's layer
+    """Through `layers.paged_attention` (view.kernel = "pallas") inside the model's layer
     scan, where a model with sliding windows hands a traced window (4 bites from step 0)."""
     model = init_model(tiny_config(64, head_dim=HD, sliding_windows=windows), seed=2)
     got = _decode_logits(model, "pallas")
@@ -243,7 +243,8 @@ def test_a_mesh_split_equals_the_paged_reference():
 
 def _mesh_check() -> None:
     """8 fake CPU devices: data 2 x fsdp 2 x tensor 2 over 4 replicas, heads split (2 KV heads)
-    and replicated (1 KV head); and one replica a device over data 8."""
+    and replicated (1 KV head); and one replica a device over data 8; static and traced
+    windows."""
     from ppo_jax.parallel.mesh import make_mesh
 
     pat.ragged_paged_attention = _standin
@@ -251,8 +252,13 @@ def _mesh_check() -> None:
         mesh = make_mesh(data, fsdp, tensor)
         q, kv, view = _case(data * fsdp, 8, kv_heads, seed=kv_heads)
         want = paged_attention_reference(q, kv, view, jnp.int32(20))
-        got = jax.jit(lambda *a: pallas_decode_attention(*a, 20))(q, kv, view.replace(mesh=mesh))
+        view = view.replace(mesh=mesh)
+        got = jax.jit(lambda *a: pallas_decode_attention(*a, 20))(q, kv, view)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        for window in (20, WIDTH * PAGE):  # traced: the reference, then the kernel
+            got = jax.jit(lambda *a: pallas_decode_attention(*a))(q, kv, view, jnp.int32(window))
+            want = paged_attention_reference(q, kv, view, jnp.int32(window))
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         print(f"same: mesh {data}x{fsdp}x{tensor}, {kv_heads} KV heads")
 
 
@@ -287,6 +293,9 @@ def v5e_devices():
     return slice_devices(resolve_slice("v5e-4"))
 
 
+# a one-device shard_map is the unmapped program: its second compile finds the first in the
+# tests' persistent cache, which cannot load a topology-only executable, and compiles again
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_the_kernel_compiles_for_a_v5e_chip(v5e_devices, dtype):
     from ppo_jax.parallel.mesh import make_mesh
@@ -294,8 +303,10 @@ def test_the_kernel_compiles_for_a_v5e_chip(v5e_devices, dtype):
     mesh = make_mesh(1, 1, 1, v5e_devices[:1])
     args = _abstract(mesh, 1, 256, 8, 2, 1025, 64, dtype, split_heads=False)
     traced = jax.ShapeDtypeStruct((), jnp.int32, sharding=args[0].sharding.update(spec=()))
-    for window in (None, traced):  # a traced window: the kernel, or the reference where it bites
-        compiled = _compile(mesh, args, window)
+    unmapped = (*args[:2], args[2].replace(mesh=None))  # no shard_map: set_mesh names the chip
+    # a traced window: the kernel, or the reference where it bites
+    for a, window in ((args, None), (args, traced), (unmapped, None)):
+        compiled = _compile(mesh, a, window)
         assert "tpu_custom_call" in compiled.as_text()
         memory = compiled.memory_analysis()
         assert memory is not None

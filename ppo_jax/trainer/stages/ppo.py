@@ -175,9 +175,10 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
 
         self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
         g = self.cfg.generation
-        self._rollout_copy = rollout_copy_fn(self.state["actor"].params, place.constraint_mesh,
+        actor = self.ppo_models(self.state["actor"].params).actor  # LoRA: base and adapters
+        self._rollout_copy = rollout_copy_fn(actor.params, place.constraint_mesh,
                                              g.rollout_layout, g.param_dtype)
-        actor_sh = rollout_shardings(models_sh.actor, place, g.rollout_layout,
+        actor_sh = rollout_shardings(actor, models_sh.actor, place, g.rollout_layout,
                                      self._rollout_copy is not None)
         engine = engine_settings(self.cfg)
         self._generate = make_sampler(st.sampling, engine, actor_sh, place, self.models.actor.cfg)

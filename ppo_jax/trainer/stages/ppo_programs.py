@@ -11,8 +11,10 @@ from dataclasses import replace
 import jax.numpy as jnp
 
 from ppo_jax.core import get_advantage_estimator, needs_greedy_baseline
+from ppo_jax.models.functional import Model
 from ppo_jax.rollout.scoring import Rollout
 from ppo_jax.trainer.programs import Program, batch_shape, out_shapes
+from ppo_jax.trainer.stages.ppo_rollout import EngineSampler, rollout_shardings
 
 
 class PPOPrograms:
@@ -41,11 +43,11 @@ class PPOPrograms:
         logprobs = batch_shape(place, (size, new), jnp.float32)
         exp_args = (models, self.state["kl"], rollout, scores, ids(size), baseline, logprobs)
         exp = out_shapes(lambda *a: self._experience(*a)[0], exp_args, place.rows)
-        sample_args = (models.actor, q, qm, gen_key)
-        out = [Program("sampler", self._generate, sample_args, while_trips=new - 1)]
+        out, rollout_actor = self._rollout_programs(models.actor)
+        sample_args = (rollout_actor, q, qm, gen_key)
+        out += self._sampler_programs(self._generate, sample_args, "")
         if remax:
-            out.append(Program("greedy_sampler", self._generate_greedy, sample_args,
-                               while_trips=new - 1))
+            out += self._sampler_programs(self._generate_greedy, sample_args, "greedy_")
             if self.reward_fn is None:
                 out.append(Program("greedy_scores", self._rm_scores, (models.reward, rollout)))
         out += [Program("experience", self._experience, exp_args),
@@ -58,6 +60,25 @@ class PPOPrograms:
             eval_models = replace(models, critic=None)
             out += self.evaluator.programs(eval_models, per_step=1.0 / cfg.eval.every)
         return out
+
+    def _rollout_programs(self, actor):
+        """`([the rollout copy's program], the actor as the sampler takes it)`: with a rollout
+        copy (`rollout.weights`), its cast / reshard once per step and its abstract output."""
+        if self._rollout_copy is None:
+            return [], actor
+        sh = rollout_shardings(actor, self._model_shardings().actor, self.place,
+                               self.cfg.generation.rollout_layout, True)
+        params = out_shapes(self._rollout_copy, (actor.params,), sh.params)
+        return [Program("rollout_copy", self._rollout_copy, (actor.params,))], \
+            Model(actor.graphdef, params)
+
+    def _sampler_programs(self, sampler, args, prefix: str) -> list[Program]:
+        """The static sampler (its decode loop at most max_new_tokens - 1 steps) or the paged
+        engine's prefill and decode chunk (`EngineSampler.programs`)."""
+        if isinstance(sampler, EngineSampler):
+            return sampler.programs(*args, prefix=prefix)
+        new = self.cfg.generation.max_new_tokens
+        return [Program(prefix + "sampler", sampler, args, while_trips=new - 1)]
 
     def resident(self) -> dict:
         """Train states, the KL controller and RNG, the frozen params (a LoRA run's base, the

@@ -49,12 +49,13 @@ def check_engine(cfg: Config, replicas: int) -> None:
         raise ConfigError(str(e)) from None
 
 
-def rollout_shardings(actor_sh: Model, place, layout: str, copied: bool) -> Model:
-    """The actor's shardings as the sampler receives it: the training rules', or, when the
-    trainer makes a rollout copy on a mesh, `rollout_rules(layout)`'s."""
+def rollout_shardings(actor: Model, actor_sh: Model, place, layout: str, copied: bool) -> Model:
+    """The shardings of the actor as the sampler receives it (`actor`: its arrays or shapes,
+    `actor_sh`: their training shardings): the training ones, or, when the trainer makes a
+    rollout copy on a mesh, `rollout_rules(layout)`'s."""
     if not copied or place.constraint_mesh is None:
         return actor_sh
-    return replace(actor_sh, params=tree_shardings(actor_sh.params, place.mesh,
+    return replace(actor_sh, params=tree_shardings(actor.params, place.mesh,
                                                    rollout_rules(layout)))
 
 
@@ -74,6 +75,16 @@ class EngineSampler:
             self.engines[key] = PagedEngine(graphdef, self.model_cfg, self.sampling, self.settings,
                                             batch=batch, prompt_width=width)
         return self.engines[key]
+
+    def programs(self, actor: Model, prompt_ids, prompt_mask, key, prefix: str = "") -> list:
+        """The engine's programs for abstract arguments (`PagedEngine.programs`), as
+        `trainer.programs.Program`s named `prefix + name`."""
+        from ppo_jax.trainer.programs import Program
+
+        engine = self.engine(actor.graphdef, *prompt_ids.shape)
+        return [Program(prefix + p["name"], p["fn"], p["args"], per_step=p["per_step"],
+                        while_trips=p["while_trips"])
+                for p in engine.programs(actor.params, prompt_ids, prompt_mask, key)]
 
     def __call__(self, actor: Model, prompt_ids, prompt_mask, key):
         engine = self.engine(actor.graphdef, *prompt_ids.shape)
