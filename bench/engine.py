@@ -56,9 +56,8 @@ def build(name: str, args):
     prompts = prompt_set(cfg, tok, model.cfg, cfg.data.prompts, "data.prompts")
     n, g = cfg.generation.samples_per_prompt, cfg.generation
     idx = np.repeat(np.arange(batch // n) % len(prompts), n)
-    ids, mask = prompts.ids[idx], prompts.mask[idx]
-    width = cfg.data.max_prompt_length
-    ids, mask = ids[:, -width:], mask[:, -width:]
+    ids, mask = prompts.ids[idx], prompts.mask[idx]  # left-padded to the set's widest prompt
+    width = ids.shape[1]
     kw = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
               stop_token_ids=stop_token_ids(cfg, tok, model.cfg),
               pad_token_id=pad_token_id(tok, model.cfg), samples_per_prompt=n)
@@ -86,7 +85,10 @@ def build(name: str, args):
 
 def measure(name: str, args) -> dict:
     fns, engine, facts = build(name, args)
-    out = {side: fn() for side, fn in fns.items()}  # warm-up: compiles
+    out = {}
+    for side, fn in fns.items():  # warm-up: compiles
+        seconds = timed(lambda: out.__setitem__(side, fn()))
+        log(f"{name} warm-up {side}: {seconds:.1f} s")
     for i in (0, 1):
         if not np.array_equal(out["static"][i], out["paged"][i]):
             raise AssertionError(f"{name}: the engine's tokens differ from the static sampler's")

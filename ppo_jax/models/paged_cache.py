@@ -97,12 +97,10 @@ def write_pages(kv: jax.Array, layer, view: PagedView, k: jax.Array, v: jax.Arra
     page = jnp.take_along_axis(view.page_table, pos // page_size, axis=2)
     page = jnp.where(_per_replica(view.write, replicas), page, TRASH_PAGE)
     offset = pos % page_size
-
-    def one(kv_r, page_r, offset_r, new_r):  # kv_r [layers, pages, page_size, 2 KVH, hd]
-        return kv_r.at[layer, page_r, offset_r].set(new_r)
-
-    return jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)(
-        kv, page, offset, _per_replica(new, replicas))
+    # explicit replica indices, not a vmap over the pool's replica axis (dim 1): a batched
+    # scatter there makes XLA move that axis first, copying the whole pool at every layer
+    replica = jnp.arange(replicas, dtype=jnp.int32)[:, None, None]
+    return kv.at[layer, replica, page, offset].set(_per_replica(new, replicas))
 
 
 def gather_pages(kv_layer: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -117,10 +117,8 @@ def _record(responses: Responses, rows, t, tokens, logprobs, keep) -> Responses:
 
 def _copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     """Every layer's page `src[r, i]` copied to `dst[r, i]` (`[R, X]`; trash to trash: none)."""
-    def one(kv_r, s, d):  # kv_r [layers, pages, ...]
-        return kv_r.at[:, d].set(kv_r[:, s])
-
-    return PagedKVCache(jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(cache.kv, src, dst))
+    replica = jnp.arange(src.shape[0], dtype=jnp.int32)[:, None]  # explicit: see write_pages
+    return PagedKVCache(cache.kv.at[:, replica, dst].set(cache.kv[:, replica, src]))
 
 
 def _prefill_logits(model, cache: PagedKVCache, ids, mask, pages, s: DrawSettings):

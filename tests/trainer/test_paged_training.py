@@ -47,6 +47,8 @@ def rows(out: Path) -> list[dict]:
       "ppo.mini_batch_size=4", "ppo.micro_batch_size=4"],
      r"generation.max_concurrent=3 .* at least samples_per_prompt=4"),
     (["generation.attention=flash"], r"generation.attention"),
+    (["generation.attention=pallas"], r"generation.attention=pallas: head_dim=16: the kernel "
+                                      r"needs head_dim == 128"),
 ])
 def test_bad_engine_settings_exit_before_loading(sets, message, tmp_path, capsys):
     out = tmp_path / "run"

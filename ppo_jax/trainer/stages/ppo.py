@@ -43,7 +43,7 @@ from ppo_jax.trainer.stages.ppo_programs import PPOPrograms
 from ppo_jax.trainer.stages.ppo_dynamic import DynamicSampling
 from ppo_jax.trainer.stages.ppo_rewards import PPORewards
 from ppo_jax.trainer.stages.ppo_rollout import (
-    check_engine, engine_metrics, engine_settings, make_sampler, rollout_shardings,
+    check_engine, check_kernel, engine_metrics, engine_settings, make_sampler, rollout_shardings,
 )
 from ppo_jax.trainer.stages.ppo_settings import settings_for
 from ppo_jax.trainer.update import ppo_update
@@ -82,6 +82,7 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
         check_engine(cfg, place.batch_shards)
         build = abstract_models if self.is_abstract else build_models
         models = build(cfg, sharding_fn=place.sharding_fn)
+        check_kernel(cfg, models.actor.cfg, place.mesh)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = self._prompt_set(cfg.data.prompts, "data.prompts")
         self.prompt_columns = PromptColumns(self.prompts.mask, cfg.data.prompt_buckets)

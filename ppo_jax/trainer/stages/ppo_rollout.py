@@ -27,6 +27,26 @@ def engine_settings(cfg: Config) -> Optional[EngineSettings]:
     return settings_from(EngineSettings, (g,)) if g.engine == "paged" else None
 
 
+def check_kernel(cfg: Config, model_cfg, mesh) -> None:
+    """`generation.attention: pallas` against the actor's shapes (`paged_attention_tpu.
+    unsupported_reason`: head_dim 128, KV heads per chip the kernel can tile).
+
+    Raises:
+      ConfigError: naming `generation.attention` and why the kernel cannot take the model.
+    """
+    g = cfg.generation
+    if g.engine != "paged" or g.attention != "pallas":
+        return
+    from ppo_jax.models.paged_attention_tpu import unsupported_reason
+
+    tensor = mesh.shape["tensor"] if mesh is not None else 1
+    reason = unsupported_reason(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                model_cfg.jnp_dtype, tensor)
+    if reason is not None:
+        raise ConfigError(f"generation.attention=pallas: {reason}; use "
+                          "generation.attention=reference")
+
+
 def check_engine(cfg: Config, replicas: int) -> None:
     """With `generation.engine: paged`, the engine's settings against the run's widest batch
     (`data.max_prompt_length` wide prompts) on `replicas` = mesh data x fsdp replicas, before
