@@ -13,12 +13,21 @@ Each round times both sides in alternating order after a warm-up call (compiles)
 gives the length distribution, tokens / s of each side and their ratio, the engine's decode
 steps and slot occupancy against the static decode steps (every sub-batch runs to its longest).
 
-Usage: python bench/engine.py [--workload heavy default rlvr] [--rounds 2] [--slots 64]
+Accelerators (no model download there): `--random-stops K` runs random weights of SmolLM2's
+shape (bench/gpu.py's, in `--dtype`) with K stop tokens spread over the vocabulary, so a
+response ends at each token with probability ~K / V: geometric lengths cut at
+`--new-tokens`, the heavy tail synthesised.
+
+Usage: python bench/engine.py [--workload heavy default rlvr] [--rounds 2] [--slots 64 128]
     [--rows 64] [--responses 256] [--new-tokens 256] [--chunk 8] [--page-size 16] [--tiny]
-    [--json PATH]   (--tiny: the tiny random model, a check of the script, not a figure)
+    [--random-stops K] [--dtype float32] [--json PATH]
+    (--tiny: the tiny random model, a check of the script, not a figure; several --slots:
+    one engine per slot count against the same static sub-batches)
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
@@ -37,35 +46,54 @@ def workload(name: str, args):
     return cfg, cfg.ppo.batch_size, cfg.ppo.batch_size, {}
 
 
+def model_dir(args):
+    """The model's HF directory: SmolLM2-135M-Instruct, the tiny random model, or random
+    weights of SmolLM2's (or, with --tiny, the tiny) shape (`--random-stops`)."""
+    from ppo_jax.models.smollm2 import ensure_smollm2
+    from ppo_jax.models.tiny_random import ensure_tiny_random
+
+    cache = ROOT / ".cache"
+    if args.random_stops:
+        from gpu import SHAPES, unpack_tokenizer, write_random_llama
+
+        dims = SHAPES["tiny" if args.tiny else "smollm2"]
+        name = "random-llama-" + "-".join(str(v) for v in list(dims.values())[:-1])
+        return write_random_llama(cache / name, unpack_tokenizer(cache / "smollm2-tokenizer"), dims)
+    return ensure_tiny_random(cache / "tiny-random-llama") if args.tiny else ensure_smollm2()
+
+
 def build(name: str, args):
-    """Blocking calls `{"static", "paged"}` -> (tokens, mask) and the workload's facts."""
+    """Blocking calls `{"static", "paged <slots>"}` -> (tokens, mask), the engines and the
+    workload's facts."""
     import jax
 
     from ppo_jax.models import load_model, load_tokenizer, split_model
-    from ppo_jax.models.smollm2 import ensure_smollm2
-    from ppo_jax.models.tiny_random import ensure_tiny_random
     from ppo_jax.rollout.engine import EngineSettings, PagedEngine, pages_for
     from ppo_jax.rollout.sampler import SamplingSettings, generate
     from ppo_jax.trainer.setup import pad_token_id, prompt_set, stop_token_ids
 
     cfg, batch, rows, extra = workload(name, args)
-    path = ensure_tiny_random(ROOT / ".cache" / "tiny-random-llama") if args.tiny else ensure_smollm2()
-    tok, (model, _) = load_tokenizer(path), load_model(path, "causal_lm", param_dtype="float32",
-                                                        dtype="float32")
+    path = model_dir(args)
+    tok, (model, _) = load_tokenizer(path), load_model(path, "causal_lm", param_dtype=args.dtype,
+                                                        dtype=args.dtype)
     graphdef, params = split_model(model)
     prompts = prompt_set(cfg, tok, model.cfg, cfg.data.prompts, "data.prompts")
     n, g = cfg.generation.samples_per_prompt, cfg.generation
     idx = np.repeat(np.arange(batch // n) % len(prompts), n)
     ids, mask = prompts.ids[idx], prompts.mask[idx]  # left-padded to the set's widest prompt
     width = ids.shape[1]
-    kw = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-              stop_token_ids=stop_token_ids(cfg, tok, model.cfg),
+    vocab, k = model.cfg.vocab_size, args.random_stops
+    stops = (tuple(range(vocab // k // 2, vocab, vocab // k))[:k] if k
+             else stop_token_ids(cfg, tok, model.cfg))
+    kw = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, stop_token_ids=stops,
               pad_token_id=pad_token_id(tok, model.cfg), samples_per_prompt=n)
     pool = 1 + rows * pages_for(width + g.max_new_tokens, args.page_size)
-    engine = PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
-                         EngineSettings(page_size=args.page_size, num_pages=pool,
-                                        decode_chunk=args.chunk, **extra),
-                         batch=batch, prompt_width=width)
+    engines = {slots: PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
+                                  EngineSettings(page_size=args.page_size, num_pages=pool,
+                                                 decode_chunk=args.chunk,
+                                                 **({"max_concurrent": slots} if extra else {})),
+                                  batch=batch, prompt_width=width)
+               for slots in (args.slots if extra else [0])}
     key = jax.random.PRNGKey(0)
 
     def static():
@@ -73,68 +101,79 @@ def build(name: str, args):
                          **kw) for s in range(0, batch, rows)]
         return tuple(np.concatenate([np.asarray(o[i]) for o in outs]) for i in (0, 1))
 
-    def paged():
+    def paged(engine):
         out = engine.generate(params, jax.numpy.asarray(ids), jax.numpy.asarray(mask), key)
         return tuple(np.asarray(x) for x in out[:2])
 
-    facts = dict(batch=batch, static_rows=rows, slots=engine.layout.slots, pool_pages=pool,
-                 page_size=args.page_size, chunk=args.chunk, new_tokens=g.max_new_tokens,
-                 prompt_width=width, samples_per_prompt=n)
-    return {"static": static, "paged": paged}, engine, facts
+    facts = dict(batch=batch, static_rows=rows, pool_pages=pool, page_size=args.page_size,
+                 chunk=args.chunk, new_tokens=g.max_new_tokens, prompt_width=width,
+                 samples_per_prompt=n, dtype=args.dtype, random_stops=k)
+    fns = {"static": static, **{f"paged {e.layout.slots * e.layout.replicas}":
+                                partial(paged, e) for e in engines.values()}}
+    return fns, {f"paged {e.layout.slots * e.layout.replicas}": e for e in engines.values()}, facts
 
 
 def measure(name: str, args) -> dict:
-    fns, engine, facts = build(name, args)
+    """Warm-up calls (compiles; the tokens checked equal), then `rounds` rounds of every side in
+    alternating order: lengths, seconds, tokens / s and each engine's ratio to static."""
+    fns, engines, facts = build(name, args)
     out = {}
-    for side, fn in fns.items():  # warm-up: compiles
+    for side, fn in fns.items():
         seconds = timed(lambda: out.__setitem__(side, fn()))
         log(f"{name} warm-up {side}: {seconds:.1f} s")
-    for i in (0, 1):
-        if not np.array_equal(out["static"][i], out["paged"][i]):
-            raise AssertionError(f"{name}: the engine's tokens differ from the static sampler's")
-    lengths = out["paged"][1].sum(axis=1)
-    rows = facts["static_rows"]
+    for side in engines:
+        for i in (0, 1):
+            if not np.array_equal(out["static"][i], out[side][i]):
+                raise AssertionError(f"{name}: {side}'s tokens differ from the static sampler's")
+    lengths, rows = out["static"][1].sum(axis=1), facts["static_rows"]
     times = {side: [] for side in fns}
     for rnd in range(args.rounds):
-        for side in (("static", "paged") if rnd % 2 == 0 else ("paged", "static")):
+        for side in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
             times[side].append(timed(fns[side]))
             log(f"{name} round {rnd} {side}: {times[side][-1]:.1f} s")
     useful = int(lengths.sum())
-    st = engine.last_stats
-    return {**facts, "useful_tokens": useful,
+    sides = {side: {"slots": e.layout.slots * e.layout.replicas,
+                    "tokens_per_s": useful / stats(times[side])["median"],
+                    "ratio": stats(s / p for s, p in zip(times["static"], times[side])),
+                    **{k: getattr(e.last_stats, k) for k in ("steps", "chunks", "prefills",
+                                                           "slot_occupancy", "preemptions",
+                                                           "peak_pages")}}
+             for side, e in engines.items()}
+    return {**facts, "useful_tokens": useful, "seconds": {k: stats(t) for k, t in times.items()},
             "lengths": {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
                         "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max())},
             "static_steps": int(sum(lengths[s:s + rows].max() for s in range(0, len(lengths), rows))),
-            "engine": {"steps": st.steps, "chunks": st.chunks, "prefills": st.prefills,
-                       "slot_occupancy": st.slot_occupancy, "preemptions": st.preemptions,
-                       "peak_pages": st.peak_pages},
-            "seconds": {side: stats(t) for side, t in times.items()},
-            "tokens_per_s": {side: useful / stats(t)["median"] for side, t in times.items()},
-            "ratio": stats(s / p for s, p in zip(times["static"], times["paged"]))}
+            "static_tokens_per_s": useful / stats(times["static"])["median"], "engines": sides}
 
 
 def render(data: dict) -> str:
     rows = []
     for name, r in data["workloads"].items():
         ln = r["lengths"]
-        rows.append([name, f"{r['batch']} / {r['static_rows']} / {r['slots']}",
-                     f"{fmt(ln['mean'], 1)} / {fmt(ln['p50'], 0)} / {fmt(ln['p90'], 0)} / {ln['max']}"
-                     f" of {r['new_tokens']} ({ln['mean'] / r['new_tokens']:.2f})",
-                     fmt(r["tokens_per_s"]["static"], 1), fmt(r["tokens_per_s"]["paged"], 1),
-                     ratio(r["ratio"]["median"], st=r["ratio"]),
-                     f"{r['static_steps']} / {r['engine']['steps']}",
-                     f"{r['engine']['slot_occupancy']:.2f}", r["engine"]["preemptions"]])
+        for side in r["engines"].values():
+            rows.append([name, f"{r['batch']} / {r['static_rows']} / {side['slots']}",
+                         f"{fmt(ln['mean'], 1)} / {fmt(ln['p50'], 0)} / {fmt(ln['p90'], 0)} / "
+                         f"{ln['max']} of {r['new_tokens']} ({ln['mean'] / r['new_tokens']:.2f})",
+                         fmt(r["static_tokens_per_s"], 1), fmt(side["tokens_per_s"], 1),
+                         ratio(side["ratio"]["median"], st=side["ratio"]),
+                         f"{r['static_steps']} / {side['steps']}",
+                         f"{side['slot_occupancy']:.2f}", side["preemptions"]])
     head = ["workload", "responses / static rows / slots", "length mean / p50 / p90 / max (mean/max)",
             "static tok/s", "paged tok/s", "paged / static", "decode steps static / paged",
             "slot occupancy", "preemptions"]
-    return ("Useful generated tokens per second (response tokens up to and including EOS), "
-            "SmolLM2-135M-Instruct float32, equal KV memory, the same tokens on both sides; "
-            f"{data['rounds']} rounds, medians.\n\n" + table(head, rows))
+    first = next(iter(data["workloads"].values()))
+    model = (f"random weights of SmolLM2-135M's shape with {first['random_stops']} stop tokens"
+             if first["random_stops"] else "SmolLM2-135M-Instruct")
+    return ("Useful generated tokens per second (response tokens up to and including the stop "
+            f"token), {model}, {first['dtype']}, equal KV memory (pool = static rows x cache "
+            f"length), the same tokens on both sides; {data['rounds']} rounds, medians "
+            f"(ratio: per-round pairs).\n\n" + table(head, rows))
 
 
 def main() -> None:
-    args = options(__doc__, workload=["heavy", "default", "rlvr"], rounds=2, slots=64, rows=64,
-                   responses=256, new_tokens=256, chunk=8, page_size=16, tiny=False, json=None)
+    args = options(__doc__, workload=["heavy", "default", "rlvr"], rounds=2, slots=[64], rows=64,
+                   responses=256, new_tokens=256, chunk=8, page_size=16, tiny=False,
+                   random_stops=0, dtype="float32", json=None)
     under_malloc_settings()
     data = {"rounds": args.rounds,
             "workloads": {name: measure(name, args) for name in args.workload}}

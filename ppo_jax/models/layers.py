@@ -169,15 +169,16 @@ def write_and_read_cache(cache: KVCache | None, layer, k_new, v_new, cache_index
     return kc[layer], vc[layer], KVCache(kc, vc)
 
 
-def paged_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView, window=None):
-    """Attention of `q [R * S, L, H, hd]` over one layer's pages: jax's Pallas
-    `ragged_paged_attention` (TPU) when `view.kernel == "pallas"` and the call decodes one
-    token per row, else `paged_cache.paged_attention_reference`. `[R * S, L, H * hd]` out."""
-    if view.kernel == "pallas" and q.shape[1] == 1:
+def paged_attention(q: jax.Array, cache: PagedKVCache, layer, view: PagedView, window=None):
+    """Attention of `q [R * S, L, H, hd]` over layer `layer`'s pages: jax's Pallas
+    `ragged_paged_attention` (TPU; a token-major pool) when `view.kernel == "pallas"` and the
+    call decodes one token per row, else `paged_cache.paged_attention_reference`.
+    `[R * S, L, H * hd]` out."""
+    if view.kernel == "pallas" and q.shape[1] == 1 and not cache.head_major:
         from ppo_jax.models.paged_attention_tpu import pallas_decode_attention  # TPU only
 
-        return pallas_decode_attention(q, kv_layer, view, window)
-    return paged_attention_reference(q, kv_layer, view, window)
+        return pallas_decode_attention(q, cache.kv[layer], view, window)
+    return paged_attention_reference(q, cache.kv[layer], view, window, cache.head_major)
 
 
 def attend(cache, layer, q, k, v, ctx: Context, window=None):
@@ -185,9 +186,8 @@ def attend(cache, layer, q, k, v, ctx: Context, window=None):
     it: the dense `KVCache` (or none) through `dot_attention`, a `PagedKVCache` through
     `paged_attention`. Returns `(out [B, L, H * hd], cache)`."""
     if isinstance(cache, PagedKVCache):
-        kv = write_pages(cache.kv, layer, ctx.paged, k, v)
-        out = paged_attention(q, kv[layer], ctx.paged, window)
-        return out, PagedKVCache(kv)
+        cache = write_pages(cache, layer, ctx.paged, k, v)
+        return paged_attention(q, cache, layer, ctx.paged, window), cache
     k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
     out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed,
                         window=window, q_slots=ctx.q_slots, k_slots=ctx.k_slots)

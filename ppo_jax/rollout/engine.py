@@ -84,7 +84,8 @@ class EngineStats:
     slot_occupancy: float = 0.0
     preemptions: int = 0
     peak_pages: int = 0
-    widths: dict = field(default_factory=dict)
+    widths: dict = field(default_factory=dict)  # page-table width -> decode chunks run at it
+    rows: dict = field(default_factory=dict)  # live-slot bucket -> decode chunks run at it
 
 
 def engine_layout(settings: EngineSettings, *, batch: int, prompt_width: int,
@@ -174,7 +175,9 @@ class PagedEngine:
                                  sampling.top_p, sampling.greedy, sampling.stop_token_ids,
                                  sampling.pad_token_id, settings.attention, self.mesh)
         self.batch, self.prompt_width, self.cache_dtype = batch, prompt_width, cache_dtype
+        self.head_major = settings.attention == "reference"  # the pool's layout (PagedKVCache)
         self.widths = decode_width_buckets(self.layout.max_pages, settings.decode_buckets)
+        self.slot_buckets = decode_width_buckets(self.layout.slots, settings.decode_buckets)
         self.last_stats = EngineStats()
         self._build()
 
@@ -187,6 +190,8 @@ class PagedEngine:
         divides them)."""
         tensor = self.mesh.shape["tensor"] if self.mesh is not None else 1
         heads = "tensor" if tensor > 1 and self.cfg.num_kv_heads % tensor == 0 else None
+        if self.head_major:  # [layers, R, pages, 2 KVH, page, hd]
+            return self._sharding(P(None, BATCH_AXES, None, heads))
         return self._sharding(P(None, BATCH_AXES, None, None, heads))
 
     def _build(self) -> None:
@@ -199,8 +204,8 @@ class PagedEngine:
         self._empty = jax.jit(partial(empty_state, lay.replicas, lay.slots, lay.rows,
                                       d.max_new_tokens, d.pad_token_id), out_shardings=(rows, rows))
         self._new_cache = jax.jit(partial(init_paged_cache, self.cfg, lay.replicas, lay.pages,
-                                          self.settings.page_size, self.cache_dtype),
-                                  out_shardings=pool)
+                                          self.settings.page_size, self.cache_dtype,
+                                          self.head_major), out_shardings=pool)
         self._prefill = jax.jit(partial(prefill_program, settings=d), donate_argnums=(1, 2, 3),
                                 out_shardings=(pool, rows, rows))
         self._decode = jax.jit(partial(decode_program, settings=d,
@@ -272,9 +277,18 @@ class PagedEngine:
         stats.peak_pages = max(stats.peak_pages, max(s.pool.num_pages - 1 - s.pool.num_free
                                                      for s in scheds))
         width = pick_width(self.widths, max(s.max_pages() for s in scheds))
-        table = np.stack([s.page_table(width) for s in scheds])
+        rows = pick_width(self.slot_buckets, int(live.sum(axis=1).max()))
+        slots = np.full((len(scheds), rows), self.layout.slots, np.int32)  # packed, then padding
+        for r, s in enumerate(scheds):
+            used = np.flatnonzero(live[r])
+            slots[r, :len(used)] = used
+        table = np.stack([s.page_table(width)[np.minimum(ix, self.layout.slots - 1)]
+                          for s, ix in zip(scheds, slots)])
+        packed = np.take_along_axis(live, np.minimum(slots, self.layout.slots - 1), axis=1)
+        packed &= slots < self.layout.slots
         cache, state, responses, lengths, done, steps = self._decode(
-            model, cache, state, responses, self._put(table), self._put(live), step_key)
+            model, cache, state, responses, self._put(slots), self._put(table), self._put(packed),
+            step_key)
         lengths, done, steps = jax.device_get((lengths, done, steps))
         for r, s in enumerate(scheds):
             s.retire(lengths[r], done[r])
@@ -282,6 +296,7 @@ class PagedEngine:
         stats.steps += int(steps)
         stats.widths[width] = stats.widths.get(width, 0) + 1
         stats.slot_occupancy += float(live.mean())
+        stats.rows[rows] = stats.rows.get(rows, 0) + 1
         return cache, state, responses
 
     def _admission(self, admitted: list[list[Admitted]]) -> Admission:
@@ -331,11 +346,11 @@ class PagedEngine:
         rounds = -(-lay.rows // lay.slots)
         chunks = rounds * -(-(self.draw.max_new_tokens - 1) // k)
         table = host((lay.replicas, lay.slots, self.widths[-1]))
-        live = host((lay.replicas, lay.slots), bool)
+        live, slots = host((lay.replicas, lay.slots), bool), host((lay.replicas, lay.slots))
         return [
             {"name": "engine_prefill", "fn": self._prefill, "per_step": rounds, "while_trips": 1,
              "args": (model, cache, state, responses, prompt_ids, prompt_mask, admission,
                       step_key)},
             {"name": "engine_decode", "fn": self._decode, "per_step": chunks, "while_trips": k,
-             "args": (model, cache, state, responses, table, live, step_key)},
+             "args": (model, cache, state, responses, slots, table, live, step_key)},
         ]

@@ -118,7 +118,7 @@ def _record(responses: Responses, rows, t, tokens, logprobs, keep) -> Responses:
 def _copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     """Every layer's page `src[r, i]` copied to `dst[r, i]` (`[R, X]`; trash to trash: none)."""
     replica = jnp.arange(src.shape[0], dtype=jnp.int32)[:, None]  # explicit: see write_pages
-    return PagedKVCache(cache.kv.at[:, replica, dst].set(cache.kv[:, replica, src]))
+    return cache.replace(kv=cache.kv.at[:, replica, dst].set(cache.kv[:, replica, src]))
 
 
 def _prefill_logits(model, cache: PagedKVCache, ids, mask, pages, s: DrawSettings):
@@ -188,13 +188,28 @@ def _decode_step(model, cache, state: SlotState, responses: Responses, page_tabl
     return cache, state, responses
 
 
+def _take_slots(state: SlotState, slots) -> SlotState:
+    """The slots `slots [R, K]` of `state` (an index past the last slot: a done slot)."""
+    take = jax.vmap(lambda x, i: x.at[i].get(mode="fill", fill_value=0))
+    sub = jax.tree.map(lambda x: take(x, slots), state)
+    return sub.replace(done=sub.done | (slots >= state.done.shape[1]))
+
+
+def _put_slots(state: SlotState, slots, sub: SlotState) -> SlotState:
+    """`state` with its slots `slots [R, K]` replaced by `sub` (indices past the end: none)."""
+    put = jax.vmap(lambda x, i, v: x.at[i].set(v, mode="drop"))
+    return jax.tree.map(lambda x, v: put(x, slots, v), state, sub)
+
+
 def decode_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
-                   page_table, live, step_key, *, settings: DrawSettings, chunk: int):
-    """Up to `chunk` one-token steps of every live, unfinished slot (`live [R, S]` from the
-    host; `page_table [R, S, W]` holds every page the chunk writes), stopping early when no
-    slot is active. Returns `(cache, state, responses, lengths [R, S], done [R, S], steps)`
-    (steps: the one-token steps run, int32)."""
+                   slots, page_table, live, step_key, *, settings: DrawSettings, chunk: int):
+    """Up to `chunk` one-token steps of the slots `slots [R, K]` (the host's live slots, packed
+    first, padded with an index past the last slot; K a bucket: the model runs on K rows, not
+    on every slot), `live [R, K]` and `page_table [R, K, W]` (every page the chunk writes) of
+    the same slots, stopping early when none is active. Returns `(cache, state, responses,
+    lengths [R, S], done [R, S], steps)` (steps: the one-token steps run, int32)."""
     module = model.merge()
+    full, state = state, _take_slots(state, slots)
 
     def cond(carry):
         i, _, st, _ = carry
@@ -207,6 +222,7 @@ def decode_program(model: Model, cache: PagedKVCache, state: SlotState, response
 
     steps, cache, state, responses = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state,
                                                                     responses))
+    state = _put_slots(full, slots, state)
     return cache, state, responses, state.length, state.done, steps
 
 
@@ -222,7 +238,8 @@ def finalize(responses: Responses, lengths, pad_token_id: int):
 
 def decode_width_buckets(max_pages: int, buckets: int) -> tuple[int, ...]:
     """The page-table widths the decode program compiles for: `buckets` evenly spaced widths up
-    to `max_pages` (the fewest that hold the longest live sequence is used each chunk)."""
+    to `max_pages` (the fewest that hold the longest live sequence is used each chunk). The
+    same rule sizes the live-slot buckets (up to the slots of a replica)."""
     buckets = max(1, min(buckets, max_pages))
     return tuple(sorted({-(-max_pages * (i + 1) // buckets) for i in range(buckets)}))
 

@@ -4,6 +4,8 @@ only to the trash page."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from ppo_jax.models.attention import dot_attention
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.kv_cache import init_cache
 from ppo_jax.models.paged_cache import (
-    TRASH_PAGE, PagedView, init_paged_cache, paged_attention_reference, write_pages,
+    TRASH_PAGE, PagedKVCache, PagedView, init_paged_cache, paged_attention_reference, write_pages,
 )
 from ppo_jax.models.tiny_random import tiny_config
 
@@ -26,9 +28,10 @@ def _tables(rng, replicas, rows, width, num_pages):
     return out
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_equals_dense_attention(jit, window):
+def test_paged_attention_equals_dense_attention(jit, window, head_major):
     rng = np.random.default_rng(0)
     replicas, rows, width, page_size, kvh, heads, hd, length = 2, 3, 4, 4, 2, 4, 8, 3
     table = _tables(rng, replicas, rows, width, 32)
@@ -48,7 +51,10 @@ def test_paged_attention_equals_dense_attention(jit, window):
     view = PagedView(jnp.asarray(table), jnp.asarray(positions),
                      jnp.ones(positions.shape, bool), jnp.asarray(kv_lens))
     w = None if window is None else jnp.int32(window)
-    fn = jax.jit(paged_attention_reference) if jit else paged_attention_reference
+    if head_major:
+        pool = pool.transpose(0, 1, 3, 2, 4)  # [R, P, 2 KVH, page, hd]
+    fn = partial(paged_attention_reference, head_major=head_major)
+    fn = jax.jit(fn) if jit else fn
     got = fn(jnp.asarray(q), jnp.asarray(pool), view, w)
     j = np.arange(seq)
     allowed = (j <= positions[:, :, None]) & (j < kv_lens[:, None, None])
@@ -58,15 +64,19 @@ def test_paged_attention_equals_dense_attention(jit, window):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-def test_writes_of_padding_and_idle_rows_land_on_the_trash_page():
+@pytest.mark.parametrize("head_major", [False, True])
+def test_writes_of_padding_and_idle_rows_land_on_the_trash_page(head_major):
     rng = np.random.default_rng(1)
     table = _tables(rng, 1, 2, 2, 8)
-    kv = jnp.zeros((1, 1, 8, 4, 2, 3), jnp.float32)  # 1 layer, 1 replica, 8 pages of 4, 1 KV head
+    shape = (1, 1, 8, 2, 4, 3) if head_major else (1, 1, 8, 4, 2, 3)  # 8 pages of 4, 1 KV head
+    cache = PagedKVCache(jnp.zeros(shape, jnp.float32), head_major)
     k = jnp.ones((2, 3, 1, 3))
     write = jnp.asarray([[False, True, True], [False, False, False]])
     view = PagedView(jnp.asarray(table), jnp.asarray([[0, 0, 1], [4, 5, 6]], jnp.int32), write,
                      jnp.asarray([2, 7], jnp.int32))
-    out = np.asarray(write_pages(kv, jnp.int32(0), view, k, 2 * k))
+    out = np.asarray(write_pages(cache, jnp.int32(0), view, k, 2 * k).kv)
+    if head_major:
+        out = out.transpose(0, 1, 2, 4, 3, 5)  # back to [layers, R, pages, page, 2 KVH, hd]
     written = np.argwhere(out[0, 0].any(axis=(2, 3)))  # (page, offset) pairs holding data
     want = {(table[0, 0, 0], 0), (table[0, 0, 0], 1), (TRASH_PAGE, 0), (TRASH_PAGE, 1),
             (TRASH_PAGE, 2)}
@@ -75,13 +85,13 @@ def test_writes_of_padding_and_idle_rows_land_on_the_trash_page():
     np.testing.assert_array_equal(out[0, 0, table[0, 0, 0], 0, 1], 2.0)  # v at combined head 1
 
 
-def _paged_logits(model, ids, mask, steps, page_size, width):
+def _paged_logits(model, ids, mask, steps, page_size, width, head_major):
     """Prefill left-padded `[B, P]` prompts into pages, then `steps` greedy one-token steps;
     the logits of every step `[steps + 1, B, V]`."""
     batch, plen = ids.shape
     rng = np.random.default_rng(2)
     table = jnp.asarray(_tables(rng, 1, batch, width, batch * width + 1))
-    cache = init_paged_cache(model.cfg, 1, batch * width + 1, page_size, jnp.float32)
+    cache = init_paged_cache(model.cfg, 1, batch * width + 1, page_size, jnp.float32, head_major)
     lens = mask.sum(axis=1).astype(np.int32)
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
     view = PagedView(table, jnp.asarray(positions), jnp.asarray(mask.astype(bool)),
@@ -112,8 +122,9 @@ def _dense_logits(model, ids, mask, steps):
     return jnp.stack(logits)
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_a_model_over_pages_gives_the_dense_cache_logits(model_type):
+def test_a_model_over_pages_gives_the_dense_cache_logits(model_type, head_major):
     extra = {} if model_type == "llama" else dict(model_type="gpt2", num_kv_heads=4,
                                                    hidden_act="gelu_new", intermediate_size=256)
     model = init_model(tiny_config(64, **extra), seed=1)
@@ -122,6 +133,6 @@ def test_a_model_over_pages_gives_the_dense_cache_logits(model_type):
     mask = np.ones_like(ids)
     mask[1, :3], mask[2, :6] = 0, 0  # left padding; row 2 holds one prompt token
     ids[mask == 0] = 0
-    got = _paged_logits(model, ids, mask, 6, 4, 4)
+    got = _paged_logits(model, ids, mask, 6, 4, 4, head_major)
     want = _dense_logits(model, ids, mask, 6)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
