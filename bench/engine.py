@@ -20,7 +20,7 @@ response ends at each token with probability ~K / V: geometric lengths cut at
 
 Usage: python bench/engine.py [--workload heavy default rlvr] [--rounds 2] [--slots 64 128]
     [--rows 64] [--responses 256] [--new-tokens 256] [--chunk 8] [--page-size 16] [--tiny]
-    [--random-stops K] [--dtype float32] [--json PATH]
+    [--random-stops K] [--dtype float32] [--buckets 4] [--json PATH]
     (--tiny: the tiny random model, a check of the script, not a figure; several --slots:
     one engine per slot count against the same static sub-batches)
 """
@@ -91,6 +91,7 @@ def build(name: str, args):
     engines = {slots: PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
                                   EngineSettings(page_size=args.page_size, num_pages=pool,
                                                  decode_chunk=args.chunk,
+                                                 decode_buckets=args.buckets,
                                                  **({"max_concurrent": slots} if extra else {})),
                                   batch=batch, prompt_width=width)
                for slots in (args.slots if extra else [0])}
@@ -106,7 +107,7 @@ def build(name: str, args):
         return tuple(np.asarray(x) for x in out[:2])
 
     facts = dict(batch=batch, static_rows=rows, pool_pages=pool, page_size=args.page_size,
-                 chunk=args.chunk, new_tokens=g.max_new_tokens, prompt_width=width,
+                 chunk=args.chunk, buckets=args.buckets, device=jax.devices()[0].device_kind, new_tokens=g.max_new_tokens, prompt_width=width,
                  samples_per_prompt=n, dtype=args.dtype, random_stops=k)
     fns = {"static": static, **{f"paged {e.layout.slots * e.layout.replicas}":
                                 partial(paged, e) for e in engines.values()}}
@@ -135,7 +136,8 @@ def measure(name: str, args) -> dict:
     sides = {side: {"slots": e.layout.slots * e.layout.replicas,
                     "tokens_per_s": useful / stats(times[side])["median"],
                     "ratio": stats(s / p for s, p in zip(times["static"], times[side])),
-                    **{k: getattr(e.last_stats, k) for k in ("steps", "chunks", "prefills",
+                    **{k: getattr(e.last_stats, k) for k in ("steps", "row_steps", "chunks",
+                                                           "prefills",
                                                            "slot_occupancy", "preemptions",
                                                            "peak_pages")}}
              for side, e in engines.items()}
@@ -156,10 +158,10 @@ def render(data: dict) -> str:
                          f"{ln['max']} of {r['new_tokens']} ({ln['mean'] / r['new_tokens']:.2f})",
                          fmt(r["static_tokens_per_s"], 1), fmt(side["tokens_per_s"], 1),
                          ratio(side["ratio"]["median"], st=side["ratio"]),
-                         f"{r['static_steps']} / {side['steps']}",
+                         f"{r['static_steps']} x {r['static_rows']} / {side['row_steps']}",
                          f"{side['slot_occupancy']:.2f}", side["preemptions"]])
     head = ["workload", "responses / static rows / slots", "length mean / p50 / p90 / max (mean/max)",
-            "static tok/s", "paged tok/s", "paged / static", "decode steps static / paged",
+            "static tok/s", "paged tok/s", "paged / static", "decode row-steps static / paged",
             "slot occupancy", "preemptions"]
     first = next(iter(data["workloads"].values()))
     model = (f"random weights of SmolLM2-135M's shape with {first['random_stops']} stop tokens"
@@ -173,7 +175,7 @@ def render(data: dict) -> str:
 def main() -> None:
     args = options(__doc__, workload=["heavy", "default", "rlvr"], rounds=2, slots=[64], rows=64,
                    responses=256, new_tokens=256, chunk=8, page_size=16, tiny=False,
-                   random_stops=0, dtype="float32", json=None)
+                   random_stops=0, dtype="float32", buckets=4, json=None)
     under_malloc_settings()
     data = {"rounds": args.rounds,
             "workloads": {name: measure(name, args) for name in args.workload}}

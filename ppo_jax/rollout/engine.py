@@ -75,12 +75,14 @@ class EngineLayout:
 
 @dataclass
 class EngineStats:
-    """What one `generate` call did: prefill calls, decode chunks and decode steps, the mean
-    fraction of slots live in a decode step, preemptions, the most pages in use at once."""
+    """What one `generate` call did: prefill calls, decode chunks and decode steps, the rows
+    the decode steps ran on, the mean fraction of slots live per chunk, preemptions, the most
+    pages in use at once (in one replica)."""
 
     prefills: int = 0
     chunks: int = 0
     steps: int = 0
+    row_steps: int = 0  # sum over decode steps of the rows the model ran on (slot buckets x R)
     slot_occupancy: float = 0.0
     preemptions: int = 0
     peak_pages: int = 0
@@ -294,6 +296,7 @@ class PagedEngine:
             s.retire(lengths[r], done[r])
         stats.chunks += 1
         stats.steps += int(steps)
+        stats.row_steps += int(steps) * rows * len(scheds)
         stats.widths[width] = stats.widths.get(width, 0) + 1
         stats.slot_occupancy += float(live.mean())
         stats.rows[rows] = stats.rows.get(rows, 0) + 1
