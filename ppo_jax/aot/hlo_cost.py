@@ -129,8 +129,9 @@ def instr_flops(comp: Computation, ins: Instr) -> tuple[float, float]:
 
 
 def _in_place_root(fused: Computation) -> tuple[set, float]:
-    """Parameters updated in place by the fused root's dynamic-update-slices, and the bytes the
-    root writes (the updates for those, the whole value for other outputs)."""
+    """Parameters updated in place by the fused root's dynamic-update-slices and scatters (XLA
+    writes both into their operand's buffer), and the bytes the root writes (the updates for
+    those, the whole value for other outputs)."""
     root = fused.root
     outs = [fused.instrs.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
     in_place, written = set(), 0.0
@@ -140,6 +141,9 @@ def _in_place_root(fused: Computation) -> tuple[set, float]:
         if out is not None and out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
             in_place.add(out.operands[0])
             written += _hbm(_operand_type(fused, out.operands[1]))
+        elif out is not None and out.opcode == "scatter" and len(out.operands) == 3:
+            in_place.add(out.operands[0])  # (operand, indices, updates)
+            written += _hbm(_operand_type(fused, out.operands[2]))
         elif out is not None:
             written += _hbm(out.type)
     return in_place, written

@@ -71,6 +71,10 @@ class PagedView:
     kernel: "reference" (gather the pages, everywhere) or "pallas" (TPU; one-token decode
       calls only, `paged_attention_tpu`; `layers.paged_attention` dispatches); static.
     mesh: the mesh the Pallas kernel is mapped over (None: one device); static.
+    whole_pages: the call is a prefill from position 0 (each row's new tokens are its positions
+      0..kv_len - 1, left-padded): written as whole pages, one scatter index per page (the
+      token-wise scatter of a prefill made XLA:TPU relayout the whole pool at every layer);
+      the tail of a row's last page is zeroed; static.
     """
 
     page_table: jax.Array
@@ -79,6 +83,7 @@ class PagedView:
     kv_lens: jax.Array
     kernel: str = struct.field(pytree_node=False, default="reference")
     mesh: Any = struct.field(pytree_node=False, default=None)
+    whole_pages: bool = struct.field(pytree_node=False, default=False)
 
 
 def init_paged_cache(cfg: ModelConfig, replicas: int, num_pages: int, page_size: int,
@@ -105,6 +110,8 @@ def write_pages(cache: PagedKVCache, layer, view: PagedView, k: jax.Array,
     replicas, _, _ = view.page_table.shape
     b, length, kvh, hd = k.shape
     new = jnp.stack([k, v], axis=3).reshape(b, length, 2 * kvh, hd).astype(cache.kv.dtype)
+    if view.whole_pages:
+        return _write_whole_pages(cache, layer, view, new)
     pos = _per_replica(view.positions, replicas)
     page = jnp.take_along_axis(view.page_table, pos // cache.page_size, axis=2, mode="clip")
     page = jnp.where(_per_replica(view.write, replicas), page, TRASH_PAGE)
@@ -116,6 +123,24 @@ def write_pages(cache: PagedKVCache, layer, view: PagedView, k: jax.Array,
     if cache.head_major:  # the indexed dims lead the result: [R, S, L, 2 KVH, hd] again
         return cache.replace(kv=cache.kv.at[layer, replica, page, :, offset].set(new))
     return cache.replace(kv=cache.kv.at[layer, replica, page, offset].set(new))
+
+
+def _write_whole_pages(cache: PagedKVCache, layer, view: PagedView, new: jax.Array):
+    """A prefill's `new [R * S, L, 2 KVH, hd]` (row r's positions 0..kv_len - 1 in its last
+    kv_len columns) as the pages of `view.page_table [R, S, W]`, W * page_size >= L."""
+    replicas, rows, width = view.page_table.shape
+    b, length = new.shape[:2]
+    ps = cache.page_size
+    q = jnp.arange(width * ps, dtype=jnp.int32)  # the positions the row's W pages hold
+    lens = view.kv_lens.astype(jnp.int32)[:, None]
+    column = jnp.clip(length - lens + q, 0, length - 1)  # left padding: position q's column
+    blocks = jnp.take_along_axis(new, column[:, :, None, None], axis=1)
+    blocks = jnp.where((q < lens)[:, :, None, None], blocks, jnp.zeros((), new.dtype))
+    blocks = blocks.reshape(replicas, rows, width, ps, *new.shape[2:])
+    if cache.head_major:
+        blocks = blocks.swapaxes(3, 4)  # [R, S, W, 2 KVH, page, hd]
+    replica = jnp.arange(replicas, dtype=jnp.int32)[:, None, None]
+    return cache.replace(kv=cache.kv.at[layer, replica, view.page_table].set(blocks))
 
 
 def gather_pages(kv_layer: jax.Array, page_table: jax.Array,

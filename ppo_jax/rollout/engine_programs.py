@@ -127,7 +127,7 @@ def _prefill_logits(model, cache: PagedKVCache, ids, mask, pages, s: DrawSetting
     replicas, groups, width = ids.shape
     mask = _rows_of(mask)
     view = PagedView(pages, jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0), mask > 0,
-                     mask.sum(axis=1), "reference", s.mesh)
+                     mask.sum(axis=1), "reference", s.mesh, whole_pages=True)
     hidden, cache = model.backbone(_rows_of(ids), None, cache=cache, paged=view)
     logits = model.lm_head(hidden[:, -1])
     return logits.reshape(replicas, groups, -1), cache

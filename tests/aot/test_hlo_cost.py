@@ -92,3 +92,21 @@ def test_roofline_time_is_flops_at_peak_or_bytes_at_bandwidth(mesh8):
     assert costs.compute_seconds == pytest.approx(2 * 4096 ** 3 / 1e12, rel=0.01)
     slow_memory = program_costs(c.as_text(), peak_flops=1e18, hbm_bandwidth=1e9)
     assert slow_memory.compute_seconds == pytest.approx(3 * 4096 * 4096 * 2 / 1e9, rel=0.05)
+
+
+def test_a_scatter_into_a_loop_carried_buffer_counts_its_updates_not_the_buffer(mesh8):
+    """The paged KV cache's per-layer writes (`models.paged_cache.write_pages`): XLA scatters
+    into the carried pool in place, so each of the 10 iterations moves its 8 updated rows, not
+    the whole pool (counted whole: 14.8 GB against the pool's 0.67 GB)."""
+    def f(pool, upd):
+        pages = jnp.arange(8, dtype=jnp.int32) * 7
+
+        def body(c, i):
+            return c.at[i, pages, 3].set(upd), None
+        return jax.lax.scan(body, pool, jnp.arange(10, dtype=jnp.int32))[0]
+
+    c = compile_on(one_chip(mesh8), f, ((10, 4096, 16, 4, 128), P()), ((8, 4, 128), P()))
+    costs = program_costs(c.as_text(), peak_flops=1e12, hbm_bandwidth=1e12)
+    whole = 10 * 4096 * 16 * 4 * 128 * 2
+    assert [n for n, _ in costs.loops] == [10]
+    assert costs.bytes < 2.5 * whole  # the pool in and out once, the updates per iteration

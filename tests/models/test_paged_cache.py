@@ -85,7 +85,7 @@ def test_writes_of_padding_and_idle_rows_land_on_the_trash_page(head_major):
     np.testing.assert_array_equal(out[0, 0, table[0, 0, 0], 0, 1], 2.0)  # v at combined head 1
 
 
-def _paged_logits(model, ids, mask, steps, page_size, width, head_major):
+def _paged_logits(model, ids, mask, steps, page_size, width, head_major, whole_pages=False):
     """Prefill left-padded `[B, P]` prompts into pages, then `steps` greedy one-token steps;
     the logits of every step `[steps + 1, B, V]`."""
     batch, plen = ids.shape
@@ -95,7 +95,7 @@ def _paged_logits(model, ids, mask, steps, page_size, width, head_major):
     lens = mask.sum(axis=1).astype(np.int32)
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
     view = PagedView(table, jnp.asarray(positions), jnp.asarray(mask.astype(bool)),
-                     jnp.asarray(lens))
+                     jnp.asarray(lens), whole_pages=whole_pages)
     hidden, cache = model.backbone(jnp.asarray(ids), None, cache=cache, paged=view)
     logits = [model.lm_head(hidden[:, -1])]
     for t in range(steps):
@@ -122,9 +122,12 @@ def _dense_logits(model, ids, mask, steps):
     return jnp.stack(logits)
 
 
+@pytest.mark.parametrize("whole_pages", [False, True])
 @pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_a_model_over_pages_gives_the_dense_cache_logits(model_type, head_major):
+def test_a_model_over_pages_gives_the_dense_cache_logits(model_type, head_major, whole_pages):
+    """Prefill (token by token, or as whole pages) then six one-token steps: the dense cache's
+    logits."""
     extra = {} if model_type == "llama" else dict(model_type="gpt2", num_kv_heads=4,
                                                    hidden_act="gelu_new", intermediate_size=256)
     model = init_model(tiny_config(64, **extra), seed=1)
@@ -133,6 +136,6 @@ def test_a_model_over_pages_gives_the_dense_cache_logits(model_type, head_major)
     mask = np.ones_like(ids)
     mask[1, :3], mask[2, :6] = 0, 0  # left padding; row 2 holds one prompt token
     ids[mask == 0] = 0
-    got = _paged_logits(model, ids, mask, 6, 4, 4, head_major)
+    got = _paged_logits(model, ids, mask, 6, 4, 4, head_major, whole_pages)
     want = _dense_logits(model, ids, mask, 6)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
