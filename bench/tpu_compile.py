@@ -26,8 +26,8 @@ GRPO_4K = LLAMA + ["ppo.advantage_estimator=grpo", "generation.samples_per_promp
                    "generation.max_new_tokens=4096", "ppo.kl_coef=0.0"]
 ENGINES = {  # the static batch as it was (weights gathered per token), with the bf16 rollout
     # copy, and the paged engine (Pallas decode attention) with it
-    "static": ["generation.rollout_layout=train"],
-    "static-copy": ["generation.param_dtype=bfloat16"],
+    "static": [],
+    "static-copy": ["generation.param_dtype=bfloat16", "generation.rollout_layout=tensor"],
     "paged": ["generation.engine=paged", "generation.attention=pallas",
               "generation.param_dtype=bfloat16"],
 }
@@ -123,6 +123,10 @@ def kv_gib_per_chip(r: dict) -> float:
     return lay.pages * g.page_size * token / 2 ** 30
 
 
+def fmt2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def sampler_table(reports: list[dict]) -> str:
     """The sampling programs of each variant: KV memory, fit, collectives and seconds."""
     rows = []
@@ -135,7 +139,7 @@ def sampler_table(reports: list[dict]) -> str:
                      f"{r['programs'][worst]['peak_bytes'] / 2 ** 30:.1f} ({worst})",
                      "yes" if all(r["programs"][n]["fits"] for n in r["programs"] if n in SAMPLER)
                      else "**no**", f"{ag[0]:,.0f} x, {ag[1]:,.1f} GiB", f"{other:,.1f} GiB",
-                     f"{sampler_seconds(r['programs']):.2f}", f"{r['step']['seconds_estimate']:.2f}",
+                     f"{sampler_seconds(r['programs']):.2f}", fmt2(r["step"].get("seconds_estimate")),
                      "-" if r["step"].get("mfu_estimate") is None
                      else f"{100 * r['step']['mfu_estimate']:.1f}%"])
     return table(["variant", "slice", "KV GiB/chip", "sampler peak GiB/chip (program)", "fits",

@@ -21,15 +21,26 @@ from jax.sharding import Mesh
 
 from ppo_jax.parallel.rules import ROLLOUT_RULES, RULES, tree_shardings
 
-ROLLOUT_LAYOUTS = ("tensor", "train")
+ROLLOUT_LAYOUTS = ("auto", "tensor", "train")
 RolloutLayout = Literal[ROLLOUT_LAYOUTS]  # generation.rollout_layout
+
+
+def resolve_layout(layout: str, engine: str) -> str:
+    """"auto": "tensor" for the paged engine, "train" for the static batch (compiled for
+    v5e-256, the static sampler with a fsdp-replicated copy was partitioned into 1.1 million
+    GiB of all-gathers a step: docs/rollout_engine.md); else `layout`. Raises ValueError."""
+    if layout not in ROLLOUT_LAYOUTS:
+        raise ValueError(f"generation.rollout_layout={layout!r}; one of {ROLLOUT_LAYOUTS}")
+    if layout == "auto":
+        return "tensor" if engine == "paged" else "train"
+    return layout
 
 
 def rollout_rules(layout: str):
     """The partition rules of the rollout copy: "tensor" (replicated over data / fsdp) or
     "train" (the training layout: no copy for the layout's sake). Raises ValueError."""
-    if layout not in ROLLOUT_LAYOUTS:
-        raise ValueError(f"generation.rollout_layout={layout!r}; one of {ROLLOUT_LAYOUTS}")
+    if layout not in ROLLOUT_LAYOUTS[1:]:
+        raise ValueError(f"rollout layout {layout!r}; one of {ROLLOUT_LAYOUTS[1:]} (resolved)")
     return ROLLOUT_RULES if layout == "tensor" else RULES
 
 

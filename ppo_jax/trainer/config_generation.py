@@ -54,7 +54,8 @@ class GenerationConfig:
                                      "paged attention kernel; TPU)")
     param_dtype: Optional[Dtype] = opt(None, "dtype of the rollout copy of the actor's weights "
                                        "(e.g. bfloat16); null: the training params' dtype")
-    rollout_layout: RolloutLayout = opt("tensor", "layout of the rollout weights: tensor (split "
+    rollout_layout: RolloutLayout = opt("auto", "layout of the rollout weights: tensor (split "
                                         "over tensor only, copied once per step when fsdp > 1: "
-                                        "no weight gathers while decoding) or train (the "
-                                        "training layout, gathered at every decode step)")
+                                        "no weight gathers while decoding), train (the "
+                                        "training layout, gathered at every decode step) or "
+                                        "auto (tensor for the paged engine, train for static)")

@@ -113,7 +113,7 @@ def _code_accepts():
     from ppo_jax.models.lora import INITS, fresh_adapter
     from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
     from ppo_jax.rollout.engine import ATTENTION_KERNELS, ENGINES, EngineSettings, engine_layout
-    from ppo_jax.rollout.weights import ROLLOUT_LAYOUTS, rollout_rules
+    from ppo_jax.rollout.weights import ROLLOUT_LAYOUTS, resolve_layout
     from ppo_jax.trainer.data import TRUNCATIONS, tokenize_prompts
     from ppo_jax.trainer.optim import SCHEDULES, make_schedule
     from ppo_jax.trainer.reward_functions import REWARD_KINDS
@@ -143,7 +143,7 @@ def _code_accepts():
         "generation.attention": (ATTENTION_KERNELS, lambda v: engine_layout(
             EngineSettings(attention=v), batch=2, prompt_width=8, max_new_tokens=8,
             group_size=1, replicas=1)),
-        "generation.rollout_layout": (ROLLOUT_LAYOUTS, rollout_rules),
+        "generation.rollout_layout": (ROLLOUT_LAYOUTS, lambda v: resolve_layout(v, "paged")),
     }
 
 

@@ -24,7 +24,7 @@ from ppo_jax.models.functional import Model
 from ppo_jax.models.lora import join
 from ppo_jax.rollout.experience import PPOModels, make_experience
 from ppo_jax.rollout.sampler import ended_rows
-from ppo_jax.rollout.weights import rollout_copy_fn
+from ppo_jax.rollout.weights import resolve_layout, rollout_copy_fn
 from ppo_jax.rollout.scoring import Rollout, rollout_scores
 from ppo_jax.trainer.base import StageTrainer
 from ppo_jax.trainer.columns import PromptColumns, ResponseColumns
@@ -176,10 +176,11 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
 
         self._split = jax.jit(lambda key: tuple(jax.random.split(key, 3)), out_shardings=rep)
         g = self.cfg.generation
+        self.rollout_layout = resolve_layout(g.rollout_layout, g.engine)
         actor = self.ppo_models(self.state["actor"].params).actor  # LoRA: base and adapters
         self._rollout_copy = rollout_copy_fn(actor.params, place.constraint_mesh,
-                                             g.rollout_layout, g.param_dtype)
-        actor_sh = rollout_shardings(actor, models_sh.actor, place, g.rollout_layout,
+                                             self.rollout_layout, g.param_dtype)
+        actor_sh = rollout_shardings(actor, models_sh.actor, place, self.rollout_layout,
                                      self._rollout_copy is not None)
         engine = engine_settings(self.cfg)
         self._generate = make_sampler(st.sampling, engine, actor_sh, place, self.models.actor.cfg)

@@ -67,7 +67,7 @@ class PPOPrograms:
         if self._rollout_copy is None:
             return [], actor
         sh = rollout_shardings(actor, self._model_shardings().actor, self.place,
-                               self.cfg.generation.rollout_layout, True)
+                               self.rollout_layout, True)
         params = out_shapes(self._rollout_copy, (actor.params,), sh.params)
         return [Program("rollout_copy", self._rollout_copy, (actor.params,))], \
             Model(actor.graphdef, params)
