@@ -4,8 +4,8 @@ ARGS ?=
 .PHONY: train rlvr test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu bench-train
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
-# bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py and
-# bench/decode_floor.py, bench/logprob_memory.py and bench/lora_update.py (each prints its table against its peer and
+# bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py,
+# bench/decode_floor.py, bench/engine.py, bench/logprob_memory.py and bench/lora_update.py (each prints its table against its peer and
 # writes it with its figures, the git commit and the CPU under $(BENCH_RAW); bench/harness.py),
 # then bench/report.py collects them into bench/results.md (with a GPU section when bench/gpu.sh
 # --json left a gpu.json there; each benchmark's wall time is in it). Run it on a quiet machine
@@ -53,6 +53,7 @@ bench:
 	.venv/bin/python bench/roofline.py --json $(BENCH_RAW)/roofline.json
 	.venv/bin/python bench/update_profile.py --json $(BENCH_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --json $(BENCH_RAW)/decode_floor.json
+	.venv/bin/python bench/engine.py --json $(BENCH_RAW)/engine.json
 	.venv/bin/python bench/logprob_memory.py --json $(BENCH_RAW)/logprob_memory.json
 	.venv/bin/python bench/lora_update.py --json $(BENCH_RAW)/lora_update.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
@@ -67,6 +68,7 @@ bench-quick:
 	.venv/bin/python bench/roofline.py --steps 1 --warmup 1 --new-tokens 4 --matmul 1024 --matmul-runs 3 --json $(BENCH_QUICK_RAW)/roofline.json
 	.venv/bin/python bench/update_profile.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/update_profile.json
 	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json
+	.venv/bin/python bench/engine.py --tiny --rounds 1 --responses 16 --rows 4 --slots 4 --new-tokens 24 --json $(BENCH_QUICK_RAW)/engine.json
 	.venv/bin/python bench/logprob_memory.py --runs 1 --update-config configs/tiny.yaml --json $(BENCH_QUICK_RAW)/logprob_memory.json
 	.venv/bin/python bench/lora_update.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/lora_update.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md

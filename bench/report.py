@@ -35,6 +35,8 @@ SECTIONS = (
     ("generate", "Generation: ppo_jax sampler vs transformers `generate` (bench/generate.py)"),
     ("decode_floor", "Decode floor: the sampler's decode step vs its weight matmuls alone "
      "(bench/decode_floor.py)"),
+    ("engine", "Rollout engine: the paged engine vs the static sampler at equal KV memory "
+     "(bench/engine.py)"),
     ("core", "PPO math: ppo_jax.core vs TRL 0.11-style torch (bench/core.py)"),
     ("logprob_memory", "Log-probs without the `[B, T, V]` logits: memory of the head and of the "
      "whole update (bench/logprob_memory.py)"),
@@ -217,7 +219,7 @@ def render(raw: Path, out_path: Path | None = None) -> str:
         out += ["\n\n".join(prov), ""]
     out += ["## Machine and software", ""] + machine_lines(raws)
     out += ["", "## Reproduce", "", "```bash", "make bench   # sets up .venv and .venv-bench, runs "
-            "the eight benchmarks, writes bench/results.md", "# or one at a time:"]
+            "the nine benchmarks, writes bench/results.md", "# or one at a time:"]
     out += [d["command"] for d in raws.values() if d and d.get("command")]
     o = (out_path or ROOT / "bench/results.md").resolve()
     dest = "" if o == (ROOT / "bench/results.md").resolve() else \
