@@ -184,3 +184,22 @@ def test_sizes_print_without_an_exponent():
 
     assert [_size(x) for x in (None, 512, 1536, 1010 * 2 ** 10, 38.2 * 2 ** 20, 5.83 * 2 ** 30)] == \
         ["-", "512", "1.5K", "1010K", "38.2M", "5.83G"]
+
+
+def test_the_paged_engine_compiles_for_a_slice_and_decodes_without_gathering_weights(tmp_path):
+    """generation.engine=paged on v5e-8 (2 replicas x fsdp 4): the rollout copy, the engine's
+    prefill and decode chunk compile and fit; the copy is the sampling's only weight gather
+    (one copy per step), the decode chunk gathers nothing; the chunk's calls per step are the
+    upper bound (every response max_new_tokens long)."""
+    proc, report = compile_for("v5e-8", tmp_path, "mesh.data=2", "mesh.fsdp=4",
+                               "ppo.batch_size=8", "ppo.mini_batch_size=8",
+                               "ppo.micro_batch_size=8", "eval.every=0",
+                               "generation.engine=paged", "generation.page_size=8",
+                               "generation.decode_chunk=4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    programs = report["programs"]
+    assert {"rollout_copy", "engine_prefill", "engine_decode"} <= set(programs)
+    assert "sampler" not in programs and all(p["fits"] for p in programs.values())
+    assert programs["rollout_copy"]["collectives"]["all-gather"]["bytes"] > 0
+    assert programs["engine_decode"]["collectives"]["all-gather"]["bytes"] == 0
+    assert programs["engine_decode"]["calls_per_step"] == 2  # ceil((8 - 1) / 4), one round

@@ -107,3 +107,31 @@ def test_greedy_generate_matches_transformers_on_smollm2(smol_dir):
           f"{len(PROMPTS)}/{len(PROMPTS)} rows equal to transformers")
     # the batch exercises both cases: a row that stops on EOS and one that runs to the limit
     assert lengths.min() < NEW_TOKENS and lengths.max() == NEW_TOKENS
+
+
+@pytest.mark.slow
+def test_the_paged_engine_draws_the_static_samplers_greedy_tokens_on_smollm2(smol_dir):
+    """The same prompts through the paged engine with 2 slots for 3 rows (a slot refilled as
+    a row ends at EOS) and pages of 8: the static sampler's tokens, masks and log-probs, which
+    the test above holds to transformers'."""
+    from ppo_jax.rollout.engine import EngineSettings, PagedEngine
+    from ppo_jax.rollout.sampler import SamplingSettings
+
+    tok = load_tokenizer(smol_dir)
+    eos, pad = int(tok.eos_token_id), int(tok.pad_token_id)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) for p in PROMPTS]
+    enc = tok(texts, return_tensors="np", padding=True)
+    ids, mask = enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(np.int32)
+    model, _ = load_model(smol_dir, "causal_lm", param_dtype="float32", dtype="float32")
+    graphdef, params = split_model(model)
+    kw = dict(max_new_tokens=NEW_TOKENS, greedy=True, stop_token_ids=(eos,), pad_token_id=pad)
+    want = generate(graphdef, params, ids, mask, None, return_logprobs=True, **kw)
+    engine = PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
+                         EngineSettings(page_size=8, max_concurrent=2, decode_chunk=4),
+                         batch=len(PROMPTS), prompt_width=ids.shape[1])
+    got = engine.generate(params, ids, mask, jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), atol=1e-4)
+    assert engine.last_stats.prefills >= 2
