@@ -1,5 +1,6 @@
 """The paged engine against the static sampler: useful generated tokens per second at equal KV
-memory, SmolLM2-135M-Instruct, float32, the same tokens on both sides (checked).
+memory, SmolLM2-135M-Instruct, float32, the same tokens on both sides (checked on the CPU in
+float32; elsewhere the share of identical rows is reported).
 
 Workloads (`--workload`, one or more):
   heavy:   `--responses` (256) responses to the everyday prompts (configs/default.yaml's data) at
@@ -107,11 +108,20 @@ def build(name: str, args):
         return tuple(np.asarray(x) for x in out[:2])
 
     facts = dict(batch=batch, static_rows=rows, pool_pages=pool, page_size=args.page_size,
-                 chunk=args.chunk, buckets=args.buckets, device=jax.devices()[0].device_kind, new_tokens=g.max_new_tokens, prompt_width=width,
+                 chunk=args.chunk, buckets=args.buckets, device=jax.devices()[0].device_kind,
+                 new_tokens=g.max_new_tokens, prompt_width=width,
                  samples_per_prompt=n, dtype=args.dtype, random_stops=k)
     fns = {"static": static, **{f"paged {e.layout.slots * e.layout.replicas}":
                                 partial(paged, e) for e in engines.values()}}
     return fns, {f"paged {e.layout.slots * e.layout.replicas}": e for e in engines.values()}, facts
+
+
+def agreement(static, paged) -> float:
+    """Share of rows whose tokens and response mask are equal on both sides: 1.0 in float32 on
+    the CPU (checked); in bfloat16, or where a GPU picks its matmul algorithm by batch shape, a
+    different batch composition rounds differently and some sampled rows part ways."""
+    same = np.all(static[0] == paged[0], axis=1) & np.all(static[1] == paged[1], axis=1)
+    return float(same.mean())
 
 
 def measure(name: str, args) -> dict:
@@ -122,9 +132,10 @@ def measure(name: str, args) -> dict:
     for side, fn in fns.items():
         seconds = timed(lambda: out.__setitem__(side, fn()))
         log(f"{name} warm-up {side}: {seconds:.1f} s")
-    for side in engines:
-        for i in (0, 1):
-            if not np.array_equal(out["static"][i], out[side][i]):
+    agree = {side: agreement(out["static"], out[side]) for side in engines}
+    if facts["dtype"] == "float32" and facts["device"] == "cpu":
+        for side, same in agree.items():
+            if same < 1.0:
                 raise AssertionError(f"{name}: {side}'s tokens differ from the static sampler's")
     lengths, rows = out["static"][1].sum(axis=1), facts["static_rows"]
     times = {side: [] for side in fns}
@@ -134,8 +145,11 @@ def measure(name: str, args) -> dict:
             log(f"{name} round {rnd} {side}: {times[side][-1]:.1f} s")
     useful = int(lengths.sum())
     sides = {side: {"slots": e.layout.slots * e.layout.replicas,
-                    "tokens_per_s": useful / stats(times[side])["median"],
-                    "ratio": stats(s / p for s, p in zip(times["static"], times[side])),
+                    "rows_identical": agree[side],
+                    "useful_tokens": int(out[side][1].sum()),
+                    "tokens_per_s": int(out[side][1].sum()) / stats(times[side])["median"],
+                    "ratio": stats((s / useful) / (p / int(out[side][1].sum()))
+                                   for s, p in zip(times["static"], times[side])),
                     **{k: getattr(e.last_stats, k) for k in ("steps", "row_steps", "chunks",
                                                            "prefills",
                                                            "slot_occupancy", "preemptions",
@@ -159,17 +173,19 @@ def render(data: dict) -> str:
                          fmt(r["static_tokens_per_s"], 1), fmt(side["tokens_per_s"], 1),
                          ratio(side["ratio"]["median"], st=side["ratio"]),
                          f"{r['static_steps']} x {r['static_rows']} / {side['row_steps']}",
-                         f"{side['slot_occupancy']:.2f}", side["preemptions"]])
+                         f"{side['slot_occupancy']:.2f}", side["preemptions"],
+                         f"{side['rows_identical']:.2f}"])
     head = ["workload", "responses / static rows / slots", "length mean / p50 / p90 / max (mean/max)",
             "static tok/s", "paged tok/s", "paged / static", "decode row-steps static / paged",
-            "slot occupancy", "preemptions"]
+            "slot occupancy", "preemptions", "rows identical"]
     first = next(iter(data["workloads"].values()))
     model = (f"random weights of SmolLM2-135M's shape with {first['random_stops']} stop tokens"
              if first["random_stops"] else "SmolLM2-135M-Instruct")
     return ("Useful generated tokens per second (response tokens up to and including the stop "
-            f"token), {model}, {first['dtype']}, equal KV memory (pool = static rows x cache "
-            f"length), the same tokens on both sides; {data['rounds']} rounds, medians "
-            f"(ratio: per-round pairs).\n\n" + table(head, rows))
+            f"token), {model}, {first['dtype']}, {first['device']}, equal KV memory (pool = "
+            f"static rows x cache length); each side's tokens / s counts its own responses "
+            f"(identical rows: checked equal in float32 on the CPU); {data['rounds']} rounds, "
+            f"medians (ratio: per-round pairs).\n\n" + table(head, rows))
 
 
 def main() -> None:
