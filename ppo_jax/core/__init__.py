@@ -20,7 +20,7 @@ from ppo_jax.core.aggregation import (
 )
 from ppo_jax.core.gae import GAE_METHODS, compute_gae
 from ppo_jax.core import estimators, outcome  # registers the advantage estimators
-from ppo_jax.core.estimators import CRITIC_FREE, needs_greedy_baseline, uses_critic
+from ppo_jax.core.estimators import CRITIC_FREE, needs_greedy_baseline, needs_groups, uses_critic
 from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty, sequence_kl
 from ppo_jax.core.kl_control import (
     KL_CONTROLLER_KINDS,
@@ -118,6 +118,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "needs_greedy_baseline",
+    "needs_groups",
     "nll_loss",
     "overlong_penalty",
     "policy_loss",

@@ -13,7 +13,8 @@ int32 (rows answering the same prompt share an id; `generation.samples_per_promp
 `baseline_scores [B]` (ReMax: the score of the greedy response to the row's prompt, shaped like
 `scores`; zeros otherwise). An estimator that needs no critic sets `fn.uses_critic = False`
 (the trainer then loads and trains none); one that needs the greedy baseline sets
-`fn.needs_greedy_baseline = True`. A fork's estimator takes `**unused` for what it ignores.
+`fn.needs_greedy_baseline = True`; one that compares a prompt's samples sets
+`fn.needs_groups = True` (refused with one sample per prompt). A fork's estimator takes `**unused` for what it ignores.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def _critic_free(fn):
     return fn
 
 
+def _grouped(fn):
+    """Mark `fn` as comparing the samples of a prompt (`needs_groups`)."""
+    fn.needs_groups = True
+    return fn
+
+
 @register_advantage_estimator("gae")
 def gae(values, rewards, mask, *, gamma, lam, scores=None, group_ids=None, baseline_scores=None,
         method: str = DEFAULT_GAE_METHOD, unroll: int = DEFAULT_UNROLL, chunk: int = DEFAULT_CHUNK):
@@ -42,6 +49,7 @@ def gae(values, rewards, mask, *, gamma, lam, scores=None, group_ids=None, basel
 
 @register_advantage_estimator("grpo")
 @_critic_free
+@_grouped
 def grpo(values, rewards, mask, *, scores, group_ids, norm_by_std: bool = True, eps: float = 1e-6,
          **unused):
     """`outcome.grpo`: `(r - mean_group) / (std_group + eps)` (unbiased std) on every token;
@@ -52,6 +60,7 @@ def grpo(values, rewards, mask, *, scores, group_ids, norm_by_std: bool = True, 
 
 @register_advantage_estimator("rloo")
 @_critic_free
+@_grouped
 def rloo(values, rewards, mask, *, scores, group_ids, **unused):
     """`outcome.rloo`: `r_i - mean_{j != i} r_j` within the group, on every token."""
     return outcome.rloo(scores, group_ids, mask)
@@ -67,6 +76,7 @@ def reinforce_plus_plus(values, rewards, mask, *, gamma, **unused):
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
 @_critic_free
+@_grouped
 def reinforce_plus_plus_baseline(values, rewards, mask, *, gamma, scores, group_ids, **unused):
     """`outcome.reinforce_plus_plus_baseline`: the group mean score subtracted first."""
     return outcome.reinforce_plus_plus_baseline(rewards, scores, group_ids, mask, gamma=gamma)
@@ -85,6 +95,13 @@ remax.needs_greedy_baseline = True
 def uses_critic(fn) -> bool:
     """Whether the trainer must load and train a critic for estimator `fn`."""
     return getattr(fn, "uses_critic", True)
+
+
+def needs_groups(fn) -> bool:
+    """Whether estimator `fn` compares the samples of a prompt (a group baseline: GRPO, Dr.
+    GRPO, RLOO, REINFORCE++-baseline): with one sample per prompt its score advantages are all
+    zero, so the trainer refuses `generation.samples_per_prompt=1` for it."""
+    return getattr(fn, "needs_groups", False)
 
 
 def needs_greedy_baseline(fn) -> bool:

@@ -25,51 +25,37 @@ starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_l
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
+from ppo_jax.trainer.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.host_memory import release_host_memory
+from ppo_jax.trainer.loggers import Trackers
 from ppo_jax.trainer.metrics import MetricsWriter
 from ppo_jax.trainer.placement import Placement
 from ppo_jax.trainer.preemption import StopSignals
-from ppo_jax.trainer.run_dir import SUPERSEDED, RunLock, check_writable, logged_steps, supersede_metrics
-
-
-def check_run_dir(out: Path, key: str, resume: bool) -> None:
-    """Refuse to overwrite a run: `out` must be new or empty unless `resume`; a resume needs a
-    checkpoint when metrics of training steps exist (a run stopped before its first checkpoint
-    with only the step-0 record, `start_metrics`, starts over). Reads only.
-
-    Raises:
-      ConfigError: naming `key` (the config key of the directory) and what it holds.
-    """
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{key}={str(out)!r} is a file, not a directory")
-    done, logged = finished_steps(out / "checkpoints"), logged_steps(out)
-    if not resume and (done or logged):
-        held = f"checkpoints (steps {done})" if done else f"metrics of {len(logged)} steps"
-        raise ConfigError(
-            f"{key}={str(out)!r} already holds {held}; pass --resume to continue that run, or "
-            f"choose a new {key} (nothing was written)")
-    if resume and not done and any(step > 0 for step in logged):
-        raise ConfigError(
-            f"--resume: {key}={str(out)!r} holds metrics of {len(logged)} steps but no "
-            f"checkpoint to continue them from; choose a new {key} (nothing was written)")
+from ppo_jax.trainer.progress import progress_bar
+from ppo_jax.trainer.resume import (  # noqa: F401 (check_run_dir: its older home)
+    check_run_dir, format_changes, plan_resume, restore_planned, resume_changes, supersede_later,
+)
+from ppo_jax.trainer.run_dir import (
+    CONFIG, SUPERSEDED, RunLock, check_writable, config_in_effect, supersede_metrics,
+    write_run_config,
+)
 
 
 class StageTrainer:
     """Owns the state, jitted update and outputs of one run of one stage (see module doc).
 
-    `Trainer(cfg, resume=False, devices=None)` checks and loads everything (raising
-    ConfigError / FileNotFoundError / ValueError before any compile; an error raised after the
-    run directory and its lock were made removes them again when nothing else is in it);
-    `train()` runs the remaining steps.
+    `Trainer(cfg, resume=False, resume_fallback=False, devices=None)` checks and loads everything
+    (raising ConfigError / FileNotFoundError / ValueError before any compile; an error raised
+    after the run directory and its lock were made removes them again when nothing else is in
+    it); `train()` runs the remaining steps. `resume`: False, True (the latest checkpoint),
+    "auto", a step, or a `resume.ResumePlan` (`trainer.resume`).
     """
 
     name = "stage"  # progress-bar label
@@ -79,12 +65,15 @@ class StageTrainer:
     preempted_at: int | None = None  # the step `train()` stopped at on SIGTERM / SIGINT
     saved_step: int | None = None  # the step of the checkpoint this run last wrote or restored
 
-    def __init__(self, cfg: Config, *, resume: bool = False, devices=None):
+    def __init__(self, cfg: Config, *, resume=False, resume_fallback: bool = False, devices=None):
         self.cfg = cfg
         self.out = Path(cfg.train.output_dir)
         self._check_inputs()
-        check_run_dir(self.out, "train.output_dir", resume)
+        self.resume_plan = plan_resume(self.out, resume, fallback=resume_fallback)
+        changes = resume_changes(cfg, self.resume_plan)  # unsafe ones refused, before any load
         self.process_index = jax.process_index()
+        if changes and self.process_index == 0:
+            print(format_changes(changes, self.resume_plan.config, self.resume_plan.steps[0]))
         self._lock = None
         created = not self.out.exists()
         if self.process_index == 0:
@@ -97,7 +86,7 @@ class StageTrainer:
                 raise ConfigError(f"mesh: {e}") from None
             self.step_count = 0
             self._build()
-            self._open_outputs(resume)
+            self._open_outputs()
         except BaseException:  # refused at start-up: leave no lock file or empty directory
             if self._lock is not None:
                 self._lock.abandon(remove_dir=created)
@@ -170,9 +159,9 @@ class StageTrainer:
         return {loss: f"{metrics[loss]:.4f}"} if loss else {}
 
     # --- shared machinery -----------------------------------------------------------------
-    def _open_outputs(self, resume: bool) -> None:
+    def _open_outputs(self) -> None:
         self.checkpointer = Checkpointer(self.out / "checkpoints", max_to_keep=self.cfg.train.max_to_keep)
-        if resume:
+        if self.resume_plan is not None:
             self._restore()
             # rows past the restored step run again; at step 0 (no checkpoint) the step-0 record too
             keep = self.step_count if self.step_count else -1
@@ -180,10 +169,14 @@ class StageTrainer:
             if moved:
                 print(f"--resume: {moved} logged rows not covered by the restored state (step "
                       f"{self.step_count}) moved to {self.out / SUPERSEDED}; they run again")
+        trackers = (Trackers.open(self.cfg.train, to_dict(self.cfg), self.out)
+                    if self.process_index == 0 and self.step_count < self.cfg.train.steps else None)
         self.writer = MetricsWriter(self.out, tensorboard=self.cfg.train.tensorboard,
-                                    enabled=self.process_index == 0)
+                                    enabled=self.process_index == 0, trackers=trackers)
         if self.process_index == 0 and self.step_count < self.cfg.train.steps:
-            (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+            written = write_run_config(self.out, to_dict(self.cfg), self.step_count)
+            if written is not None and written.name != CONFIG:  # the first config.json is kept
+                print(f"--resume: the config of this start written to {written}")
 
     def save(self) -> None:
         """Write an orbax checkpoint of the current step (collective over processes).
@@ -196,41 +189,24 @@ class StageTrainer:
         self.saved_step = self.step_count
         release_host_memory()  # orbax's write buffers, freed on its threads
 
-    def _check_same_lora(self) -> None:
-        """`--resume` with the `model.lora.*` the run was started with (its config.json): the
-        checkpoint holds adapters of that rank and targets, scaled by that alpha, and the
-        reference of a run started from an adapter is that adapter.
-
-        Raises:
-          ConfigError: naming the key, both values and the file.
-        """
-        saved_file = self.out / "config.json"
-        if not saved_file.is_file():
-            return
-        saved = json.loads(saved_file.read_text()).get("model", {}).get("lora")
-        now = to_dict(self.cfg)["model"]["lora"]
-        for key in ("rank", "alpha", "target_modules", "critic", "adapter"):
-            if saved is not None and saved.get(key) != now[key]:
-                raise ConfigError(f"--resume: model.lora.{key}={now[key]!r} but the run was "
-                                  f"started with {saved.get(key)!r} ({saved_file}); resume with "
-                                  "the run's own model.lora.* settings")
-
     def _restore(self) -> None:
-        self._check_same_lora()
-        step = self.checkpointer.latest_step()
-        if step is None:
-            print(f"--resume: no checkpoint under {self.checkpointer.directory}; starting at step 0")
+        """Read the planned checkpoint (`resume.restore_planned`; with fallback the newest that
+        reads). A run that goes on from an earlier step than the newest moves the later
+        checkpoints to checkpoints.superseded/ (`resume.supersede_later`)."""
+        plan = self.resume_plan
+        if not plan.steps:  # --resume auto on a directory with no run: a new run
             return
-        try:
-            self.state, meta = self.checkpointer.restore(step, self.state)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"checkpoint {self.checkpointer.directory / str(step)} does not fit this run's "
-                "train state: was it written with other stage or model.* settings (shared_critic, "
-                f"actor, critic, param_dtype, lora.*)? ({type(e).__name__}: {str(e)[:300]})") from None
+        step, self.state, meta = restore_planned(self.checkpointer, plan, self.state)
         self.step_count = self.saved_step = int(meta["step"])
         self.prompt_order.position = int(meta["data_position"])
         print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
+        path = config_in_effect(self.out, step)
+        if path is not None and path != plan.config:  # fell back past a resume's config file
+            changes = resume_changes(self.cfg, plan, path)
+            if changes and self.process_index == 0:
+                print(format_changes(changes, path, step))
+        if self.step_count < self.cfg.train.steps:
+            supersede_later(self.checkpointer, plan, step, self.process_index)
 
     def write_hf(self, graphdef, params, model_cfg, out_dir: Path, select=None) -> Path:
         """Save a model as an HF directory (with the run's tokenizer), the shared export path.
@@ -318,15 +294,15 @@ class StageTrainer:
             self.after_log(0)
 
     def _progress_bar(self, progress: bool | None):
-        """A tqdm bar on process 0 when `train.progress` (or `progress`) asks for one, else None."""
+        """On process 0 when `train.progress` (or `progress`) asks for one: a tqdm bar on a
+        terminal, else a plain line every `train.log_every` steps (`trainer.progress`); else
+        None."""
         show = self.cfg.train.progress if progress is None else progress
         if not (show and self.process_index == 0):
             return None
-        from tqdm import tqdm
-
         print(self.trained_params_line())
-        return tqdm(total=self.cfg.train.steps, initial=self.step_count, desc=self.name,
-                    unit="step", dynamic_ncols=True)
+        return progress_bar(total=self.cfg.train.steps, initial=self.step_count, desc=self.name,
+                            every=self.cfg.train.log_every)
 
     def _stop_on_signal(self) -> None:
         """A stop signal was agreed at this step boundary: save this step unless it is saved
@@ -375,7 +351,7 @@ class StageTrainer:
             finally:
                 if bar is not None:
                     bar.close()
-                self.writer.close()
+                self.writer.close(failed=sys.exc_info()[0] is not None)
                 self._release()
             if cfg.export_hf and self.preempted_at is None:
                 self.export()  # collective; process 0 writes

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ppo_jax.trainer.config_checks import validate
@@ -60,11 +61,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         merged.append(OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.to_object(OmegaConf.merge(*merged))
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        first = str(e).splitlines()[0]
-        raise ConfigError(f"config key {key!r}: {first}" if key else first) from None
+        raise ConfigError(_merge_error(e, overrides)) from None
     validate(cfg)
     return cfg
+
+
+def _merge_error(e: OmegaConfBaseException, overrides) -> str:
+    """omegaconf's merge error as one line naming the key; a list-valued key given a bare value
+    (`--set model.lora.target_modules=c_attn`) gets the bracket form to write instead."""
+    key = getattr(e, "full_key", None)
+    first = str(e).splitlines()[0]
+    if key and "is not a ListConfig" in first:
+        given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == key]
+        value = given[-1] if given else "..."
+        return (f"config key {key!r} takes a list, got {value!r}: write it in brackets, "
+                f"--set {key}=[{value}] (several: [a,b])")
+    return f"config key {key!r}: {first}" if key else first
+
+
+def _read_yaml(path: Path):
+    """`path`'s YAML as an omegaconf mapping.
+
+    Raises:
+      ConfigError: not UTF-8, not valid YAML (with the line and column), or a top level that
+        is not a mapping of sections (a list, a bare value).
+    """
+    try:
+        conf = OmegaConf.load(path)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                          f"offset {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config {path}{where}: not valid YAML: {problem}") from None
+    if not isinstance(conf, DictConfig):
+        kind = "list" if isinstance(conf, ListConfig) else type(conf).__name__
+        raise ConfigError(f"config {path}: the top level is a {kind}, not a mapping "
+                          "of sections (ppo:, data:, generation:, ...)")
+    return conf
 
 
 def config_files(path: Path, _chain: tuple = ()) -> list:
@@ -73,7 +109,7 @@ def config_files(path: Path, _chain: tuple = ()) -> list:
 
     Raises:
       FileNotFoundError: `path` or a base does not exist.
-      ConfigError: a file that is its own base (through a chain).
+      ConfigError: a file that is its own base (through a chain), or one `_read_yaml` refuses.
     """
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}" + (
@@ -81,8 +117,8 @@ def config_files(path: Path, _chain: tuple = ()) -> list:
     if path.resolve() in _chain:
         raise ConfigError(f"config {path}: base files form a cycle: "
                           f"{' -> '.join(map(str, _chain + (path.resolve(),)))}")
-    conf = OmegaConf.load(path)
-    base = conf.pop("base", None) if isinstance(conf, DictConfig) else None
+    conf = _read_yaml(path)
+    base = conf.pop("base", None)
     if base is None:
         return [conf]
     return config_files(path.parent / str(base), _chain + (path.resolve(),)) + [conf]

@@ -16,6 +16,7 @@ from ppo_jax.trainer.config_help import leaves
 from ppo_jax.trainer.config_schema import (
     Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
 )
+from ppo_jax.trainer.loggers import check_loggers
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -146,6 +147,7 @@ def _validate_optim_train(o: OptimConfig, t: TrainConfig) -> None:
     for name in ("seed", "sample_every", "num_samples", "save_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)!r} must be >= 0")
+    check_loggers(t.loggers)  # known names, their packages installed (nothing imported)
 
 
 def _validate_loss_terms(p: PPOConfig) -> None:

@@ -334,7 +334,19 @@ class TrainConfig:
     max_to_keep: int = opt(2, "checkpoints kept")
     export_hf: bool = opt(True, "write the final model as an HF directory")
     tensorboard: bool = opt(True, "write TensorBoard event files")
-    progress: bool = opt(True, "show a progress bar")
+    progress: bool = opt(True, "show a progress bar (not on a terminal: one plain line every "
+                         "log_every steps)")
+    loggers: list[str] = opt(
+        help="experiment trackers beside metrics.jsonl and TensorBoard, each logging the metrics, "
+        "the config and the sample tables: wandb (pip install wandb; offline without an API key "
+        "or network), mlflow (pip install mlflow or mlflow-skinny)", factory=list)
+    project: Optional[str] = opt(None, "W&B project and MLflow experiment name; null: "
+                                 "WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else ppo_jax")
+    run_name: Optional[str] = opt(None, "the run's name in W&B and MLflow; null: the name of "
+                                  "train.output_dir")
+    mlflow_tracking_uri: Optional[str] = opt(
+        None, "where MLflow writes (file:DIR, sqlite:///FILE, http://HOST:PORT); null: "
+        "MLFLOW_TRACKING_URI, else file:<train.output_dir>/mlruns")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import numpy as np
 
 from ppo_jax.trainer.tasks import TASK_SOURCE, task_splits
 from ppo_jax.trainer.text_data import encode_prompt, read_rows, require_file
+from ppo_jax.trainer.text_records import read_text
 
 
 PROMPT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
@@ -46,7 +47,7 @@ def read_prompt_records(path: str | Path, field: str = "prompt",
     """
     path = require_file(path, key, "prompt")
     if path.suffix.lower() == ".txt":
-        prompts = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines()]
+        prompts = [line.rstrip("\n") for line in read_text(path, key).splitlines()]
         prompts = [p for p in prompts if p.strip()]
         rows = [{} for _ in prompts]
     else:

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ppo_jax.parallel import batch_shards, batch_sharding, make_mesh, param_spec, replicated, tree_shardings
 from ppo_jax.parallel.host import put_rows, row_range
+from ppo_jax.trainer.config_schema import ConfigError
 from ppo_jax.trainer.state import TrainState
 
 HOST_MEMORY = "pinned_host"
@@ -60,6 +61,22 @@ class Placement:
     @property
     def batch_shards(self) -> int:
         return batch_shards(self.mesh)
+
+    def check_batch(self, key: str, size: int) -> None:
+        """Refuse a batch of `size` rows (config key `key`) that the batch shards (mesh data x
+        fsdp) do not divide, saying what to set.
+
+        Raises:
+          ConfigError: naming `key`, its value, the mesh and the nearest batch that fits.
+        """
+        shards = self.batch_shards
+        if size % shards:
+            fit = -(-size // shards) * shards
+            raise ConfigError(
+                f"{key}={size} is not a multiple of the mesh's batch shards, data x fsdp = "
+                f"{shards} (mesh {dict(self.mesh.shape)} over {self.mesh.devices.size} devices): "
+                f"set {key} to a multiple of {shards} (e.g. --set {key}={fit}), or put fewer "
+                "devices on mesh.data x mesh.fsdp (the rest on mesh.tensor)")
 
     @property
     def constraint_mesh(self) -> Optional[Mesh]:

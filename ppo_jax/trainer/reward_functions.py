@@ -6,7 +6,10 @@ new one with `@register_reward_function("name")` (a factory returning the functi
 runs only when selected; `reward.function_kwargs` are the factory's keyword arguments) and
 select it with `reward.function=name`.
 
-Two optional extensions, both used by the verifiable rewards below:
+Optional extensions, used by the verifiable rewards below:
+- a factory may set `row_fields` (e.g. `("answer",)`): the prompt-row fields its function
+  reads; prompts whose rows lack one are refused before any model loads
+  (`check_prompt_rows`), and `row_hint`, a note on where such prompts come from.
 - a function with a `rows` keyword (`fn(prompts, responses, *, rows)`) also receives each
   sample's prompt row: the prompt record's other fields (an `answer`, a reasoning-gym task's
   `entry`; `data.prompt_records`). Functions without it are called as before.
@@ -56,6 +59,24 @@ def get_reward_function(name: str, **kwargs) -> RewardFunction:
         raise ValueError(f"reward.function_kwargs={kwargs!r} do not fit reward function "
                          f"{name!r}: {e}") from None
     return factory(**kwargs)
+
+
+def check_prompt_rows(name: str, rows: list[dict], key: str, source: str) -> None:
+    """Refuse prompts whose rows lack a field the reward function `name` reads (its factory's
+    `row_fields`, e.g. math_verify's `answer`), before any model loads.
+
+    Raises:
+      ValueError: naming the function, the field, `key`, `source` and the first record without
+        it (records count from 0).
+    """
+    fields = getattr(REWARD_FUNCTIONS.get(name), "row_fields", ())
+    for field in fields:
+        missing = next((i for i, row in enumerate(rows) if field not in row), None)
+        if missing is not None:
+            hint = getattr(REWARD_FUNCTIONS.get(name), "row_hint", "")
+            raise ValueError(f"reward.function={name} reads the {field!r} field of every prompt "
+                             f"row, but {key}: record {missing} of {source} has "
+                             f"{sorted(rows[missing]) or 'only the prompt'}{hint}")
 
 
 def takes_rows(fn: Callable) -> bool:
@@ -126,6 +147,10 @@ def reasoning_gym_reward(format_weight: float = 0.0) -> RewardFunction:
     return score
 
 
+reasoning_gym_reward.row_fields = ("task", "entry")
+reasoning_gym_reward.row_hint = " (prompts from a reasoning-gym task: data.prompts: task, data.task)"
+
+
 @register_reward_function("math_verify")
 def math_verify_reward(format_weight: float = 0.0) -> RewardFunction:
     """Verifiable reward of math answers: 1 when math-verify finds the response's answer (its
@@ -140,6 +165,11 @@ def math_verify_reward(format_weight: float = 0.0) -> RewardFunction:
         return _with_format(accuracy, responses, format_weight)
 
     return score
+
+
+math_verify_reward.row_fields = ("answer",)
+math_verify_reward.row_hint = (" (a .jsonl / .json / .parquet of records with `prompt` and "
+                               "`answer`)")
 
 
 def _with_format(accuracy: np.ndarray, responses: list[str], weight: float) -> dict:

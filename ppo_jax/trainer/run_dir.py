@@ -8,7 +8,13 @@
   leaves nothing to clean up).
 - `logged_steps` / `supersede_metrics`: a run interrupted after its last checkpoint has logged
   steps that a resume will run again; those rows move from `metrics.jsonl` to
-  `metrics.superseded.jsonl` (kept, not deleted) so the metrics hold each step once.
+  `metrics.superseded.jsonl` (kept, not deleted) so the metrics hold each step once;
+  `supersede_checkpoints` moves the checkpoints after the step a resume continues from (an
+  earlier step asked for, or a damaged newest one) to `checkpoints.superseded/`, so they are
+  kept and the run can write those steps again.
+- `config.json` is the config a run was started with and is never overwritten; a resume that
+  changes settings writes its own `config.resume-<step>.json` beside it (`write_run_config`),
+  and `config_in_effect` finds the one a checkpoint continues under.
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
 from ppo_jax.trainer.config import ConfigError
 
 METRICS, SUPERSEDED, LOCK = "metrics.jsonl", "metrics.superseded.jsonl", ".lock"
+CONFIG, OLD_CHECKPOINTS = "config.json", "checkpoints.superseded"
+_RESUME_CONFIG = re.compile(r"^config\.resume-(\d+)(?:-(\d+))?\.json$")
 
 
 def check_writable(out: Path) -> None:
@@ -104,3 +113,58 @@ def supersede_metrics(out: Path, step: int) -> int:
                    encoding="utf-8")
     tmp.replace(out / METRICS)
     return len(later)
+
+
+def supersede_checkpoints(out: Path, step: int) -> list[Path]:
+    """Move the finished checkpoints of `<out>/checkpoints` after `step` to
+    `<out>/checkpoints.superseded/<step>` (`<step>.2`, ... when that name is taken); returns
+    where they went. A resume from `step` writes those steps again, and orbax writes no step
+    that exists; nothing is deleted."""
+    from ppo_jax.trainer.checkpoint import finished_steps
+
+    moved = []
+    for later in (s for s in finished_steps(out / "checkpoints") if s > step):
+        target = out / OLD_CHECKPOINTS / str(later)
+        n = 1
+        while target.exists():
+            n += 1
+            target = out / OLD_CHECKPOINTS / f"{later}.{n}"
+        target.parent.mkdir(exist_ok=True)
+        (out / "checkpoints" / str(later)).rename(target)
+        moved.append(target)
+    return moved
+
+
+def run_configs(out: Path) -> list[tuple[tuple[int, int], Path]]:
+    """The config files of the run in `out`, oldest first: `config.json` as (0, 0), then each
+    `config.resume-<step>[-<n>].json` as (step, n)."""
+    found = [((0, 0), out / CONFIG)] if (out / CONFIG).is_file() else []
+    for path in out.glob("config.resume-*.json") if out.is_dir() else ():
+        m = _RESUME_CONFIG.match(path.name)
+        if m:
+            found.append(((int(m.group(1)), int(m.group(2) or 1)), path))
+    return sorted(found)
+
+
+def config_in_effect(out: Path, step: int) -> Path | None:
+    """The config a resume from checkpoint `step` continues under: the newest of the run's
+    config files written at a step <= `step` (None when the run has none)."""
+    files = [path for (at, _), path in run_configs(out) if at <= step]
+    return files[-1] if files else None
+
+
+def write_run_config(out: Path, config: dict, step: int) -> Path | None:
+    """Record the config this start of the run trains with: `config.json` when the run has none,
+    else, when it differs from `config_in_effect(step)`, a new `config.resume-<step>.json`
+    (`-2`, `-3`, ... when taken). No file is ever overwritten; returns the file written (None
+    when the config in effect already says the same)."""
+    text = json.dumps(config, indent=2)
+    current = config_in_effect(out, step)
+    if current is not None and json.loads(current.read_text()) == json.loads(text):
+        return None
+    path, n = out / CONFIG if current is None else out / f"config.resume-{step}.json", 1
+    while path.exists():
+        n += 1
+        path = out / f"config.resume-{step}-{n}.json"
+    path.write_text(text)
+    return path

@@ -23,6 +23,21 @@ def require_file(path: str | Path, key: str, what: str = "data") -> Path:
     return path
 
 
+def read_text(path: Path, key: str) -> str:
+    """The UTF-8 text of `path`.
+
+    Raises:
+      ValueError: the file is not UTF-8 text (a binary file, or another encoding), naming `key`,
+        the file and the first bad byte's offset.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{key}: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                         f"offset {e.start}); a binary file, or another encoding: convert it "
+                         "to UTF-8") from None
+
+
 def read_rows(path: str | Path, key: str, *, what: str = "data", suffixes=ROW_SUFFIXES,
               items: str = "objects") -> list:
     """The raw records of a `.json` (one list), `.jsonl` (one value a line, blank lines skipped)
@@ -32,8 +47,8 @@ def read_rows(path: str | Path, key: str, *, what: str = "data", suffixes=ROW_SU
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: a suffix not in `suffixes`, invalid JSON (with the line number), or a `.json`
-        file whose top level is not a list.
+      ValueError: a suffix not in `suffixes`, text that is not UTF-8, invalid JSON (with the
+        line number), or a `.json` file whose top level is not a list.
     """
     path = require_file(path, key, what)
     suffix = path.suffix.lower()
@@ -44,7 +59,7 @@ def read_rows(path: str | Path, key: str, *, what: str = "data", suffixes=ROW_SU
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, key)
     if suffix == ".json":
         try:
             records = json.loads(text)

@@ -8,7 +8,10 @@
 - `math_correct`: HF `math-verify` (what TRL's accuracy reward and open-r1 use): the gold
   answer and the response's answer (its tagged answer when it has one, else the whole
   response) are parsed as LaTeX (`\\boxed{}`, `\\frac`, ...) or plain expressions / numbers
-  and compared symbolically; with several numbers and no tag, math-verify takes the last.
+  and compared symbolically. Without a closed tag (an unclosed `<answer>` is none),
+  math-verify's own extraction picks the expression after the word "answer" when there is
+  one (`<answer> 7 since 2 + 4` reads 7), else the last expression (`I think 7. Then 9`
+  reads 9).
 
 Both libraries are imported on first use, so runs that do not use them never load them.
 """

@@ -147,7 +147,7 @@ def test_a_mesh_that_does_not_fit_the_slice_is_a_config_error():
     devices = slice_devices(resolve_slice("v5e-8"))
     with pytest.raises(ConfigError, match="mesh: .*8"):
         PPOTrainer.abstract(load_config(TINY, ["mesh.data=3"]), devices)
-    with pytest.raises(ConfigError, match="ppo.batch_size=4 is not a multiple of mesh"):
+    with pytest.raises(ConfigError, match="ppo.batch_size=4 is not a multiple of the mesh.s batch shards"):
         PPOTrainer.abstract(load_config(TINY, []), devices)
 
 

@@ -145,7 +145,8 @@ def test_a_second_run_and_a_resumed_run_give_identical_eval_rows(four_steps, tmp
 
 def test_a_run_stopped_before_its_first_checkpoint_with_only_step_0_starts_over(cache, tmp_path):
     """Interrupted during step 1: only the step-0 eval is logged. A new run there is refused (as
-    for any logged run); `--resume` starts over and moves the old step-0 row aside."""
+    for any logged run), and so is `--resume` (no checkpoint: nothing to resume); `--resume auto`
+    starts over and moves the old step-0 row aside."""
     from ppo_jax.trainer.stages.ppo import PPOTrainer
 
     out = tmp_path / "run"
@@ -153,7 +154,9 @@ def test_a_run_stopped_before_its_first_checkpoint_with_only_step_0_starts_over(
     (out / "metrics.jsonl").write_text('{"step": 0, "eval/kl": 0.0}\n')
     with pytest.raises(ConfigError, match="--resume"):
         PPOTrainer(load_config(TINY, sets(out, "train.steps=1")))
-    trainer = PPOTrainer(load_config(TINY, sets(out, "train.steps=1")), resume=True)
+    with pytest.raises(ConfigError, match="holds no run to resume"):
+        PPOTrainer(load_config(TINY, sets(out, "train.steps=1")), resume=True)
+    trainer = PPOTrainer(load_config(TINY, sets(out, "train.steps=1")), resume="auto")
     assert trainer.step_count == 0 and (out / "metrics.jsonl").read_text() == ""
     assert rows(out, "metrics.superseded.jsonl") == [{"step": 0, "eval/kl": 0.0}]
     trainer._release()

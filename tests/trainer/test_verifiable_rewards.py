@@ -66,6 +66,12 @@ def test_task_score_names_rows_without_a_task():
     ("<answer>\\frac{2}{4}</answer>", "\\frac{1}{2}", 1.0),
     ("<answer>seven</answer>", "7", 0.0),
     ("no answer at all", "7", 0.0),
+    # an unclosed tag is no tag: math-verify reads the whole response, where its own cue, the
+    # word "answer", picks what follows it (docs/rlvr.md); without a cue, the last expression
+    ("<answer>4 - 1 = 3", "3", 1.0),
+    ("<answer> 7 since 2 + 4", "7", 1.0),
+    ("7 since 2 + 4", "7", 0.0),  # no cue: the last expression, 2 + 4
+    ("<answer>7</answer> and 9", "7", 1.0),  # a closed tag wins over later numbers
 ])
 def test_math_correct_on_hand_written_responses(response, gold, want):
     assert verifiers.math_correct(response, gold) == want

@@ -33,7 +33,7 @@ from ppo_jax.trainer.data import PromptSampler, prompt_records
 from ppo_jax.trainer.evaluation import Evaluator, eval_batch, eval_rows_multiple
 from ppo_jax.trainer.host_memory import release_host_memory
 from ppo_jax.trainer.optim import optimizer_from_config
-from ppo_jax.trainer.reward_functions import get_reward_function
+from ppo_jax.trainer.reward_functions import check_prompt_rows, get_reward_function
 from ppo_jax.trainer.setup import (
     abstract_models, build_models, pad_token_id, prompt_set, stop_token_ids,
 )
@@ -70,15 +70,17 @@ class PPOTrainer(PPOPrograms, PPORewards, DynamicSampling, StageTrainer):
 
     def _check_inputs(self) -> None:
         self._check_config()
-        prompt_records(self.cfg, self.cfg.data.prompts, "data.prompts")  # fails before loading
+        sources = [("data.prompts", self.cfg.data.prompts)]
         if eval_enabled(self.cfg.eval):
-            prompt_records(self.cfg, self.cfg.eval.prompts, "eval.prompts")
+            sources.append(("eval.prompts", self.cfg.eval.prompts))
+        for key, source in sources:  # fails before loading
+            rows = prompt_records(self.cfg, source, key)[1]
+            if self.cfg.reward.kind == "function":
+                check_prompt_rows(self.cfg.reward.function, rows, key, source)
 
     def _build(self) -> None:
         cfg, place = self.cfg, self.place
-        if cfg.ppo.batch_size % place.batch_shards:
-            raise ConfigError(f"ppo.batch_size={cfg.ppo.batch_size} is not a multiple of mesh "
-                              f"data x fsdp = {place.batch_shards}")
+        place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
         check_engine(cfg, place.batch_shards)
         build = abstract_models if self.is_abstract else build_models
         models = build(cfg, sharding_fn=place.sharding_fn)

@@ -25,6 +25,7 @@ from ppo_jax.core import (
     get_reward_shaping,
     get_value_loss,
     needs_greedy_baseline,
+    needs_groups,
     uses_critic,
 )
 from ppo_jax.trainer.config import Config, ConfigError
@@ -140,6 +141,13 @@ def check_names(cfg: Config) -> None:
                           f"(ppo.advantage_estimator={cfg.ppo.advantage_estimator!r}); use a "
                           "group estimator such as grpo or rloo")
     _check_critic_free(cfg)
+    if (needs_groups(get_advantage_estimator(cfg.ppo.advantage_estimator))
+            and cfg.generation.samples_per_prompt < 2):
+        raise ConfigError(f"ppo.advantage_estimator={cfg.ppo.advantage_estimator!r} compares the "
+                          "samples of a prompt, but generation.samples_per_prompt="
+                          f"{cfg.generation.samples_per_prompt}: every score advantage would be "
+                          "0 and nothing would train; set generation.samples_per_prompt to 2 or "
+                          "more (e.g. 8), or use advantage_estimator=gae")
 
 
 def _check_critic_free(cfg: Config) -> None:

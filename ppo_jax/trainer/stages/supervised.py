@@ -71,9 +71,7 @@ class SupervisedTrainer(StageTrainer):
 
     def _build(self) -> None:
         cfg, place, sec = self.cfg, self.place, self.settings
-        if sec.batch_size % place.batch_shards:
-            raise ConfigError(f"{self.section}.batch_size={sec.batch_size} is not a multiple of "
-                              f"mesh data x fsdp = {place.batch_shards}")
+        place.check_batch(f"{self.section}.batch_size", sec.batch_size)
         model = self.abstract_model() if self.is_abstract else self.load_model()
         if not self.is_abstract:
             self._check_ids(model.cfg.vocab_size)
