@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -33,6 +34,7 @@ from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.lora_models import LoadedModel, adapters_from, base_dtype, lora_settings
 from ppo_jax.trainer.placement import Placement
+from ppo_jax.trainer.run_dir import config_in_effect
 from ppo_jax.trainer.setup import actor_kind, load_split, resolve_model_path
 
 RUN_CONFIG = "config.json"  # written by the trainer into `train.output_dir`
@@ -55,14 +57,18 @@ def run_config_path(run_dir: str | Path, key: str = "--run") -> Path:
 
 
 def read_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
-                    key: str = "--run") -> Config:
-    """The config a run was started with (its `config.json`), with dotted `overrides` on top
-    (`--set`, as train.py's), validated as `load_config` does.
+                    key: str = "--run", step: Optional[int] = None) -> Config:
+    """The config the run trained under at checkpoint `step` (default: its newest): the
+    newest of its `config.json` and the `config.resume-<step>.json` files a resume with changed
+    settings wrote (`run_dir.config_in_effect`), with dotted `overrides` on top (`--set`, as
+    train.py's), validated as `load_config` does.
 
     Raises:
       ConfigError: see `run_config_path`, or a bad override (naming the key).
     """
-    return load_config(run_config_path(run_dir, key), list(overrides))
+    first = run_config_path(run_dir, key)
+    in_effect = config_in_effect(Path(run_dir), sys.maxsize if step is None else step)
+    return load_config(in_effect or first, list(overrides))
 
 
 def run_of(actor_dir: str | Path) -> Optional[Path]:
@@ -230,7 +236,7 @@ def trainer_at_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (
     Raises:
       ConfigError: see `read_run_config`, `check_step`; as `build_trainer` and `restore_step`.
     """
-    cfg = read_run_config(run_dir, overrides)
+    cfg = read_run_config(run_dir, overrides, step=step)
     check_step(run_dir, step)
     trainer = build_trainer(cfg)
     restore_step(trainer, run_dir, step)
