@@ -73,7 +73,8 @@ class StageTrainer:
         changes = resume_changes(cfg, self.resume_plan)  # unsafe ones refused, before any load
         self.process_index = jax.process_index()
         if changes and self.process_index == 0:
-            print(format_changes(changes, self.resume_plan.config, self.resume_plan.steps[0]))
+            print(format_changes(changes, self.resume_plan.config, self.resume_plan.steps[0],
+                                 tentative=self.resume_plan.fallback))
         self._lock = None
         created = not self.out.exists()
         if self.process_index == 0:

@@ -254,11 +254,15 @@ def resume_changes(cfg: Config, plan: Optional[ResumePlan],
     return changes
 
 
-def format_changes(changes: dict, path: Path, step: int) -> str:
-    """The start-up listing of the settings a resume changes."""
+def format_changes(changes: dict, path: Path, step: int, tentative: bool = False) -> str:
+    """The start-up listing of the settings a resume changes; `tentative` (with
+    `--resume-fallback`, listed before the checkpoint is read): the step they apply from is
+    the one after the checkpoint that reads."""
     lines = [f"  {k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()]
+    start = (f"the step after the checkpoint resumed from (step {step + 1} if step {step} "
+             "reads)" if tentative else f"step {step + 1}")
     return (f"--resume: {len(lines)} setting(s) differ from the run's config ({path}); they "
-            f"apply from step {step + 1}:\n" + "\n".join(lines))
+            f"apply from {start}:\n" + "\n".join(lines))
 
 
 # --- reading the checkpoint ---------------------------------------------------------------------
