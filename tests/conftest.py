@@ -30,3 +30,13 @@ def tiny_checkpoint(tmp_path_factory):
     from ppo_jax.models.tiny_random import ensure_tiny_random
 
     return ensure_tiny_random(tmp_path_factory.mktemp("ckpt") / "tiny-random-llama")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """PPO_JAX_CACHE (where the tiny model is written) in a fresh folder for one test module's
+    runs; modules that need the path itself define their own."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PPO_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()

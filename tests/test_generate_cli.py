@@ -37,14 +37,6 @@ def train_tiny(out: Path, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PPO_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def lora_run(cache, tmp_path_factory) -> Path:
     return train_tiny(tmp_path_factory.mktemp("lora") / "run", *LORA)
 

@@ -107,14 +107,6 @@ def _run(tmp_path, name, *sets, steps=3):
     return trainer, history
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PPO_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
-
-
 @pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_early_stopping_responses_give_the_same_run_with_buckets_on_and_off(cache, tmp_path):
     """Responses that stop early: scoring and the update run on fewer columns (the logged

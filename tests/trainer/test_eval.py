@@ -47,14 +47,6 @@ def eval_part(row: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PPO_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def four_steps(cache, tmp_path_factory):
     """4 steps, eval.every=2: evaluations at steps 0, 2 and 4."""
     from ppo_jax.trainer.stages.ppo import PPOTrainer
