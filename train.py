@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         return 2
     if plan is not None:  # the first line: resuming, or (auto) starting a new run
         print(plan.headline, file=sys.stderr, flush=True)
-    from ppo_jax.trainer.distributed import initialize
+    from ppo_jax.trainer.host.distributed import initialize
 
     initialize(cfg.distributed)
     from ppo_jax.trainer.stages import trainer_class
@@ -209,9 +209,9 @@ def summary(stage: str, history: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    # XLA:CPU then reuses its freed buffers instead of faulting them in again (host_memory.py)
-    from ppo_jax.trainer.host_env import quiet_tpu_probe
-    from ppo_jax.trainer.host_memory import reexec_with_malloc_settings
+    # XLA:CPU then reuses its freed buffers instead of faulting them in again (trainer/host/memory.py)
+    from ppo_jax.trainer.host.env import quiet_tpu_probe
+    from ppo_jax.trainer.host.memory import reexec_with_malloc_settings
 
     if not any(a.startswith("--compile-for") for a in sys.argv):
         quiet_tpu_probe()  # no libtpu start-up errors on a host without TPU chips

@@ -71,7 +71,7 @@ def build(name: str, args):
     from ppo_jax.models import load_model, load_tokenizer, split_model
     from ppo_jax.rollout.engine import EngineSettings, PagedEngine, pages_for
     from ppo_jax.rollout.sampler import SamplingSettings, generate
-    from ppo_jax.trainer.setup import pad_token_id, prompt_set, stop_token_ids
+    from ppo_jax.trainer.loading.models import pad_token_id, prompt_set, stop_token_ids
 
     cfg, batch, rows, extra = workload(name, args)
     path = model_dir(args)

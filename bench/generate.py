@@ -143,5 +143,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host.memory)
     main()

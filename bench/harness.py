@@ -176,7 +176,7 @@ def process_wall_s() -> float | None:
 
 def under_malloc_settings() -> None:
     """Re-execute under train.py's malloc settings (XLA:CPU as train.py runs it); call it first."""
-    from ppo_jax.trainer.host_memory import reexec_with_malloc_settings
+    from ppo_jax.trainer.host.memory import reexec_with_malloc_settings
 
     reexec_with_malloc_settings()
 
@@ -189,7 +189,7 @@ def run_record() -> dict:
     """What every benchmark JSON carries about its run, taken at measure time; `malloc_settings`:
     whether it runs under train.py's (None: no ppo_jax to tell)."""
     try:
-        from ppo_jax.trainer.host_memory import malloc_settings_active
+        from ppo_jax.trainer.host.memory import malloc_settings_active
         malloc = malloc_settings_active()
     except ImportError:
         malloc = None

@@ -75,7 +75,7 @@ def update_memory(config: Path, chunk: int) -> dict:
     from flops import SignatureRecorder
 
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     with tempfile.TemporaryDirectory(prefix="logprob_memory_") as out:
         cfg = load_config(config, [

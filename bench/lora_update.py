@@ -39,7 +39,7 @@ def jax_worker(args) -> dict:
     from ppo_jax.models.heads import init_model
     from ppo_jax.models.hf_io import load_config
     from ppo_jax.models.lora import join, split_params
-    from ppo_jax.trainer.lora_models import is_trained
+    from ppo_jax.trainer.loading.lora import is_trained
 
     kw = dict(lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_targets=TARGETS) if args.lora else {}
     if args.layers:

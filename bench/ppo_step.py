@@ -115,7 +115,7 @@ def run_jax_worker(args) -> dict:
 
     from ppo_jax.models import count_params
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     model_dir = resolve_model_dir(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="ppo_step_bench_") as out_dir:
@@ -157,8 +157,8 @@ def run_jax_worker(args) -> dict:
 def write_prompt_ids(model_dir: Path, max_prompt_length: int, path: Path) -> int:
     """Write the prompt set's real token ids, tokenised as `PPOTrainer` does, for the TRL side."""
     from ppo_jax.models import load_tokenizer
-    from ppo_jax.trainer.data import read_prompts, tokenize_prompts
-    from ppo_jax.trainer.setup import pad_token_id
+    from ppo_jax.trainer.data.prompts import read_prompts, tokenize_prompts
+    from ppo_jax.trainer.loading.models import pad_token_id
 
     tok = load_tokenizer(model_dir)
     prompts = tokenize_prompts(read_prompts(PROMPTS, "prompt"), tok, max_prompt_length=max_prompt_length,
@@ -259,7 +259,7 @@ def main() -> None:
     if not TRL_PYTHON.is_file():
         log(f"TRL environment not found ({TRL_PYTHON}); run bench/setup_trl_env.sh. Skipping the TRL rows.")
         configs.remove("trl")
-    from ppo_jax.trainer.host_memory import malloc_env, malloc_settings_active
+    from ppo_jax.trainer.host.memory import malloc_env, malloc_settings_active
 
     env = malloc_env() or dict(os.environ)  # both sides under the malloc settings train.py uses
     results = []
@@ -291,5 +291,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host.memory)
     main()

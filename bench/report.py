@@ -135,7 +135,7 @@ def malloc_line(raws: dict[str, dict | None]) -> str:
             flags = [d.get("malloc_settings")]
         groups["not recorded" if None in flags else "on" if all(flags) else "off"
                if not any(flags) else "on and off (an A/B)"].append(name)
-    return ("- train.py's malloc settings (one arena, no unmapping; ppo_jax/trainer/host_memory.py) "
+    return ("- train.py's malloc settings (one arena, no unmapping; ppo_jax/trainer/host/memory.py) "
             "in each benchmark's processes: "
             + "; ".join(f"{k}: {', '.join(v)}" for k, v in groups.items() if v))
 
@@ -231,7 +231,7 @@ def render(raw: Path, out_path: Path | None = None) -> str:
                                           "(written before the benchmarks rendered their own)_")
                 if d else f"_not run (no {name}.json)_"]
     if raws["ppo_step"] and raws["roofline"]:
-        out += ["", "## Ceiling: the fastest PPO step this machine allows (bench/report.py)", "",
+        out += ["", "## Ceiling: the fastest PPO step the measured CPU allows (bench/report.py)", "",
                 ceiling_markdown(raws["ppo_step"], raws["roofline"], raws["decode_floor"])]
     for group, heading in ((LORA_RUNS, "LoRA against the full fine-tune: whole runs (bench/train_run.py, "
                                        "commands in each)"),

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from harness import ROOT, alternate, finish, fmt, log, options, ratio, spread, stats, table
-from ppo_jax.trainer.host_memory import malloc_env, malloc_settings_active
-from ppo_jax.trainer.metrics import read_metrics
+from ppo_jax.trainer.host.memory import malloc_env, malloc_settings_active
+from ppo_jax.trainer.tracking.metrics import read_metrics
 
 PHASES = ("time/generation", "time/scoring", "time/update", "time/step")
 USAGE = ("wall_s", "max_rss_kib", "minor_faults", "major_faults", "user_s", "system_s")
@@ -173,7 +173,7 @@ def markdown(data: dict) -> str:
     if any(r.get("width_pairs", 1) > 1 for _, r in runs):
         rep = lambda x: "none" if not x or not x.get("n") else (  # noqa: E731
             f"{fmt(x.get('time/step'))} / {fmt(x.get('time/update'))} ({x['n']})")
-        out += ["", "Column widths (prompt + response, trainer/columns.py): a new width pair compiles, so "
+        out += ["", "Column widths (prompt + response, trainer/stages/ppo/columns.py): a new width pair compiles, so "
                 "the median over steps whose pair an earlier step had is the cost without compilation:", "",
                 table(["run", "width pairs met", "widths per step (prompt + response)",
                        "median step s, steps 2 to the last",

@@ -228,5 +228,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host_memory)
+    under_malloc_settings()  # as train.py runs (ppo_jax.trainer.host.memory)
     main()

@@ -6,11 +6,11 @@ Usage:
   python -m ppo_jax.evaluate --run runs/rlvr --actor runs/rlvr/actor_hf --json figures.json
   python -m ppo_jax.evaluate --run runs/rlvr --step 40 --set eval.num_prompts=256
 
-The trainer of the run's config.json is built as the run built it (`trainer.saved_actor`:
+The trainer of the run's config.json is built as the run built it (`trainer.loading.saved_actor`:
 models, reference, reward and settings from the config, nothing written to the run), its actor
 taken from checkpoint `--step` (default the latest; 0 is the starting actor) or from `--actor`
 (an HF directory such as `<run>/actor_hf`, or a PEFT adapter on the run's `model.actor`), and
-the trainer's own evaluation runs once (`trainer.evaluation`; PPO: `eval.*` with its fixed key
+the trainer's own evaluation runs once (`trainer.stages.ppo.evaluation`; PPO: `eval.*` with its fixed key
 `eval.seed`, so the figures of a checkpoint are the ones the run logged at that step):
 reward mean / std (VADER on the everyday config), KL to the reference, response length, the
 fraction that ended, a verifier's `accuracy` and, with `eval.samples_per_prompt` = k > 1,
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ppo_jax.trainer.checkpoint import finished_steps
 from ppo_jax.trainer.config import Config, ConfigError
-from ppo_jax.trainer.saved_actor import (
+from ppo_jax.trainer.loading.saved_actor import (
     actor_dir_kind, build_trainer, check_step, read_run_config, restore_step, set_actor,
     with_adapter,
 )
@@ -110,11 +110,11 @@ def evaluate(cfg: Config, run: str, *, step: int | None = None, actor: str | Non
     or the directory `actor`, in the run's setting.
 
     Returns:
-      `{"eval/<name>": float}` (PPO: `trainer.evaluation.Evaluator`'s figures; SFT / reward
+      `{"eval/<name>": float}` (PPO: `trainer.stages.ppo.evaluation.Evaluator`'s figures; SFT / reward
       model: the stage's held-out metrics), without `time/eval`.
 
     Raises:
-      ConfigError / FileNotFoundError / ValueError: as `trainer.saved_actor`.
+      ConfigError / FileNotFoundError / ValueError: as `trainer.loading.saved_actor`.
     """
     trainer = build_trainer(cfg)
     if actor is not None:
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ppo_jax.trainer.host_env import quiet_tpu_probe
+    from ppo_jax.trainer.host.env import quiet_tpu_probe
 
     quiet_tpu_probe()  # no libtpu start-up errors on a host without TPU chips
     sys.exit(main())

@@ -6,7 +6,7 @@ Usage:
   python -m ppo_jax.generate --run runs/tiny --step 2 --prompt "Hi" --greedy
   python -m ppo_jax.generate runs/tiny/actor_hf          # in a terminal: a read-answer loop
 
-The actor (`trainer.saved_actor`): an HF directory (`<run>/actor_hf`), a PEFT adapter
+The actor (`trainer.loading.saved_actor`): an HF directory (`<run>/actor_hf`), a PEFT adapter
 directory (`<run>/actor_adapter`, loaded on the run's `model.actor`, or on `--base`), or a
 checkpoint step of a run (`--run DIR --step N`; step 0 is the starting actor).
 
@@ -14,7 +14,10 @@ Settings come from the run's config.json (`--run DIR`, else the run directory th
 directory sits in, else the defaults of configs/default.yaml): the prompt template
 (`data.use_chat_template`, `system_prompt`, `response_prefix`, `max_prompt_length`,
 `truncation`), the stop tokens and `generation.*` (temperature, top_k, top_p,
-max_new_tokens, greedy). Flags override them; `--set KEY=VALUE` changes any config key.
+max_new_tokens, greedy). Flags override them; `--set KEY=VALUE` changes any config key. The
+weights are sampled in the dtype they were trained in, as the run's held-out evaluation samples
+them (`generation.param_dtype` is the training rollouts' copy only); `--param-dtype bfloat16`
+casts them (half the bytes read per token).
 
 Prompts: `--prompt TEXT` (repeatable) or `--prompts FILE` (`.jsonl` / `.json` records with
 `data.prompt_field`, `.txt` lines, `.parquet`), answered in batches of `--batch-size`; with
@@ -43,13 +46,14 @@ import numpy as np
 from ppo_jax.models.functional import Model
 from ppo_jax.models.lora import join
 from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, generate
+from ppo_jax.rollout.weights import cast_floats
 from ppo_jax.trainer.config import Config, ConfigError, load_config
-from ppo_jax.trainer.data import PromptSet, left_pad, read_prompt_records, tokenize_prompts
-from ppo_jax.trainer.saved_actor import (
+from ppo_jax.trainer.data.prompts import PromptSet, left_pad, read_prompt_records, tokenize_prompts
+from ppo_jax.trainer.loading.saved_actor import (
     actor_dir_kind, adapter_overrides, build_trainer, check_actor_stage, check_step, load_actor,
     restore_step, run_config_path, run_of, trainer_actor,
 )
-from ppo_jax.trainer.setup import pad_token_id, stop_token_ids
+from ppo_jax.trainer.loading.models import pad_token_id, stop_token_ids
 
 
 @dataclass
@@ -82,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, help="default: generation.top_p (1: off)")
     p.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
                    help="argmax decoding (default: generation.greedy)")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16", "float16"),
+                   help="cast the actor's weights for sampling (default: as trained)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of the sampler (default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per sampler call")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -152,10 +158,10 @@ def read_prompts(args, cfg: Config) -> Optional[list[str]]:
 
 
 def sampling_settings(cfg: Config, tokenizer, model_cfg, args) -> SamplingSettings:
-    """The run's sampling settings (`stages.ppo_settings.settings_for(cfg).sampling`: the
+    """The run's sampling settings (`stages.ppo.settings.settings_for(cfg).sampling`: the
     `generation.*` fields, the stop ids unless `generation.ignore_eos`, the pad id), one sample
     per prompt, no mesh, and the flags given in place of the config's values."""
-    from ppo_jax.trainer.stages.ppo_settings import settings_for
+    from ppo_jax.trainer.stages.ppo.settings import settings_for
 
     run = settings_for(cfg, stop_token_ids=stop_token_ids(cfg, tokenizer, model_cfg),
                        pad_token_id=pad_token_id(tokenizer)).sampling
@@ -167,10 +173,10 @@ def sampling_settings(cfg: Config, tokenizer, model_cfg, args) -> SamplingSettin
 
 def load_session(args, cfg: Config) -> Session:
     """Load the actor of `args` (a checkpoint step of `--run`, or an actor directory) under
-    `cfg`, and its tokenizer.
+    `cfg` (its weights cast to `--param-dtype` when given), and its tokenizer.
 
     Raises:
-      ConfigError / FileNotFoundError / ValueError: as `trainer.saved_actor`.
+      ConfigError / FileNotFoundError / ValueError: as `trainer.loading.saved_actor`.
     """
     from ppo_jax.models import load_tokenizer
 
@@ -184,6 +190,8 @@ def load_session(args, cfg: Config) -> Session:
         loaded, tok_dir = load_actor(cfg, args.actor)  # an adapter's base is `frozen`
         actor, model_cfg = Model(loaded.graphdef, join(loaded.frozen, loaded.params)), loaded.cfg
         tokenizer = load_tokenizer(tok_dir)
+    if args.param_dtype is not None:
+        actor = Model(actor.graphdef, cast_floats(actor.params, args.param_dtype))
     return Session(cfg, actor, model_cfg, tokenizer,
                    sampling_settings(cfg, tokenizer, model_cfg, args))
 
@@ -312,7 +320,7 @@ def main(argv=None, stdin=None) -> int:
 
 
 if __name__ == "__main__":
-    from ppo_jax.trainer.host_env import quiet_tpu_probe
+    from ppo_jax.trainer.host.env import quiet_tpu_probe
 
     quiet_tpu_probe()  # no libtpu start-up errors on a host without TPU chips
     sys.exit(main())

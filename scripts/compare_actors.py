@@ -31,10 +31,10 @@ import numpy as np
 
 from ppo_jax.models import load_model, load_tokenizer, split_model
 from ppo_jax.rollout.sampler import generate
-from ppo_jax.trainer.data import read_prompts, tokenize_prompts
-from ppo_jax.trainer.reward_functions import get_reward_function
+from ppo_jax.trainer.data.prompts import read_prompts, tokenize_prompts
+from ppo_jax.trainer.rewards.functions import get_reward_function
 from ppo_jax.trainer.config import Config
-from ppo_jax.trainer.setup import pad_token_id, resolve_model_path, stop_token_ids
+from ppo_jax.trainer.loading.models import pad_token_id, resolve_model_path, stop_token_ids
 
 
 def sample_seeds(path, texts, *, seeds, max_new_tokens, max_prompt_length) -> list[list[str]]:

@@ -71,7 +71,7 @@ def _relative(path: str) -> str:
     try:
         return Path(path).resolve().relative_to(ROOT).as_posix()
     except ValueError:
-        return "ppo_jax/trainer/config.py"
+        return "ppo_jax/trainer/config/__init__.py"
 
 
 def _section_help(f, value) -> str:

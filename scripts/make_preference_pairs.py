@@ -128,7 +128,7 @@ def load_actor(source: str) -> Actor:
     """
     from ppo_jax.models import load_model, load_tokenizer, split_model
     from ppo_jax.trainer.config import Config
-    from ppo_jax.trainer.setup import pad_token_id, resolve_model_path, stop_token_ids
+    from ppo_jax.trainer.loading.models import pad_token_id, resolve_model_path, stop_token_ids
 
     path = resolve_model_path(source, "--actor")
     tokenizer = load_tokenizer(path)
@@ -159,7 +159,7 @@ def sample_responses(actor: Actor, texts: list[str], args) -> tuple[list[str], l
     import jax
 
     from ppo_jax.rollout.sampler import generate
-    from ppo_jax.trainer.data import tokenize_prompts
+    from ppo_jax.trainer.data.prompts import tokenize_prompts
 
     prompts = tokenize_prompts(texts, actor.tokenizer, max_prompt_length=args.max_prompt_length,
                                pad_token_id=actor.pad)
@@ -321,8 +321,8 @@ def main(argv=None) -> int:
     try:
         import_modules(args.imports)
         check_args(args)
-        from ppo_jax.trainer.data import read_prompts
-        from ppo_jax.trainer.reward_functions import get_reward_function
+        from ppo_jax.trainer.data.prompts import read_prompts
+        from ppo_jax.trainer.rewards.functions import get_reward_function
 
         reward = get_reward_function(args.reward)
         texts = read_prompts(args.prompts)[:args.first]

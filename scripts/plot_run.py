@@ -21,11 +21,11 @@ import math
 import sys
 from pathlib import Path
 
-from ppo_jax.trainer.metrics import read_metrics as metrics_rows
+from ppo_jax.trainer.tracking.metrics import read_metrics as metrics_rows
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """Rows of `<run_dir>/metrics.jsonl` (ppo_jax.trainer.metrics.read_metrics).
+    """Rows of `<run_dir>/metrics.jsonl` (ppo_jax.trainer.tracking.metrics.read_metrics).
 
     Raises:
       FileNotFoundError: no metrics.jsonl there.

@@ -11,7 +11,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from ppo_jax.trainer.metrics import read_metrics
+from ppo_jax.trainer.tracking.metrics import read_metrics
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def run_sets(out: Path, *extra: str) -> list[str]:
 def train_tiny(out: Path, *extra: str) -> Path:
     """A 2-step tiny PPO run into `out` (checkpoint 2, actor_hf, eval at steps 0 and 2)."""
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     PPOTrainer(load_config(TINY, run_sets(out, *extra))).train(progress=False)
     return out
@@ -61,8 +61,8 @@ def sampler_answers(run: Path, graphdef, params, tokenizer, model_cfg):
     the response ids of each prompt and their summed log-probs `[2]`."""
     from ppo_jax.rollout.sampler import generate
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.data import tokenize_prompts
-    from ppo_jax.trainer.setup import pad_token_id, stop_token_ids
+    from ppo_jax.trainer.data.prompts import tokenize_prompts
+    from ppo_jax.trainer.loading.models import pad_token_id, stop_token_ids
 
     cfg = load_config(run / "config.json")
     d, g = cfg.data, cfg.generation
@@ -86,7 +86,7 @@ def hf_model(path: Path, **kwargs):
 
 
 def base_dir() -> Path:
-    from ppo_jax.trainer.setup import resolve_model_path
+    from ppo_jax.trainer.loading.models import resolve_model_path
 
     return resolve_model_path("tiny-random", "model.actor")
 
@@ -115,6 +115,21 @@ def test_generate_from_actor_hf_draws_the_samplers_tokens(lora_run, capsys):
     assert [r["response_ids"] for r in got] == ids and all(len(i) == 8 for i in ids)
     np.testing.assert_allclose([r["logprob"] for r in got], logp, rtol=1e-5)
     assert got[0]["response"] == tokenizer.decode(ids[0], skip_special_tokens=True)
+
+
+def test_param_dtype_casts_the_weights_the_sampler_reads(lora_run, capsys):
+    """--param-dtype bfloat16: the sampler's tokens from the bf16-cast actor_hf weights, and
+    log-probs that differ from the float32 ones (so the cast happened)."""
+    from ppo_jax.rollout.weights import cast_floats
+
+    graphdef, params, tokenizer, cfg = hf_model(lora_run / "actor_hf")
+    ids, logp = sampler_answers(lora_run, graphdef, cast_floats(params, "bfloat16"), tokenizer,
+                                cfg)
+    got = answers(capsys, str(lora_run / "actor_hf"), "--param-dtype", "bfloat16")
+    assert [r["response_ids"] for r in got] == ids
+    np.testing.assert_allclose([r["logprob"] for r in got], logp, rtol=1e-5)
+    f32 = answers(capsys, str(lora_run / "actor_hf"))
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(got, f32)) > 1e-4
 
 
 def test_generate_from_the_adapter_and_from_a_checkpoint_step(lora_run, capsys):
@@ -194,7 +209,7 @@ def test_evaluate_a_step_gives_the_figures_the_run_logged(lora_run, tmp_path, ca
 @pytest.fixture
 def no_loading(monkeypatch):
     """Any model load fails the test: a refusal must come before."""
-    import ppo_jax.trainer.saved_actor as saved
+    import ppo_jax.trainer.loading.saved_actor as saved
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
@@ -258,7 +273,7 @@ def test_full_run_checkpoint_export_and_evaluate_agree(cache, tmp_path, capsys):
 def test_evaluate_an_rlvr_run_gives_its_accuracy_and_pass_at_k(cache, tmp_path, capsys):
     from ppo_jax import evaluate
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     run = tmp_path / "rlvr"
     PPOTrainer(load_config(ROOT / "configs/rlvr/tiny.yaml", [

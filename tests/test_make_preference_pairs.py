@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ppo_jax.trainer.data import read_prompts
-from ppo_jax.trainer.reward_functions import get_reward_function, register_reward_function
+from ppo_jax.trainer.data.prompts import read_prompts
+from ppo_jax.trainer.rewards.functions import get_reward_function, register_reward_function
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "configs/prompts/reviews.jsonl"

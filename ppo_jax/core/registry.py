@@ -11,7 +11,7 @@ a new name, with no trainer edit::
         return -batch.advantages * ratio, {"ratio": ratio}
 
 The convention, the same for every kind (advantage estimators, policy losses, value losses,
-reward shaping here; reward functions in ``ppo_jax.trainer.reward_functions``):
+reward shaping here; reward functions in ``ppo_jax.trainer.rewards.functions``):
 
 - ``register_<kind>(name, *, override=False)`` is a decorator returning the function unchanged;
   registering the same function again is a no-op, another function under a taken name raises
@@ -166,7 +166,7 @@ def get_reward_shaping(name: str) -> Callable:
 
 def registered_names() -> dict[str, tuple[str, ...]]:
     """``{kind: sorted names}`` of every registry created so far (core's four, plus
-    "reward function" once ``ppo_jax.trainer.reward_functions`` is imported)."""
+    "reward function" once ``ppo_jax.trainer.rewards.functions`` is imported)."""
     return {kind: reg.names() for kind, reg in _ALL.items()}
 
 

@@ -1,0 +1,27 @@
+"""The trainer: the generic loop every stage runs, and one room per concern.
+
+Files here (what every stage shares):
+  loop.py         `StageTrainer`: build -> step -> log / save -> export, run-directory guards,
+                  `--resume`, the progress line, HF export
+  checkpoint.py   orbax checkpoints (train states, KL controller, RNG, data position)
+  run_dir.py      who may write the run directory, what a resume keeps
+  resume.py       `--resume [auto|STEP]`: which checkpoint, under which config
+  preemption.py   SIGTERM / SIGINT: stop at the next step boundary, saved
+  state.py        `TrainState`: params + optimiser state of one trained model
+  optim.py        AdamW with warmup / cosine schedules, clipping, backbone learning rates
+  accumulate.py   exact gradient accumulation over micro-batches
+  placement.py    the device mesh: shardings of states, frozen params and batches
+  programs.py     a step's jitted programs with abstract arguments (`--compile-for`)
+
+Rooms:
+  config/         the typed config: schema, cross-field checks, `--help-config`
+  data/           prompt sets (PPO), reasoning tasks, SFT rows, preference pairs, packing
+  rewards/        reward functions on decoded text (registry) and answer verifiers
+  loading/        building the models of a run (HF / GGUF / PEFT, LoRA wiring), a saved actor
+  tracking/       metrics.jsonl, TensorBoard, W&B / MLflow, the progress line
+  host/           process environment, host memory, multi-host start-up
+  stages/         one trainer per RLHF stage: `sft`, `reward_model`, and `ppo/` (the PPO step)
+
+Imports point down: `stages` uses the rooms, the rooms use the files above, and `config` imports
+nothing else from the trainer (tests/test_imports.py).
+"""

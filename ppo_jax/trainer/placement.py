@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ppo_jax.parallel import batch_shards, batch_sharding, make_mesh, param_spec, replicated, tree_shardings
 from ppo_jax.parallel.host import put_rows, row_range
-from ppo_jax.trainer.config_schema import ConfigError
+from ppo_jax.trainer.config.schema import ConfigError
 from ppo_jax.trainer.state import TrainState
 
 HOST_MEMORY = "pinned_host"

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from ppo_jax.trainer.config import load_config
-from ppo_jax.trainer.stages.ppo import PPOTrainer
+from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 

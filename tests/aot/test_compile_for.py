@@ -142,7 +142,7 @@ def test_an_unknown_topology_exits_2(tmp_path):
 def test_a_mesh_that_does_not_fit_the_slice_is_a_config_error():
     from ppo_jax.aot.topology import resolve_slice, slice_devices
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     devices = slice_devices(resolve_slice("v5e-8"))
     with pytest.raises(ConfigError, match="mesh: .*8"):

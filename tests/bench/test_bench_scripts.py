@@ -612,7 +612,7 @@ def test_run_record_carries_commit_dirty_and_wall_time():
     assert set(r) == {"date", "commit", "dirty", "cpu", "load_average", "wall_s", "malloc_settings"}
     assert r["cpu"] == harness.cpu_info()
     assert r["wall_s"] is None or r["wall_s"] > 0
-    from ppo_jax.trainer.host_memory import MALLOC_SETTINGS
+    from ppo_jax.trainer.host.memory import MALLOC_SETTINGS
 
     assert r["malloc_settings"] == all(k in os.environ for k in MALLOC_SETTINGS)
 

@@ -61,7 +61,7 @@ def run(args, mesh) -> None:
     from ppo_jax.models.functional import flat_params
     from ppo_jax.parallel.host import to_host
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     name = "x".join(map(str, mesh))
     out = Path(args.out)
@@ -101,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.coordinator:
         from ppo_jax.trainer.config import DistributedConfig
-        from ppo_jax.trainer.distributed import initialize
+        from ppo_jax.trainer.host.distributed import initialize
 
         initialize(DistributedConfig(enabled=True, coordinator_address=args.coordinator,
                                      num_processes=args.num_processes, process_id=args.process_id))

@@ -114,9 +114,9 @@ def _code_accepts():
     from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
     from ppo_jax.rollout.engine import ATTENTION_KERNELS, ENGINES, EngineSettings, engine_layout
     from ppo_jax.rollout.weights import ROLLOUT_LAYOUTS, resolve_layout
-    from ppo_jax.trainer.data import TRUNCATIONS, tokenize_prompts
+    from ppo_jax.trainer.data.prompts import TRUNCATIONS, tokenize_prompts
     from ppo_jax.trainer.optim import SCHEDULES, make_schedule
-    from ppo_jax.trainer.reward_functions import REWARD_KINDS
+    from ppo_jax.trainer.rewards.functions import REWARD_KINDS
     from ppo_jax.trainer.stages import STAGES, trainer_class
 
     model = tiny_config(64)
@@ -207,7 +207,7 @@ def test_help_config_lists_every_key_with_type_default_and_help(capsys):
 
 
 def test_logprob_chunk_size_reaches_the_scoring_and_update_settings():
-    from ppo_jax.trainer.stages.ppo_settings import settings_for
+    from ppo_jax.trainer.stages.ppo.settings import settings_for
 
     assert load_config(None).model.logprob_chunk_size == 0  # full logits unless asked
     settings = settings_for(load_config(None, ["model.logprob_chunk_size=4096"]))
@@ -216,8 +216,8 @@ def test_logprob_chunk_size_reaches_the_scoring_and_update_settings():
 
 
 def test_a_bad_rollout_correction_is_refused_at_load_and_a_good_one_reaches_the_update():
-    from ppo_jax.trainer.config_checks import validate
-    from ppo_jax.trainer.stages.ppo_settings import settings_for
+    from ppo_jax.trainer.config.checks import validate
+    from ppo_jax.trainer.stages.ppo.settings import settings_for
 
     with pytest.raises(ConfigError, match=r"ppo.rollout_correction.*'is'.*\['none', 'tis', 'mis'\]"):
         load_config(None, ["ppo.rollout_correction=is"])

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from ppo_jax.trainer.data import PromptSampler, left_pad, read_prompts, tokenize_prompts
+from ppo_jax.trainer.data.prompts import PromptSampler, left_pad, read_prompts, tokenize_prompts
 
 
 def test_read_prompts_from_every_format(tmp_path):

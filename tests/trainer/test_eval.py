@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 from ppo_jax.trainer.config import ConfigError, load_config  # noqa: E402
-from ppo_jax.trainer.data import PromptSet  # noqa: E402
-from ppo_jax.trainer.evaluation import eval_batch, eval_rows_multiple, eval_summary  # noqa: E402
+from ppo_jax.trainer.data.prompts import PromptSet  # noqa: E402
+from ppo_jax.trainer.stages.ppo.evaluation import eval_batch, eval_rows_multiple, eval_summary  # noqa: E402
 
 TINY = ROOT / "configs/tiny.yaml"
 EVAL_KEYS = {"eval/reward_mean", "eval/reward_std", "eval/kl", "eval/response_length",
@@ -49,7 +49,7 @@ def eval_part(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def four_steps(cache, tmp_path_factory):
     """4 steps, eval.every=2: evaluations at steps 0, 2 and 4."""
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     out = tmp_path_factory.mktemp("run") / "a"
     trainer = PPOTrainer(load_config(TINY, sets(out, "train.steps=4")))
@@ -139,7 +139,7 @@ def test_a_run_stopped_before_its_first_checkpoint_with_only_step_0_starts_over(
     """Interrupted during step 1: only the step-0 eval is logged. A new run there is refused (as
     for any logged run), and so is `--resume` (no checkpoint: nothing to resume); `--resume auto`
     starts over and moves the old step-0 row aside."""
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     out = tmp_path / "run"
     out.mkdir()
@@ -155,7 +155,7 @@ def test_a_run_stopped_before_its_first_checkpoint_with_only_step_0_starts_over(
 
 
 def test_eval_off_when_prompts_unset_or_every_is_0(cache, tmp_path):
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     off = PPOTrainer(load_config(TINY, sets(tmp_path / "a", "eval.every=0", "train.steps=1")))
     assert off.evaluator is None and off.start_metrics() == {} and off.periodic_metrics(1) == {}

@@ -1,4 +1,4 @@
-"""glibc malloc settings for XLA:CPU (ppo_jax.trainer.host_memory) and train.py's re-exec under
+"""glibc malloc settings for XLA:CPU (ppo_jax.trainer.host.memory) and train.py's re-exec under
 them: which environment is asked for, when nothing is done, and that trimming stops with them."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ppo_jax.trainer import host_memory
-from ppo_jax.trainer.host_memory import MALLOC_SETTINGS, malloc_env, malloc_settings_active
+from ppo_jax.trainer.host import memory as host_memory
+from ppo_jax.trainer.host.memory import MALLOC_SETTINGS, malloc_env, malloc_settings_active
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_reexec_runs_the_script_again_once_with_the_settings(tmp_path):
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
         print("start", os.environ.get("MALLOC_ARENA_MAX"), flush=True)
-        from ppo_jax.trainer.host_memory import reexec_with_malloc_settings
+        from ppo_jax.trainer.host.memory import reexec_with_malloc_settings
         reexec_with_malloc_settings()
         print("after", os.environ.get("MALLOC_ARENA_MAX"), os.environ.get("MALLOC_MMAP_MAX_"))
     """))

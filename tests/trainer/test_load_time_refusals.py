@@ -21,14 +21,14 @@ PROMPTS = f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}"
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any model load fails the test: a refusal must come before loading."""
-    import ppo_jax.trainer.setup as setup
+    import ppo_jax.trainer.loading.models as setup
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
 
     for name in ("build_models", "abstract_models", "load_split"):
         monkeypatch.setattr(setup, name, loaded)
-    import ppo_jax.trainer.stages.ppo as ppo
+    import ppo_jax.trainer.stages.ppo.trainer as ppo
 
     monkeypatch.setattr(ppo, "build_models", loaded)
 
@@ -54,7 +54,7 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused(estimator, no_m
 
 def test_a_group_estimator_with_groups_is_accepted():
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo_checks import check_names
+    from ppo_jax.trainer.stages.ppo.checks import check_names
 
     check_names(load_config(TINY, ["ppo.advantage_estimator=grpo", "generation.samples_per_prompt=2"]))
 
@@ -120,7 +120,7 @@ PROBE = "import jax; print(jax.devices())"
 def _probe_stderr(quiet: bool) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_PLATFORMS", "TPU_"))}
     env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # libtpu starts even while another test holds it
-    code = ("from ppo_jax.trainer.host_env import quiet_tpu_probe; quiet_tpu_probe(); "
+    code = ("from ppo_jax.trainer.host.env import quiet_tpu_probe; quiet_tpu_probe(); "
             if quiet else "") + PROBE
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=120, check=True).stderr
@@ -128,7 +128,7 @@ def _probe_stderr(quiet: bool) -> str:
 
 def test_a_cpu_run_prints_no_libtpu_start_up_errors():
     pytest.importorskip("libtpu")
-    from ppo_jax.trainer.host_env import tpu_chips_attached
+    from ppo_jax.trainer.host.env import tpu_chips_attached
 
     if tpu_chips_attached():
         pytest.skip("a TPU host: libtpu starts for real")

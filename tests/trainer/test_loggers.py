@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ppo_jax.trainer import loggers
+from ppo_jax.trainer.tracking import loggers
 from ppo_jax.trainer.config import ConfigError, load_config
-from ppo_jax.trainer.metrics import MetricsWriter, read_metrics
-from ppo_jax.trainer.progress import PlainProgress, progress_line
+from ppo_jax.trainer.tracking.metrics import MetricsWriter, read_metrics
+from ppo_jax.trainer.tracking.progress import PlainProgress, progress_line
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))

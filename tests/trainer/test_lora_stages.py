@@ -66,7 +66,7 @@ def test_lora_sft_exports_a_merged_actor_and_its_adapter(sft_run):
 def test_lora_ppo_starts_from_the_sft_adapter_and_anchors_to_it(sft_run, tiny_checkpoint, tmp_path,
                                                                 monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     trainer, _, _, out = sft_run
     sets = [f"model.actor={tiny_checkpoint}", f"model.lora.adapter={out / 'actor_adapter'}",

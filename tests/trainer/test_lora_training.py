@@ -39,7 +39,7 @@ def lora_run(tmp_path_factory):
     captured and the base as loaded kept on the host."""
     import os
 
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     tmp = tmp_path_factory.mktemp("lora_ppo")
     os.environ["PPO_JAX_CACHE"] = str(tmp / "cache")
@@ -134,7 +134,7 @@ def test_exports_are_merged_and_peft(lora_run):
 
 def test_resume_is_bit_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     common = ("train.save_every=1", "train.export_hf=false", "eval.every=0",
               "model.lora.critic=true")
@@ -162,7 +162,7 @@ def test_resume_is_bit_exact(tmp_path, monkeypatch):
 
 def test_shared_critic_and_grpo_run_with_lora(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     shared = PPOTrainer(ppo_cfg(tmp_path / "s", "model.shared_critic=true", "train.steps=1",
                                 "eval.every=0", "train.export_hf=false"))
@@ -196,7 +196,7 @@ def test_bad_lora_settings_are_named_before_loading(sets, match):
 
 def test_targets_the_architecture_lacks_and_a_changed_lora_on_resume_are_named(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['c_attn'\].*a llama model"):
         PPOTrainer(ppo_cfg(tmp_path / "gpt2_names", "model.lora.target_modules=[c_attn]"))

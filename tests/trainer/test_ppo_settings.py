@@ -1,4 +1,4 @@
-"""`stages.ppo_settings`: every static setting of a PPO step is built once from the config, each
+"""`stages.ppo.settings`: every static setting of a PPO step is built once from the config, each
 field read from the config section of the same name, with no hand copy."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ppo_jax.trainer.config import load_config
-from ppo_jax.trainer.stages.ppo_settings import settings_for, settings_from
+from ppo_jax.trainer.stages.ppo.settings import settings_for, settings_from
 
 ROOT = Path(__file__).resolve().parents[2]
 

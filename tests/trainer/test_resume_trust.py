@@ -268,7 +268,7 @@ def test_resume_auto_starts_on_an_empty_directory_and_resumes_a_run(copy, tmp_pa
 
 
 def test_plain_resume_of_a_run_stopped_before_its_first_checkpoint_is_refused(tmp_path):
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     out = tmp_path / "run"
     out.mkdir()

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from ppo_jax.trainer.metrics import MetricsWriter, read_metrics
-from ppo_jax.trainer.reward_functions import get_reward_function, register_reward_function
+from ppo_jax.trainer.tracking.metrics import MetricsWriter, read_metrics
+from ppo_jax.trainer.rewards.functions import get_reward_function, register_reward_function
 
 
 def test_vader_scores_sentiment_of_the_response():

@@ -12,7 +12,7 @@ from flax import nnx
 from ppo_jax.models import init_model, load_model, load_tokenizer, save_pretrained
 from ppo_jax.models.tiny_random import tiny_config
 from ppo_jax.trainer.config import load_config
-from ppo_jax.trainer.stages.ppo import PPOTrainer
+from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
 
 @pytest.fixture(scope="module")

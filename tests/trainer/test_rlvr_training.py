@@ -16,8 +16,8 @@ from ppo_jax.core import init_kl_controller
 from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
 from ppo_jax.rollout.scoring import Rollout, ScoringSettings
 from ppo_jax.trainer.config import load_config
-from ppo_jax.trainer.reward_functions import register_reward_function
-from ppo_jax.trainer.stages.ppo_dynamic import select_rollout
+from ppo_jax.trainer.rewards.functions import register_reward_function
+from ppo_jax.trainer.stages.ppo.dynamic import select_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -87,7 +87,7 @@ def parity_reward(format_weight: float = 0.0):  # the recipe's function_kwargs, 
 
 def test_dynamic_sampling_trains_on_informative_groups_with_a_static_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     cfg = load_config(TINY_RLVR, [f"train.output_dir={tmp_path / 'run'}", "train.progress=false",
                                   "reward.function=test_parity",

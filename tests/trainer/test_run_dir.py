@@ -63,14 +63,14 @@ def test_bad_values_are_named_by_the_config(override, match):
     ("ppo.reward_shaping_kwargs.kl_coef=0", "reward_shaping_kwargs.kl_coef: the trainer passes"),
 ])
 def test_config_kwargs_may_not_shadow_the_trainers_own(override, match):
-    from ppo_jax.trainer.stages.ppo import check_names
+    from ppo_jax.trainer.stages.ppo.trainer import check_names
 
     with pytest.raises(ConfigError, match=match):
         check_names(load_config(TINY, [override]))
 
 
 def test_a_formula_that_fails_with_its_arguments_is_reported_before_loading(tmp_path):
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=r"ppo.advantage_kwargs.method='scna' is not one of "
@@ -84,7 +84,7 @@ def test_a_formula_that_fails_with_its_arguments_is_reported_before_loading(tmp_
 
 
 def test_output_dir_problems_are_reported_before_loading(tmp_path):
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     a_file = tmp_path / "file"
     a_file.write_text("x")
@@ -108,7 +108,7 @@ def test_a_run_that_goes_non_finite_stops_before_saving(tmp_path, monkeypatch):
     with a clear error, logs the bad step, and saves no checkpoint of it (earlier ones stay)."""
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     from ppo_jax.trainer.checkpoint import finished_steps
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     out = tmp_path / "run"
     cfg = load_config(TINY, [f"train.output_dir={out}", PROMPTS, "train.steps=4", "train.save_every=1",

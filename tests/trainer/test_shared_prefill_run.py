@@ -17,7 +17,7 @@ VOLATILE = ("time/", "tokens_per_s/")  # wall-clock metrics: not compared
 def grpo_trainer(tmp_path: Path, share: bool):
     """configs/tiny.yaml with GRPO, 2 prompts x 4 samples a step; one minibatch, one epoch, one
     prompt and one response width: each program compiles once."""
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     trainer = PPOTrainer(load_config(ROOT / "configs/tiny.yaml", [
         f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}", "ppo.advantage_estimator=grpo",

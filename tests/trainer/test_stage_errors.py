@@ -214,7 +214,7 @@ def test_missing_sft_file_is_named(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_normalising_with_statistics_of_few_pairs_warns(tmp_path):
-    from ppo_jax.trainer.setup import score_normalizer
+    from ppo_jax.trainer.loading.models import score_normalizer
 
     (tmp_path / "config.json").write_text(json.dumps({"score_mean": 0.5, "score_std": 0.02,
                                                       "score_pairs": 6}))

@@ -355,7 +355,7 @@ def test_three_stage_pipeline_through_train_py(tiny_checkpoint, data_dir, tmp_pa
 @pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_critic_warmup_leaves_the_actor_unchanged(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     cfg = load_config(TINY, [f"model.actor={tiny_checkpoint}", "ppo.critic_warmup_steps=1",
                              f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",

@@ -8,8 +8,8 @@ import warnings
 import numpy as np
 import pytest
 
-from ppo_jax.trainer.data import apply_template, read_prompts
-from ppo_jax.trainer.text_data import (
+from ppo_jax.trainer.data.prompts import apply_template, read_prompts
+from ppo_jax.trainer.data.text import (
     PairBatch, PreferencePair, SequenceBatch, SFTExample, encode_prompt, encode_response, pack,
     preference_pairs, read_records, sft_examples, split_holdout, take, tokenize_pairs, tokenize_sft,
 )

@@ -84,7 +84,7 @@ def test_shared_critic_runs_checkpoints_resumes_and_exports(tmp_path, monkeypatc
     trains (vf_loss finite, head params move), checkpoint/resume and the HF export still work."""
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     sets = [f"train.output_dir={tmp_path / 'run'}", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
             "train.steps=2", "train.progress=false", "model.shared_critic=true", "ppo.vf_coef=0.5"]
@@ -113,7 +113,7 @@ def test_shared_critic_runs_checkpoints_resumes_and_exports(tmp_path, monkeypatc
 
 def test_shared_critic_with_a_critic_path_is_rejected(tmp_path):
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.setup import build_models
+    from ppo_jax.trainer.loading.models import build_models
 
     cfg = load_config(ROOT / "configs/tiny.yaml", ["model.shared_critic=true", f"model.critic={tmp_path}"])
     with pytest.raises(ConfigError, match="model.critic"):
@@ -128,7 +128,7 @@ def test_bfloat16_frozen_models_offloaded_to_host_between_phases(tmp_path, monke
     import jax
     import jax.numpy as jnp
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo import PPOTrainer
+    from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     sets = [f"train.output_dir={tmp_path / 'run'}", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
             "train.steps=1", "train.progress=false", "model.frozen_param_dtype=bfloat16",
@@ -179,7 +179,7 @@ def test_an_existing_run_is_not_overwritten_without_resume(run_dir, capsys):
 
 
 def test_malformed_jsonl_names_the_file_and_line(tmp_path):
-    from ppo_jax.trainer.data import read_prompts
+    from ppo_jax.trainer.data.prompts import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
@@ -202,7 +202,7 @@ def test_prompt_ids_outside_the_model_vocabulary_are_rejected(tmp_path, monkeypa
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     from ppo_jax.models import load_tokenizer
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.setup import build_prompts, resolve_model_path
+    from ppo_jax.trainer.loading.models import build_prompts, resolve_model_path
 
     cfg = load_config(ROOT / "configs/tiny.yaml",
                       [f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}"])
@@ -219,7 +219,7 @@ def test_prompt_ids_outside_the_model_vocabulary_are_rejected(tmp_path, monkeypa
 def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at_start():
     from ppo_jax.core import register_advantage_estimator, register_policy_loss, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo import check_names
+    from ppo_jax.trainer.stages.ppo.trainer import check_names
 
     @register_policy_loss("no_normalizer")
     def no_normalizer(logprobs, old_logprobs, advantages, mask):
@@ -250,7 +250,7 @@ def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at
 def test_registered_functions_with_wrong_outputs_or_names_are_rejected_at_start():
     from ppo_jax.core import register_policy_loss, register_reward_shaping, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo import check_names
+    from ppo_jax.trainer.stages.ppo.trainer import check_names
 
     @register_policy_loss("scalar_loss_test")
     def scalar_loss(batch, **unused):  # the pre-issue-11 form: a scalar, not [B, T]

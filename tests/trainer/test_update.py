@@ -18,7 +18,7 @@ from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_exper
 from ppo_jax.rollout.scoring import Rollout, ScoringSettings
 from ppo_jax.trainer.optim import make_optimizer
 from ppo_jax.trainer.state import TrainState
-from ppo_jax.trainer.update import UpdateSettings, ppo_update
+from ppo_jax.trainer.stages.ppo.update import UpdateSettings, ppo_update
 
 B, P, N = 4, 6, 5
 
@@ -353,7 +353,7 @@ def _padded_rollout(wide_p: int, wide_n: int):
 @pytest.mark.slow  # default-run budget (15 min on 2 cores)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
-    """`trainer.columns` drops columns that are padding in every row (leading prompt columns,
+    """`trainer.stages.ppo.columns` drops columns that are padding in every row (leading prompt columns,
     trailing response columns). Experience (log-probs, values, missing-EOS penalty, whitened
     rewards, GAE, whitened advantages, KL and the logged stats) and the update (losses, stats,
     params) agree with the full width, an empty response row included; seq-mean-token-sum

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ppo_jax.trainer import verifiers
+from ppo_jax.trainer.rewards import verifiers
 from ppo_jax.trainer.config import ConfigError, load_config
-from ppo_jax.trainer.data import prompt_records
-from ppo_jax.trainer.reward_functions import (
+from ppo_jax.trainer.data.prompts import prompt_records
+from ppo_jax.trainer.rewards.functions import (
     get_reward_function, register_reward_function, reward_output, score_texts, takes_rows,
 )
-from ppo_jax.trainer.tasks import disjoint, held_out_records, task_splits
+from ppo_jax.trainer.data.tasks import disjoint, held_out_records, task_splits
 
 CHAIN = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
 
@@ -197,8 +197,8 @@ def test_a_config_file_builds_on_its_base(tmp_path):
 def test_eval_batch_repeats_each_prompt_and_pass_at_k_counts_solved_prompts():
     import jax.numpy as jnp
 
-    from ppo_jax.trainer.data import PromptSet
-    from ppo_jax.trainer.evaluation import component_figures, eval_batch
+    from ppo_jax.trainer.data.prompts import PromptSet
+    from ppo_jax.trainer.stages.ppo.evaluation import component_figures, eval_batch
 
     prompts = PromptSet(["p0", "p1", "p2"], np.arange(6).reshape(3, 2), np.ones((3, 2), np.int32),
                         [{"answer": "0"}, {"answer": "1"}, {"answer": "2"}])

@@ -1,4 +1,4 @@
-"""The three stages of RLHF, each a `StageTrainer` (`ppo_jax.trainer.base`) with one jitted
+"""The three stages of RLHF, each a `StageTrainer` (`ppo_jax.trainer.loop`) with one jitted
 update: `sft` (stage 1, `SFTTrainer`), `reward_model` (stage 2, `RewardModelTrainer`), `ppo`
 (stage 3, `PPOTrainer`). `config.stage` picks one; `trainer_class(stage)` returns its class.
 
@@ -24,7 +24,7 @@ def trainer_class(stage: str):
 
         return RewardModelTrainer
     if stage == "ppo":
-        from ppo_jax.trainer.stages.ppo import PPOTrainer
+        from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
         return PPOTrainer
     raise ValueError(f"stage={stage!r} is not one of {list(STAGES)}")

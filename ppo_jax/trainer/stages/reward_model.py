@@ -26,7 +26,7 @@ from flax import nnx
 from ppo_jax.core import bradley_terry_loss
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
-from ppo_jax.trainer.text_data import preference_pairs, read_records, tokenize_pairs
+from ppo_jax.trainer.data.text import preference_pairs, read_records, tokenize_pairs
 
 
 def pair_scores(graphdef, params, batch: dict) -> tuple[jax.Array, jax.Array]:

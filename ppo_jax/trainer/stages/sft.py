@@ -17,7 +17,7 @@ from flax import nnx
 from ppo_jax.core import masked_sum, nll_loss, shift_for_next_token
 from ppo_jax.rollout.scoring import head_logprobs
 from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
-from ppo_jax.trainer.text_data import read_records, sft_examples, tokenize_sft
+from ppo_jax.trainer.data.text import read_records, sft_examples, tokenize_sft
 
 
 def sft_logprobs(graphdef, params, batch: dict, *, chunk_size: int = 0, mesh=None):

@@ -18,17 +18,17 @@ import numpy as np
 import optax
 
 from ppo_jax.trainer.accumulate import accumulate_gradients
-from ppo_jax.trainer.base import StageTrainer
+from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.config import ConfigError
-from ppo_jax.trainer.data import PromptSampler
+from ppo_jax.trainer.data.prompts import PromptSampler
 from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
 from ppo_jax.trainer.programs import Program, batch_shape
 from ppo_jax.models.lora import join
-from ppo_jax.trainer.lora_models import adapters_from, check_targets, lora_settings
-from ppo_jax.trainer.setup import (
+from ppo_jax.trainer.loading.lora import adapters_from, check_targets, lora_settings
+from ppo_jax.trainer.loading.models import (
     LoadedModel, abstract_split, load_split, pad_token_id, resolve_model_path,
 )
-from ppo_jax.trainer.text_data import split_holdout
+from ppo_jax.trainer.data.text import split_holdout
 
 
 def rows_of(batch: dict, idx) -> dict:

@@ -1,0 +1,253 @@
+"""The cross-field checks of a run's config (`validate`): choices, finite numbers, sizes that
+must be positive or divide each other, and settings that only make sense together. Each error
+is a `ConfigError` naming the key and its value, raised before anything is loaded or compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from typing import Literal
+
+from ppo_jax.core.gae import GAE_METHODS
+from ppo_jax.core.rollout_correction import check_rollout_correction
+from ppo_jax.models.config import LORA_TARGETS
+from ppo_jax.trainer.config.help import leaves
+from ppo_jax.trainer.config.schema import (
+    Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
+)
+from ppo_jax.trainer.tracking.loggers import check_loggers
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Check the relations between fields.
+
+    Raises:
+      ConfigError: naming the field and its value.
+    """
+    p, g, o = cfg.ppo, cfg.generation, cfg.optim
+    for key, value, kind in leaves(cfg):
+        choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+        if choices:  # also for a Config built in Python (load_config's merge checks them too)
+            _choice(key, value, choices)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+    _validate_ppo(p)
+    _positive("generation.max_new_tokens", g.max_new_tokens)
+    _positive("generation.temperature", g.temperature)
+    if g.top_k < 0 or not (0.0 < g.top_p <= 1.0):
+        raise ConfigError(f"generation.top_k={g.top_k!r} must be >= 0 and generation.top_p="
+                          f"{g.top_p!r} in (0, 1]")
+    _positive("data.max_prompt_length", cfg.data.max_prompt_length)
+    if cfg.model.logprob_chunk_size < 0:
+        raise ConfigError(f"model.logprob_chunk_size={cfg.model.logprob_chunk_size!r} must be >= 0 "
+                          "(0: full-vocabulary logits)")
+    _positive("data.prompt_buckets", cfg.data.prompt_buckets)
+    _positive("generation.response_buckets", g.response_buckets)
+    _validate_optim_train(o, cfg.train)
+    if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
+        raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
+    if cfg.stage == "ppo" and cfg.model.reward_model and cfg.reward.kind != "model":
+        raise ConfigError(f"model.reward_model={cfg.model.reward_model!r} is read only with "
+                          f"reward.kind='model' (reward.kind={cfg.reward.kind!r}): set "
+                          "reward.kind=model to score with it, or model.critic to start the "
+                          "critic from it")
+    if cfg.reward.normalize and cfg.reward.kind != "model":
+        raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
+    if cfg.reward.eos_at_end and cfg.reward.kind != "model":
+        raise ConfigError("reward.eos_at_end=true applies to reward.kind='model' only")
+    if p.critic_warmup_steps < 0:
+        raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
+    _positive("generation.samples_per_prompt", g.samples_per_prompt)
+    if p.batch_size % g.samples_per_prompt:
+        raise ConfigError(f"ppo.batch_size={p.batch_size} is not a multiple of "
+                          f"generation.samples_per_prompt={g.samples_per_prompt}")
+    if not 0 <= p.overlong_buffer <= g.max_new_tokens or p.overlong_penalty_factor < 0:
+        raise ConfigError(f"ppo.overlong_buffer={p.overlong_buffer} must lie in [0, "
+                          f"generation.max_new_tokens={g.max_new_tokens}] and "
+                          f"ppo.overlong_penalty_factor={p.overlong_penalty_factor} be >= 0")
+    _positive("ppo.max_sampling_rounds", p.max_sampling_rounds)
+    if p.dynamic_sampling and (g.samples_per_prompt < 2 or cfg.reward.kind != "function"):
+        raise ConfigError("ppo.dynamic_sampling=true compares the rewards of a prompt's samples: "
+                          f"it needs generation.samples_per_prompt > 1 (it is "
+                          f"{g.samples_per_prompt}) and reward.kind=function (it is "
+                          f"{cfg.reward.kind!r})")
+    if p.critic_warmup_steps and cfg.model.shared_critic:
+        raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
+                          "false): a shared backbone cannot train the values alone")
+    _validate_stage(cfg)
+    _validate_lora(cfg)
+    _validate_eval(cfg.eval)
+    _validate_task(cfg)
+    _positive("train.steps", cfg.train.steps)
+    for name in ("data", "fsdp", "tensor"):
+        size = getattr(cfg.mesh, name)
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
+
+
+def _validate_ppo(p: PPOConfig) -> None:
+    """The PPO algorithm's sizes, ranges, choices and kwargs."""
+    for name in ("batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "horizon"):
+        _positive(f"ppo.{name}", getattr(p, name))
+    if p.batch_size % p.mini_batch_size:
+        raise ConfigError(
+            f"ppo.batch_size={p.batch_size} is not a multiple of ppo.mini_batch_size={p.mini_batch_size}")
+    if p.mini_batch_size % p.micro_batch_size:
+        raise ConfigError(
+            f"ppo.mini_batch_size={p.mini_batch_size} is not a multiple of "
+            f"ppo.micro_batch_size={p.micro_batch_size}")
+    for name in ("cliprange", "cliprange_value", "target_kl"):
+        _positive(f"ppo.{name}", getattr(p, name))
+    if p.kl_coef < 0:
+        raise ConfigError(f"ppo.kl_coef={p.kl_coef!r} must be >= 0")
+    if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
+        raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
+    if p.advantage_estimator == "gae" and "method" in p.advantage_kwargs:
+        _choice("ppo.advantage_kwargs.method", p.advantage_kwargs["method"], GAE_METHODS)
+    for name in ("reward_shaping_kwargs", "advantage_kwargs", "policy_loss_kwargs", "value_loss_kwargs"):
+        for key, value in getattr(p, name).items():
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                raise ConfigError(f"ppo.{name}.{key}={value!r}: values must be scalars or strings")
+    for name in ("cliprange_high", "reward_clip"):
+        if getattr(p, name) is not None:
+            _positive(f"ppo.{name}", getattr(p, name))
+    if p.dual_clip is not None and not p.dual_clip > 1:
+        raise ConfigError(f"ppo.dual_clip={p.dual_clip!r} must be > 1 (or null)")
+    if p.score_scale == 0:  # negative is allowed: it turns a reward into a cost
+        raise ConfigError("ppo.score_scale=0.0 would ignore the reward; use a non-zero scale")
+    if p.vf_coef < 0:
+        raise ConfigError(f"ppo.vf_coef={p.vf_coef!r} must be >= 0")
+    _validate_loss_terms(p)
+
+
+def _validate_optim_train(o: OptimConfig, t: TrainConfig) -> None:
+    """The optimiser and outer-loop settings."""
+    _positive("optim.actor_lr", o.actor_lr)
+    _positive("optim.critic_lr", o.critic_lr)
+    _positive("optim.eps", o.eps)
+    for name in ("b1", "b2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            raise ConfigError(f"optim.{name}={getattr(o, name)!r} must lie in [0, 1)")
+    for name in ("warmup_steps", "weight_decay", "max_grad_norm"):  # max_grad_norm 0 = no clipping
+        if getattr(o, name) < 0:
+            raise ConfigError(f"optim.{name}={getattr(o, name)!r} must be >= 0")
+    _positive("train.log_every", t.log_every)
+    _positive("train.max_to_keep", t.max_to_keep)
+    for name in ("seed", "sample_every", "num_samples", "save_every"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)!r} must be >= 0")
+    check_loggers(t.loggers)  # known names, their packages installed (nothing imported)
+
+
+def _validate_loss_terms(p: PPOConfig) -> None:
+    """ppo.loss_aggregation, the built-in loss terms (entropy bonus, KL in the loss) and the
+    rollout correction."""
+    for name in ("entropy_coef", "kl_loss_coef"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
+    try:
+        check_rollout_correction(p.rollout_correction, p.rollout_correction_cap)
+    except ValueError as e:
+        raise ConfigError(f"ppo.rollout_correction={p.rollout_correction!r}, "
+                          f"ppo.rollout_correction_cap={p.rollout_correction_cap!r}: {e}") from None
+
+
+def _validate_lora(cfg: Config) -> None:
+    """model.lora: a rank >= 0; with rank > 0 a positive alpha, known target names once each,
+    and no setting that would leave it without effect."""
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank!r} must be >= 0 (0: no LoRA)")
+    if not lora.rank:
+        for key in ("critic", "adapter"):
+            if getattr(lora, key):
+                raise ConfigError(f"model.lora.{key}={getattr(lora, key)!r} needs "
+                                  "model.lora.rank > 0")
+        return
+    _positive("model.lora.alpha", lora.alpha)
+    known = sorted({n for names in LORA_TARGETS.values() for n in names})
+    bad = [t for t in lora.target_modules if t not in known]
+    if bad or not lora.target_modules or len(set(lora.target_modules)) < len(lora.target_modules):
+        what = ("unknown " + str(bad) if bad else "empty" if not lora.target_modules
+                else "a name given twice")
+        raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)}: {what}; "
+                          f"PEFT's names are {known}")
+    if lora.critic and (cfg.stage != "ppo" or cfg.model.shared_critic):
+        raise ConfigError("model.lora.critic=true applies to a separate PPO critic only "
+                          f"(stage={cfg.stage!r}, model.shared_critic={cfg.model.shared_critic})")
+    if cfg.stage == "reward_model" and cfg.reward_model.backbone_lr_scale == 0:
+        raise ConfigError("reward_model.backbone_lr_scale=0 freezes the adapters of "
+                          "model.lora.rank > 0 (they sit in the backbone): only the score head "
+                          "would train; use model.lora.rank=0 for a linear probe, or a "
+                          "backbone_lr_scale > 0")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    """The `eval` block's sizes (its prompt file is read by the PPO stage before loading)."""
+    for name in ("num_prompts", "temperature", "samples_per_prompt"):
+        _positive(f"eval.{name}", getattr(e, name))
+    if e.max_new_tokens is not None:
+        _positive("eval.max_new_tokens", e.max_new_tokens)
+    for name in ("every", "seed", "num_samples"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"eval.{name}={getattr(e, name)!r} must be >= 0")
+    if e.prompts is not None and not e.prompts.strip():
+        raise ConfigError("eval.prompts='' must be a prompt file (or null for no evaluation)")
+
+
+def _validate_task(cfg: Config) -> None:
+    """`data.task` (a reasoning-gym task) and the prompt sources that name it ('task')."""
+    task, uses = cfg.data.task, [k for k, v in (("data.prompts", cfg.data.prompts),
+                                                ("eval.prompts", cfg.eval.prompts)) if v == "task"]
+    if uses and not task.name:
+        raise ConfigError(f"{uses[0]}='task' needs data.task.name (a reasoning-gym dataset)")
+    if task.name and not uses:
+        raise ConfigError(f"data.task.name={task.name!r} is set but no prompts come from it: set "
+                          "data.prompts: task (and eval.prompts: task for held-out problems)")
+    if task.name:
+        _positive("data.task.size", task.size)
+        if cfg.eval.prompts == "task" and cfg.eval.task_seed == task.seed:
+            raise ConfigError(f"eval.task_seed={cfg.eval.task_seed} equals data.task.seed: the "
+                              "held-out problems must come from another seed")
+    if not isinstance(cfg.reward.function_kwargs, dict):
+        raise ConfigError(f"reward.function_kwargs={cfg.reward.function_kwargs!r} must be a mapping")
+
+
+def _validate_stage(cfg: Config) -> None:
+    """The settings of the stage that runs (sft / reward_model): data, sizes, model source."""
+    if cfg.stage == "ppo":
+        return
+    sec = getattr(cfg, cfg.stage)
+    name = cfg.stage
+    if not sec.data:
+        raise ConfigError(f"stage={name!r} needs {name}.data (a .jsonl / .json / .parquet file)")
+    for key in ("max_length", "batch_size", "micro_batch_size", "lr"):
+        _positive(f"{name}.{key}", getattr(sec, key))
+    if sec.batch_size % sec.micro_batch_size:
+        raise ConfigError(f"{name}.batch_size={sec.batch_size} is not a multiple of "
+                          f"{name}.micro_batch_size={sec.micro_batch_size}")
+    if not 0.0 <= sec.eval_fraction < 1.0:
+        raise ConfigError(f"{name}.eval_fraction={sec.eval_fraction!r} must lie in [0, 1)")
+    if sec.eval_every < 0:
+        raise ConfigError(f"{name}.eval_every={sec.eval_every!r} must be >= 0")
+    if sec.backbone_lr_scale < 0 or (name == "sft" and sec.backbone_lr_scale != 1.0):
+        raise ConfigError(f"{name}.backbone_lr_scale={sec.backbone_lr_scale!r}: "
+                          + ("a causal LM has no separate head; it must be 1" if name == "sft"
+                             else "must be >= 0 (0 freezes the backbone)"))
+    if cfg.data.max_prompt_length >= sec.max_length:
+        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} leaves no room for "
+                          f"a response in {name}.max_length={sec.max_length}")
+    if name == "reward_model" and not cfg.model.reward_model:
+        raise ConfigError("stage='reward_model' needs model.reward_model: the model to start from "
+                          "(a causal LM such as 'smollm2' or an SFT output gets a fresh score head)")

@@ -1,0 +1,61 @@
+"""The `generation` section of the config: how the actor samples responses, with which engine
+(`rollout.sampler`, the static batch, or `rollout.engine`, the paged engine) and with which
+copy of its weights (`rollout.weights`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ppo_jax.models.config import Dtype
+from ppo_jax.rollout.engine import AttentionKernel, RolloutEngine
+from ppo_jax.rollout.weights import RolloutLayout
+from ppo_jax.trainer.config.fields import opt
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling of responses by the actor."""
+
+    max_new_tokens: int = opt(40, "tokens sampled per response at most")
+    temperature: float = opt(1.0, "sampling temperature (log-probs are taken at it too)")
+    top_k: int = opt(0, "keep the k most likely tokens; 0 = off")
+    top_p: float = opt(1.0, "nucleus sampling mass; 1.0 = off")
+    greedy: bool = opt(False, "argmax decoding")
+    stop_token_ids: list[int] = opt(help="token ids that end a response; empty: the "
+                                    "tokenizer's EOS", factory=list)
+    ignore_eos: bool = opt(False, "never stop: every response is max_new_tokens long "
+                           "(benchmarks)")
+    response_buckets: int = opt(4, "scoring and the update run on the batch's longest response, "
+                                "rounded up to one of this many evenly spaced widths up to "
+                                "max_new_tokens (trainer.stages.ppo.columns); 1 = always max_new_tokens")
+    samples_per_prompt: int = opt(1, "responses per prompt (GRPO / RLOO groups): a PPO batch "
+                                  "holds ppo.batch_size / n prompts x n")
+    share_prompt_prefill: bool = opt(True, "with samples_per_prompt = n > 1, run each distinct "
+                                     "prompt through the model once and give its KV cache to "
+                                     "its n samples (rollout.prefill); the same tokens as n "
+                                     "prefills")
+    engine: RolloutEngine = opt("static", "static: one batch, a [B, P + N] KV cache, every row "
+                                "until the longest stops (rollout.sampler); paged: KV pages, "
+                                "decode slots refilled as rows finish (rollout.engine, "
+                                "docs/rollout_engine.md); the same tokens under one key")
+    page_size: int = opt(16, "paged: tokens per KV page; must divide data.max_prompt_length + "
+                         "max_new_tokens")
+    num_pages: int = opt(0, "paged: KV pages in all replicas' pools together (one replica per "
+                         "mesh data x fsdp block); 0: the static sampler's KV memory")
+    max_concurrent: int = opt(0, "paged: decode slots (sequences decoded at once) over all "
+                              "replicas; 0: the batch size")
+    decode_chunk: int = opt(8, "paged: tokens decoded between two scheduling rounds (finished "
+                            "rows leave and new ones enter at chunk ends)")
+    decode_buckets: int = opt(4, "paged: page-table widths the decode chunk compiles for; "
+                              "attention reads the longest live sequence's width bucket")
+    attention: AttentionKernel = opt("reference", "paged: attention over the pages: reference "
+                                     "(gather the pages; CPU, GPU) or pallas (jax's ragged "
+                                     "paged attention kernel; TPU)")
+    param_dtype: Optional[Dtype] = opt(None, "dtype of the rollout copy of the actor's weights "
+                                       "(e.g. bfloat16); null: the training params' dtype")
+    rollout_layout: RolloutLayout = opt("auto", "layout of the rollout weights: tensor (split "
+                                        "over tensor only, copied once per step when fsdp > 1: "
+                                        "no weight gathers while decoding), train (the "
+                                        "training layout, gathered at every decode step) or "
+                                        "auto (tensor for the paged engine, train for static)")

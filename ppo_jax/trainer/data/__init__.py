@@ -1,0 +1,10 @@
+"""Data of the three stages: read, check, tokenise, order.
+
+  prompts.py      PPO prompt sets: read, template, tokenise, left-pad, a resumable order
+  tasks.py        reasoning-gym's procedural tasks as prompt sets (`data.prompts: task`)
+  records.py      reading row files (.jsonl / .json / .txt / .parquet), shared field checks
+  sft.py          stage 1's demonstrations (TRL `SFTTrainer` formats)
+  preference.py   stage 2's preference pairs (TRL `RewardTrainer` formats)
+  packing.py      stages 1 and 2: prompt + response rows, truncated and right-padded
+  text.py         stages 1 and 2: rows read, checked, tokenised and packed in one call
+"""

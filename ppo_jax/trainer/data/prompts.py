@@ -1,0 +1,222 @@
+"""Prompt sets: read, template, tokenise, left-pad, and iterate in a resumable order.
+
+A prompt file is `.jsonl` / `.json` (records with a `prompt` field, or bare strings), `.txt`
+(one prompt per line) or `.parquet` (a `prompt` column); a record's other fields (an `answer`,
+say) are kept as its row and reach the reward function. A reasoning-gym task gives records
+too (`trainer.data.tasks`). Prompts pass through the tokenizer's
+chat template when it has one (a single user turn, optional system turn, generation prompt
+appended), are tokenised, and left-padded to one fixed width so every step has the same shapes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from ppo_jax.trainer.data.tasks import TASK_SOURCE, task_splits
+from ppo_jax.trainer.data.text import encode_prompt, read_rows, require_file
+from ppo_jax.trainer.data.records import read_text
+
+
+PROMPT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+
+
+def read_prompts(path: str | Path, field: str = "prompt", key: str = "data.prompts") -> list[str]:
+    """Read the raw prompt strings of a file (JSON / JSONL / parquet through `text_data.read_rows`);
+    errors name the config key `key` of the file.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: unknown extension, a record without `field`, a prompt that is not a
+        non-blank string (records count from 0, blank JSONL lines skipped), or an empty set.
+    """
+    return read_prompt_records(path, field, key)[0]
+
+
+def read_prompt_records(path: str | Path, field: str = "prompt",
+                        key: str = "data.prompts") -> tuple[list[str], list[dict]]:
+    """`(prompts, rows)`: the prompt strings of a file (`read_prompts`) and each record's
+    other fields (`{}` for bare strings and `.txt` lines), e.g. `{"answer": "42"}`.
+
+    Raises:
+      FileNotFoundError / ValueError: as `read_prompts`.
+    """
+    path = require_file(path, key, "prompt")
+    if path.suffix.lower() == ".txt":
+        prompts = [line.rstrip("\n") for line in read_text(path, key).splitlines()]
+        prompts = [p for p in prompts if p.strip()]
+        rows = [{} for _ in prompts]
+    else:
+        records = read_rows(path, key, what="prompt", suffixes=PROMPT_SUFFIXES,
+                            items="prompt strings or records")
+        if path.suffix.lower() == ".parquet" and records and field not in records[0]:
+            raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
+                             f"(columns: {list(records[0])})")
+        prompts = [_field(r, field, path, i, key) for i, r in enumerate(records)]
+        rows = [extra_fields(r, field) for r in records]
+    if not prompts:
+        raise ValueError(f"{key}: no prompts in {path}")
+    return prompts, rows
+
+
+def extra_fields(record, field: str) -> dict:
+    """A prompt record's fields other than the prompt (`{}` for a bare string): what a reward
+    function receives as the row of that prompt (`answer`, a task's `entry`, a file's columns)."""
+    return {k: v for k, v in record.items() if k != field} if isinstance(record, dict) else {}
+
+
+def prompt_records(cfg, source: str, key: str) -> tuple[list[str], list[dict]]:
+    """`(prompts, rows)` of a prompt source of the run `cfg`: a file (`read_prompt_records`), or
+    'task' (`trainer.data.tasks`): the training problems of `data.task` for `data.prompts`, its
+    held-out problems (`eval.task_seed`, `eval.num_prompts`) for `eval.prompts`.
+
+    Raises:
+      FileNotFoundError / ValueError: as `read_prompt_records` and `tasks.task_splits`.
+    """
+    if source != TASK_SOURCE:
+        return read_prompt_records(source, cfg.data.prompt_field, key)
+    held = cfg.eval.num_prompts if cfg.eval.prompts == TASK_SOURCE else 0
+    splits = task_splits(cfg.data.task, eval_seed=cfg.eval.task_seed, eval_size=held)
+    records = splits.held_out if key.startswith("eval") else splits.train
+    return [r["prompt"] for r in records], [extra_fields(r, "prompt") for r in records]
+
+
+def _field(record, field: str, path: Path, index: int, key: str) -> str:
+    if isinstance(record, str):
+        return _text(record, field, path, index, key)
+    if isinstance(record, dict) and field in record:
+        return _text(record[field], field, path, index, key)
+    raise ValueError(f"data.prompt_field={field!r}: record {index} of {path} has no such field")
+
+
+def _text(value, field: str, path: Path, index: int, key: str) -> str:
+    """A prompt must be a non-blank string (a number, null or list is a data error, not text)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{key}: record {index} of {path}: {field!r} is "
+                         f"{type(value).__name__} {value!r:.60}, not a string")
+    if not value.strip():
+        raise ValueError(f"{key}: record {index} of {path}: {field!r} is empty")
+    return value
+
+
+def apply_template(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None,
+                   response_prefix: str | None = None) -> list[int]:
+    """Token ids of one prompt: through the chat template when asked for and available
+    (`text_data.encode_prompt` of a single user turn, so SFT / reward-model prompts match),
+    then `response_prefix`, the text the assistant's turn starts with."""
+    return encode_prompt(tokenizer, [{"role": "user", "content": prompt}],
+                         use_chat_template=use_chat_template, system_prompt=system_prompt,
+                         response_prefix=response_prefix)
+
+
+def left_pad(token_lists: list[list[int]], width: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token lists to `width`.
+
+    Returns:
+      ids [N, width] int32 and mask [N, width] int32 (1 on real tokens).
+    Raises:
+      ValueError: a list is longer than `width`.
+    """
+    ids = np.full((len(token_lists), width), pad_token_id, dtype=np.int32)
+    mask = np.zeros((len(token_lists), width), dtype=np.int32)
+    for i, toks in enumerate(token_lists):
+        if len(toks) > width:
+            raise ValueError(f"prompt {i} has {len(toks)} tokens, more than the width {width}")
+        if toks:
+            ids[i, width - len(toks):] = toks
+            mask[i, width - len(toks):] = 1
+    return ids, mask
+
+
+@dataclass
+class PromptSet:
+    """Tokenised, left-padded prompts.
+
+    Attributes:
+      texts: the raw prompts, N strings.
+      ids: [N, P] int32, left-padded.
+      mask: [N, P] int32.
+      rows: N dicts, each prompt's other fields (what a reward function receives), or None.
+    """
+
+    texts: list[str]
+    ids: np.ndarray
+    mask: np.ndarray
+    rows: list[dict] | None = None
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+TRUNCATIONS = ("left", "error")  # data.truncation: drop the oldest tokens (warn) | refuse
+Truncation = Literal[TRUNCATIONS]
+
+
+def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, truncation: str = "left",
+                     use_chat_template: bool = True, system_prompt: str | None = None,
+                     pad_token_id: int, response_prefix: str | None = None,
+                     rows: list[dict] | None = None) -> PromptSet:
+    """Template and tokenise every prompt; width = the longest prompt, at most max_prompt_length.
+
+    Over-long prompts lose their oldest tokens (truncation="left", one warning with the count)
+    or are rejected (truncation="error").
+
+    Raises:
+      ValueError: an unknown `truncation`; truncation="error" and a prompt is longer than max_prompt_length (names the
+        prompt index and its length), or a prompt is empty after tokenisation.
+    """
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"data.truncation={truncation!r} is not one of {list(TRUNCATIONS)}")
+    lists = [apply_template(tokenizer, t, use_chat_template, system_prompt, response_prefix)
+             for t in texts]
+    too_long = [i for i, toks in enumerate(lists) if len(toks) > max_prompt_length]
+    if too_long:
+        i = too_long[0]
+        if truncation == "error":
+            raise ValueError(f"prompt {i} has {len(lists[i])} tokens, more than "
+                             f"data.max_prompt_length={max_prompt_length}: {texts[i][:80]!r}")
+        warnings.warn(f"{len(too_long)} prompt(s) longer than data.max_prompt_length="
+                      f"{max_prompt_length} were truncated from the left", stacklevel=2)
+        lists = [toks[-max_prompt_length:] for toks in lists]
+    empty = [i for i, toks in enumerate(lists) if not toks]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty after tokenisation")
+    width = max(len(t) for t in lists)
+    ids, mask = left_pad(lists, width, pad_token_id)
+    return PromptSet(list(texts), ids, mask, rows)
+
+
+class PromptSampler:
+    """Deterministic, resumable order over a prompt set.
+
+    The order of epoch `e` is a permutation drawn from `seed + e`; `position` counts prompts
+    handed out since the start, so a checkpoint that stores it resumes the same order. With
+    several processes, each takes its own contiguous slice of every global batch.
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True, position: int = 0):
+        if size <= 0:
+            raise ValueError(f"prompt set is empty (size={size})")
+        self.size, self.seed, self.shuffle, self.position = size, seed, shuffle, position
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != epoch:
+            order = (np.random.default_rng(self.seed + epoch).permutation(self.size)
+                     if self.shuffle else np.arange(self.size))
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def next_indices(self, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """Indices of the next global batch (this process's slice of it); advances position."""
+        out = []
+        for k in range(self.position, self.position + batch_size):
+            epoch, offset = divmod(k, self.size)
+            out.append(self._order(epoch)[offset])
+        self.position += batch_size
+        per = batch_size // process_count
+        return np.asarray(out[process_index * per:(process_index + 1) * per], dtype=np.int64)

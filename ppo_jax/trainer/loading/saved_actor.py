@@ -1,0 +1,294 @@
+"""A run's saved actor, loaded again after the run: what `python -m ppo_jax.generate` talks to
+and `python -m ppo_jax.evaluate` evaluates.
+
+Three sources, each loaded by the trainer's own code so nothing drifts from what ran:
+- an HF directory (`<run>/actor_hf`, written at the end of a run, or any local causal LM):
+  `setup.load_split`, as the trainer loads `model.actor`;
+- a PEFT adapter directory (`<run>/actor_adapter` of a LoRA run): the run's `model.actor` with
+  the adapter as `model.lora.adapter` (`lora_models.adapters_from`), as a LoRA run that starts
+  from an adapter loads it;
+- a checkpoint step of a run directory: the stage's trainer built from the run's
+  `config.json` (its `_check_inputs` and `_build`, as `StageTrainer.__init__` runs them, but
+  without touching the run directory: no lock, no config or metrics written), its train state
+  read from `checkpoints/<step>` (`checkpoint.Checkpointer.restore`). Step 0 is the starting
+  actor, as the config builds it (the run's step-0 evaluation).
+
+Bad input (a missing directory, a directory that is no run or no model, a step with no
+checkpoint) raises `ConfigError` naming the flag and the path before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jax
+
+from ppo_jax.models.functional import Model
+from ppo_jax.models.lora import join
+from ppo_jax.models.peft_io import CONFIG_FILE as ADAPTER_CONFIG
+from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
+from ppo_jax.trainer.config import Config, ConfigError, load_config
+from ppo_jax.trainer.loading.lora import LoadedModel, adapters_from, base_dtype, lora_settings
+from ppo_jax.trainer.placement import Placement
+from ppo_jax.trainer.run_dir import config_in_effect
+from ppo_jax.trainer.loading.models import actor_kind, load_split, resolve_model_path
+
+RUN_CONFIG = "config.json"  # written by the trainer into `train.output_dir`
+ACTOR_STAGES = ("ppo", "sft")  # stages whose trained model is an actor (a causal LM)
+
+
+def run_config_path(run_dir: str | Path, key: str = "--run") -> Path:
+    """`<run_dir>/config.json`, checked.
+
+    Raises:
+      ConfigError: naming `key` and the path, when the directory or its config.json is missing.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"{key} {str(run)!r}: no such directory")
+    if not (run / RUN_CONFIG).is_file():
+        raise ConfigError(f"{key} {str(run)!r}: no {RUN_CONFIG} there, so it is not a run "
+                          "directory (train.output_dir of a run)")
+    return run / RUN_CONFIG
+
+
+def read_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
+                    key: str = "--run", step: Optional[int] = None) -> Config:
+    """The config the run trained under at checkpoint `step` (default: its newest): the
+    newest of its `config.json` and the `config.resume-<step>.json` files a resume with changed
+    settings wrote (`run_dir.config_in_effect`), with dotted `overrides` on top (`--set`, as
+    train.py's), validated as `load_config` does.
+
+    Raises:
+      ConfigError: see `run_config_path`, or a bad override (naming the key).
+    """
+    first = run_config_path(run_dir, key)
+    in_effect = config_in_effect(Path(run_dir), sys.maxsize if step is None else step)
+    return load_config(in_effect or first, list(overrides))
+
+
+def run_of(actor_dir: str | Path) -> Optional[Path]:
+    """The run directory an `actor_hf` / `actor_adapter` directory was written into (its
+    parent, when that holds a run's config.json), else None."""
+    parent = Path(actor_dir).resolve().parent
+    return parent if (parent / RUN_CONFIG).is_file() else None
+
+
+def actor_dir_kind(path: str | Path, key: str) -> str:
+    """"hf" for an HF directory (config.json), "adapter" for a PEFT adapter directory
+    (adapter_config.json).
+
+    Raises:
+      ConfigError: naming `key` and the path, when it is neither.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{key} {str(p)!r}: no such directory")
+    if (p / ADAPTER_CONFIG).is_file():
+        return "adapter"
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return "hf"
+    raise ConfigError(f"{key} {str(p)!r}: neither an HF model directory (config.json + "
+                      f"*.safetensors, e.g. <run>/actor_hf) nor a PEFT adapter ({ADAPTER_CONFIG}, "
+                      "e.g. <run>/actor_adapter)")
+
+
+def check_step(run_dir: str | Path, step: int, key: str = "--step") -> int:
+    """`step` when `<run_dir>/checkpoints/<step>` is a finished checkpoint, or 0 (the starting
+    actor, no checkpoint read).
+
+    Raises:
+      ConfigError: naming `key`, the step and the steps the run holds.
+    """
+    if step == 0:
+        return 0
+    steps = finished_steps(Path(run_dir) / "checkpoints")
+    if step not in steps:
+        held = f"steps {steps}" if steps else "no checkpoint"
+        raise ConfigError(f"{key} {step}: {Path(run_dir) / 'checkpoints'} holds {held} (0 is the "
+                          "starting actor)")
+    return step
+
+
+def adapter_overrides(adapter_dir: str | Path, base: Optional[str]) -> list[str]:
+    """Config overrides that load the PEFT adapter at `adapter_dir` without a run's config:
+    `model.lora.*` from its adapter_config.json (r, lora_alpha, target_modules) and
+    `model.actor` = `base`, else the adapter's `base_model_name_or_path`.
+
+    Raises:
+      ConfigError: unreadable adapter_config.json, or no base given nor recorded.
+    """
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        conf = json.loads(path.read_text(encoding="utf-8"))
+        lora = [f"model.lora.rank={int(conf['r'])}",
+                f"model.lora.alpha={float(conf['lora_alpha'])}",
+                f"model.lora.target_modules=[{','.join(sorted(conf['target_modules']))}]"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a readable PEFT LoRA config "
+                          f"({type(e).__name__}: {e})") from None
+    base = base or conf.get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{path} records no base_model_name_or_path: give the base with --base")
+    return [f"model.actor={base}", *lora]
+
+
+def with_adapter(cfg: Config, adapter_dir: str | Path) -> Config:
+    """`cfg` with `model.lora.adapter` = `adapter_dir` (the actor starts from that adapter).
+
+    Raises:
+      ConfigError: `cfg` has no LoRA adapters (`model.lora.rank` 0).
+    """
+    if not cfg.model.lora.rank:
+        raise ConfigError(f"{str(adapter_dir)!r} is a PEFT adapter but the run's model.lora.rank "
+                          "is 0 (not a LoRA run); give its actor_hf instead")
+    lora = dataclasses.replace(cfg.model.lora, adapter=str(adapter_dir))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=lora))
+
+
+def load_actor(cfg: Config, source: str | Path, *, kind: str = "causal_lm", lora: bool = False,
+               sharding_fn=None) -> tuple[LoadedModel, Path]:
+    """The actor at `source` (an HF directory, or a PEFT adapter on `cfg.model.actor`) loaded as
+    the trainer loads `model.actor` (`setup.build_models`): `model.param_dtype` / `dtype` /
+    `remat`, a LoRA base in `model.frozen_param_dtype`.
+
+    Args:
+      kind: the model kind ("causal_lm"; "causal_lm_value" for a shared-critic run's train
+        state, whose value head is then fresh).
+      lora: load an HF directory with the run's `model.lora` adapters (fresh, B = 0, so the
+        model is the directory's weights; the train state's structure); an adapter source
+        always has them.
+      sharding_fn: `Placement.sharding_fn`, or None for the default device.
+
+    Returns:
+      `(LoadedModel, tokenizer directory)`: params split into trained and frozen as the
+      trainer's (`lora_models.split_trained`).
+
+    Raises:
+      ConfigError / FileNotFoundError / ValueError: a missing model, an adapter that does not
+        fit `cfg.model.lora` or the base (naming the directory and the field).
+    """
+    m = cfg.model
+    kwargs = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn,
+                  seed=cfg.train.seed)
+    if actor_dir_kind(source, "actor") == "adapter":
+        cfg = with_adapter(cfg, source)
+        path = resolve_model_path(cfg.model.actor, "model.actor")
+        return load_split(path, kind, **base_dtype(cfg, kwargs), lora=lora_settings(cfg),
+                          adapters=adapters_from(cfg, path, kind)), path
+    settings = lora_settings(cfg) if lora else None
+    kwargs = base_dtype(cfg, kwargs) if settings else kwargs
+    return load_split(Path(source), kind, **kwargs, lora=settings), Path(source)
+
+
+def build_trainer(cfg: Config, devices=None):
+    """The trainer of `cfg.stage` loaded as `StageTrainer.__init__` loads it (inputs checked,
+    models, train state and jitted calls built on the mesh of `cfg.mesh` over `devices`), at
+    step 0, without the run directory: nothing is locked, created or written.
+
+    Raises:
+      ConfigError / FileNotFoundError / ValueError: as the trainer's start-up.
+    """
+    from ppo_jax.trainer.stages import trainer_class
+
+    cls = trainer_class(cfg.stage)
+    trainer = cls.__new__(cls)
+    trainer.cfg, trainer.out = cfg, Path(cfg.train.output_dir)
+    trainer.process_index, trainer.step_count, trainer._lock = jax.process_index(), 0, None
+    trainer._check_inputs()
+    try:
+        trainer.place = Placement.from_config(cfg.mesh, devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e} (on this host: --set mesh.data=-1 --set mesh.fsdp=1 "
+                          "--set mesh.tensor=1)") from None
+    trainer._build()
+    return trainer
+
+
+def restore_step(trainer, run_dir: str | Path, step: int) -> None:
+    """Read the train state of checkpoint `step` of `run_dir` into `trainer` (built by
+    `build_trainer` from that run's config); step 0 leaves the starting state.
+
+    Raises:
+      ConfigError: the checkpoint does not fit the trainer's state (other model settings).
+    """
+    if step == 0:
+        return
+    checkpointer = Checkpointer(Path(run_dir) / "checkpoints")
+    try:
+        trainer.state, meta = checkpointer.restore(step, trainer.state)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"checkpoint {checkpointer.directory / str(step)} does not fit the "
+                          f"train state of {run_dir}/{RUN_CONFIG} ({type(e).__name__}: "
+                          f"{str(e)[:300]})") from None
+    finally:
+        checkpointer.close()
+    trainer.step_count = trainer.saved_step = int(meta["step"])
+
+
+def trainer_at_step(run_dir: str | Path, step: int, overrides: Sequence[str] = ()):
+    """`build_trainer` of the run's config (with `overrides`) and `restore_step(step)`.
+
+    Raises:
+      ConfigError: see `read_run_config`, `check_step`; as `build_trainer` and `restore_step`.
+    """
+    cfg = read_run_config(run_dir, overrides, step=step)
+    check_step(run_dir, step)
+    trainer = build_trainer(cfg)
+    restore_step(trainer, run_dir, step)
+    return trainer
+
+
+def check_actor_stage(cfg: Config, run_dir: str | Path) -> None:
+    """The run's stage trains an actor (`ACTOR_STAGES`).
+
+    Raises:
+      ConfigError: naming the run and its stage.
+    """
+    if cfg.stage not in ACTOR_STAGES:
+        raise ConfigError(f"--run {str(run_dir)!r}: stage={cfg.stage!r} trains no actor (stages "
+                          f"with one: {list(ACTOR_STAGES)})")
+
+
+def trainer_actor(trainer) -> Model:
+    """The actor of a PPO or SFT trainer as one `Model` (a LoRA actor's frozen base joined).
+
+    Raises:
+      ConfigError: a stage without an actor (reward_model).
+    """
+    stage = trainer.cfg.stage
+    if stage == "ppo":
+        return trainer.ppo_models(trainer.state["actor"].params).actor
+    if stage == "sft":
+        return Model(trainer.model.graphdef, trainer.params())
+    raise ConfigError(f"stage={stage!r}: the run trains no actor (stages with one: "
+                      f"{list(ACTOR_STAGES)})")
+
+
+def set_actor(trainer, source: str | Path) -> None:
+    """Put the actor at `source` (HF or adapter directory, `load_actor`) in a PPO trainer's
+    train state, in place of the trained actor; its reference, reward and settings stay the
+    run's. A LoRA run's HF directory becomes the frozen base with zero adapters.
+
+    Raises:
+      ConfigError: a trainer of another stage; as `load_actor`.
+    """
+    if trainer.cfg.stage != "ppo":
+        raise ConfigError(f"--actor: stage={trainer.cfg.stage!r}; an actor can be swapped into "
+                          "a ppo run only (use --step)")
+    loaded, _ = load_actor(trainer.cfg, source, kind=actor_kind(trainer.cfg), lora=True,
+                           sharding_fn=trainer.place.sharding_fn)
+    def shapes(frozen, params):
+        tree = join(frozen, params)
+        return jax.tree.structure(tree), [x.shape for x in jax.tree.leaves(tree)]
+
+    if shapes(loaded.frozen, loaded.params) != shapes(trainer.frozen["actor"],
+                                                      trainer.state["actor"].params):
+        raise ConfigError(f"--actor {str(source)!r} does not have the run's actor's params "
+                          "(another architecture?)")
+    trainer.state["actor"] = trainer.state["actor"].replace(params=loaded.params)
+    trainer.frozen["actor"] = loaded.frozen  # the reference keeps its own arrays

@@ -1,0 +1,362 @@
+"""What every stage's trainer shares: the run directory guards, the device mesh, orbax
+checkpoints with `--resume`, metrics, the progress bar, and the loop build -> step -> log/save
+-> export.
+
+A stage subclasses `StageTrainer` and fills in four steps, called in this order by `__init__`:
+
+    _check_inputs()   read and validate config names and data files (nothing written yet)
+    _build()          load models, create `self.state` (a pytree of arrays, what a checkpoint
+                      holds) and `self.prompt_order` (the data order), jit the update
+    step() -> dict    one optimiser step (or one PPO step); its metrics as floats
+    export()          write the trained model as an HF directory
+
+A stage that `train.py --compile-for` can compile also gives `_check_config()` (the config
+checks of `_check_inputs` that read no file), `programs()` (its jitted functions with abstract
+arguments, `trainer.programs.Program`) and `resident()` (what stays in device memory between
+them); `Trainer.abstract(cfg, devices)` builds it with shapes in place of arrays.
+
+SIGTERM or SIGINT during `train()` stops every process after the same step, saved
+(`trainer.preemption`); `preempted_at` is then that step and the model is not exported.
+
+A stage may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
+starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_log(step)`
+(samples), `finite_keys` (metrics that stop the run when not finite) and `progress_postfix`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ppo_jax.trainer.checkpoint import Checkpointer
+from ppo_jax.trainer.config import Config, ConfigError, to_dict
+from ppo_jax.trainer.host.memory import release_host_memory
+from ppo_jax.trainer.tracking.loggers import Trackers
+from ppo_jax.trainer.tracking.metrics import MetricsWriter
+from ppo_jax.trainer.placement import Placement
+from ppo_jax.trainer.preemption import StopSignals
+from ppo_jax.trainer.tracking.progress import progress_bar
+from ppo_jax.trainer.resume import (  # noqa: F401 (check_run_dir: its older home)
+    check_run_dir, format_changes, plan_resume, restore_planned, resume_changes, supersede_later,
+)
+from ppo_jax.trainer.run_dir import (
+    CONFIG, SUPERSEDED, RunLock, check_writable, config_in_effect, supersede_metrics,
+    write_run_config,
+)
+
+
+class StageTrainer:
+    """Owns the state, jitted update and outputs of one run of one stage (see module doc).
+
+    `Trainer(cfg, resume=False, resume_fallback=False, devices=None)` checks and loads everything
+    (raising ConfigError / FileNotFoundError / ValueError before any compile; an error raised
+    after the run directory and its lock were made removes them again when nothing else is in
+    it); `train()` runs the remaining steps. `resume`: False, True (the latest checkpoint),
+    "auto", a step, or a `resume.ResumePlan` (`trainer.resume`).
+    """
+
+    name = "stage"  # progress-bar label
+    finite_keys: tuple[str, ...] = ()  # besides every "*loss" metric
+
+    is_abstract = False  # True: built by `abstract()`, shapes in place of arrays
+    preempted_at: int | None = None  # the step `train()` stopped at on SIGTERM / SIGINT
+    saved_step: int | None = None  # the step of the checkpoint this run last wrote or restored
+
+    def __init__(self, cfg: Config, *, resume=False, resume_fallback: bool = False, devices=None):
+        self.cfg = cfg
+        self.out = Path(cfg.train.output_dir)
+        self._check_inputs()
+        self.resume_plan = plan_resume(self.out, resume, fallback=resume_fallback)
+        changes = resume_changes(cfg, self.resume_plan)  # unsafe ones refused, before any load
+        self.process_index = jax.process_index()
+        if changes and self.process_index == 0:
+            print(format_changes(changes, self.resume_plan.config, self.resume_plan.steps[0],
+                                 tentative=self.resume_plan.fallback))
+        self._lock = None
+        created = not self.out.exists()
+        if self.process_index == 0:
+            check_writable(self.out)
+            self._lock = RunLock(self.out)
+        try:
+            try:
+                self.place = Placement.from_config(cfg.mesh, devices)
+            except ValueError as e:
+                raise ConfigError(f"mesh: {e}") from None
+            self.step_count = 0
+            self._build()
+            self._open_outputs()
+        except BaseException:  # refused at start-up: leave no lock file or empty directory
+            if self._lock is not None:
+                self._lock.abandon(remove_dir=created)
+            raise
+
+    @classmethod
+    def abstract(cls, cfg: Config, devices=None) -> "StageTrainer":
+        """The trainer of `cfg` built on `devices` (default all) with `jax.ShapeDtypeStruct`s in
+        place of every array (`Placement(abstract=True)`; models from config.json alone): its
+        jitted functions, shardings, dtypes, remat and donation are the ones a run uses, ready
+        to be lowered and compiled (`programs()`). Reads no weights, tokenizer or data file;
+        writes nothing; `step()` cannot run.
+
+        Raises:
+          ConfigError / FileNotFoundError / ValueError: as `__init__` does for the config.
+        """
+        self = cls.__new__(cls)
+        self.cfg, self.is_abstract = cfg, True
+        self.out = Path(cfg.train.output_dir)
+        self.process_index, self.step_count, self._lock = 0, 0, None
+        self._check_config()
+        try:
+            self.place = Placement.from_config(cfg.mesh, devices, abstract=True)
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        self._build()
+        return self
+
+    # --- the four steps of a stage --------------------------------------------------------
+    def _check_inputs(self) -> None:
+        """Validate names and data before anything is written (override)."""
+
+    def _check_config(self) -> None:
+        """The checks of `_check_inputs` that read no file (an abstract build runs only these)."""
+
+    def programs(self) -> list:  # pragma: no cover - abstract
+        """The jitted functions of a step with abstract arguments (`trainer.programs.Program`)."""
+        raise NotImplementedError
+
+    def resident(self) -> dict:
+        """What stays in device memory between the programs of a step (train states, frozen
+        params): `{name: pytree}`, arrays or `ShapeDtypeStruct`s."""
+        return {"state": self.state}
+
+    def _build(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def step(self) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def export(self) -> Path:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # --- optional hooks -------------------------------------------------------------------
+    def start_metrics(self) -> dict:
+        """Metrics of the starting model (e.g. a held-out evaluation before any update); a
+        non-empty dict is logged as step 0, then `after_log(0)` runs. Called when a run starts
+        at step 0, not when it resumes from a checkpoint. Not checked for finiteness."""
+        return {}
+
+    def periodic_metrics(self, step: int) -> dict:
+        """Extra metrics merged into step `step`'s record (e.g. held-out evaluation)."""
+        return {}
+
+    def after_log(self, step: int) -> None:
+        """Called after step `step` is logged (e.g. decoded samples)."""
+
+    def progress_postfix(self, metrics: dict) -> dict:
+        loss = next((k for k in metrics if k.endswith("loss")), None)
+        return {loss: f"{metrics[loss]:.4f}"} if loss else {}
+
+    # --- shared machinery -----------------------------------------------------------------
+    def _open_outputs(self) -> None:
+        self.checkpointer = Checkpointer(self.out / "checkpoints", max_to_keep=self.cfg.train.max_to_keep)
+        if self.resume_plan is not None:
+            self._restore()
+            # rows past the restored step run again; at step 0 (no checkpoint) the step-0 record too
+            keep = self.step_count if self.step_count else -1
+            moved = supersede_metrics(self.out, keep) if self.process_index == 0 else 0
+            if moved:
+                print(f"--resume: {moved} logged rows not covered by the restored state (step "
+                      f"{self.step_count}) moved to {self.out / SUPERSEDED}; they run again")
+        trackers = (Trackers.open(self.cfg.train, to_dict(self.cfg), self.out)
+                    if self.process_index == 0 and self.step_count < self.cfg.train.steps else None)
+        self.writer = MetricsWriter(self.out, tensorboard=self.cfg.train.tensorboard,
+                                    enabled=self.process_index == 0, trackers=trackers)
+        if self.process_index == 0 and self.step_count < self.cfg.train.steps:
+            written = write_run_config(self.out, to_dict(self.cfg), self.step_count)
+            if written is not None and written.name != CONFIG:  # the first config.json is kept
+                print(f"--resume: the config of this start written to {written}")
+
+    def save(self) -> None:
+        """Write an orbax checkpoint of the current step (collective over processes).
+
+        Raises:
+          CheckpointWriteError: the write failed; the message names the step and the cause.
+        """
+        meta = {"step": self.step_count, "data_position": self.prompt_order.position}
+        self.checkpointer.save(self.step_count, self.state, meta)
+        self.saved_step = self.step_count
+        release_host_memory()  # orbax's write buffers, freed on its threads
+
+    def _restore(self) -> None:
+        """Read the planned checkpoint (`resume.restore_planned`; with fallback the newest that
+        reads). A run that goes on from an earlier step than the newest moves the later
+        checkpoints to checkpoints.superseded/ (`resume.supersede_later`)."""
+        plan = self.resume_plan
+        if not plan.steps:  # --resume auto on a directory with no run: a new run
+            return
+        step, self.state, meta = restore_planned(self.checkpointer, plan, self.state)
+        self.step_count = self.saved_step = int(meta["step"])
+        self.prompt_order.position = int(meta["data_position"])
+        print(f"resumed from step {self.step_count} ({self.checkpointer.directory / str(step)})")
+        path = config_in_effect(self.out, step)
+        if path is not None and path != plan.config:  # fell back past a resume's config file
+            changes = resume_changes(self.cfg, plan, path)
+            if changes and self.process_index == 0:
+                print(format_changes(changes, path, step))
+        if self.step_count < self.cfg.train.steps:
+            supersede_later(self.checkpointer, plan, step, self.process_index)
+
+    def write_hf(self, graphdef, params, model_cfg, out_dir: Path, select=None) -> Path:
+        """Save a model as an HF directory (with the run's tokenizer), the shared export path.
+
+        Collective: every process gathers the sharded `params` to host memory (one tensor at a
+        time is replicated for the gather); process 0 writes. `select(params)` picks the model's
+        params out of a larger tree (the shared-critic actor)."""
+        from flax import nnx
+
+        from ppo_jax.models import save_pretrained
+        from ppo_jax.parallel.host import to_host
+
+        params = to_host(params)
+        if select is not None:
+            params = select(params)
+        if self.process_index == 0:
+            save_pretrained(nnx.merge(graphdef, params), model_cfg, out_dir, self.tokenizer)
+        return out_dir
+
+    def write_adapter(self, params, model_cfg, out_dir: Path, kind: str, base_model: str = "") -> Path:
+        """Save a LoRA model's adapters (and a reward model's score head) in PEFT's format,
+        `adapter_config.json` + `adapter_model.safetensors` (`models.peft_io`); collective as
+        `write_hf`. `base_model` is recorded as PEFT's `base_model_name_or_path`."""
+        from ppo_jax.models.peft_io import save_adapter
+        from ppo_jax.parallel.host import to_host
+
+        params = to_host(params)
+        if self.process_index == 0:
+            save_adapter(params, model_cfg, out_dir, base_model=str(base_model), kind=kind,
+                         init=self.cfg.model.lora.init)
+        return out_dir
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def _not_finite(self, metrics: dict) -> list[str]:
+        return sorted(k for k, v in metrics.items()
+                      if (k.endswith("loss") or k in self.finite_keys) and not np.isfinite(v))
+
+    def _stop_if_not_finite(self, n: int, metrics: dict) -> None:
+        bad = self._not_finite(metrics)
+        if bad:
+            last = self.checkpointer.latest_step()
+            raise FloatingPointError(
+                f"step {n}: {', '.join(bad)} not finite; stopped before saving (the last "
+                f"checkpoint, step {last}, is kept). Check learning rates, kl_coef and the "
+                "reward scale")
+
+    def _run_one(self) -> dict:
+        cfg = self.cfg.train
+        metrics = self.step()
+        n = self.step_count
+        extra = self.periodic_metrics(n)
+        metrics.update(extra)
+        if n % cfg.log_every == 0 or n == cfg.steps or extra or self._not_finite(metrics):
+            self.writer.write(n, metrics)
+        self._stop_if_not_finite(n, metrics)
+        self.after_log(n)
+        if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
+            self.save()
+        return metrics
+
+    def frozen_params(self, name: str):
+        """The frozen params of the trained model `name` (a LoRA model's base; {} without)."""
+        frozen = getattr(self, "frozen", {})
+        return frozen.get(name, {}) if name in ("actor", "critic") else frozen
+
+    def trained_params_line(self) -> str:
+        """"trained params: actor 4,884,480 of 134,515,584 (3.6%), ..." for each train state."""
+        parts = []
+        for name, state in self.state.items():
+            if getattr(state, "params", None) is None:
+                continue
+            trained = sum(int(x.size) for x in jax.tree.leaves(state.params))
+            total = trained + sum(int(x.size) for x in jax.tree.leaves(self.frozen_params(name)))
+            parts.append(f"{name} {trained:,} of {total:,} ({100 * trained / total:.1f}%)")
+        return "trained params: " + ", ".join(parts)
+
+    def _log_start(self) -> None:
+        """Step 0: the `start_metrics()` record, when there is one."""
+        metrics = self.start_metrics()
+        if metrics:
+            self.writer.write(0, metrics)
+            self.after_log(0)
+
+    def _progress_bar(self, progress: bool | None):
+        """On process 0 when `train.progress` (or `progress`) asks for one: a tqdm bar on a
+        terminal, else a plain line every `train.log_every` steps (`trainer.tracking.progress`); else
+        None."""
+        show = self.cfg.train.progress if progress is None else progress
+        if not (show and self.process_index == 0):
+            return None
+        print(self.trained_params_line())
+        return progress_bar(total=self.cfg.train.steps, initial=self.step_count, desc=self.name,
+                            every=self.cfg.train.log_every)
+
+    def _stop_on_signal(self) -> None:
+        """A stop signal was agreed at this step boundary: save this step unless it is saved
+        already (the periodic save, or a resume's checkpoint) or no step ran (step 0: nothing to
+        save, a resume starts over), and record `preempted_at`. Collective, as `save`."""
+        if self.step_count > 0 and self.saved_step != self.step_count:
+            self.save()
+        self.preempted_at = self.step_count
+
+    def train(self, progress: bool | None = None) -> list[dict]:
+        """Run steps until `train.steps` (a run that starts at step 0 first logs
+        `start_metrics()` as step 0); log, checkpoint; export the model at the end (when
+        `train.export_hf`). Returns the metrics of the steps run (step 0 not among them).
+
+        SIGTERM or SIGINT to any process (`trainer.preemption.StopSignals`) ends the step in
+        progress on every process, which then save that step, close the metrics, release the
+        lock, say "preempted at step N; resume with --resume" on stderr and return without
+        exporting (`preempted_at` = N). A signal during the last step lets the run finish.
+
+        Raises:
+          CheckpointWriteError: a checkpoint write failed (the metrics written stay).
+          FloatingPointError: a step's losses were not finite (nothing of it saved).
+        """
+        cfg = self.cfg.train
+        self.preempted_at = None
+        if self.step_count >= cfg.steps:
+            if self.process_index == 0:
+                print(f"nothing to do: the run is at step {self.step_count} and train.steps="
+                      f"{cfg.steps}; raise train.steps to continue it")
+            self._release()
+            return []
+        history, bar = [], self._progress_bar(progress)
+        with StopSignals() as signals:
+            try:
+                if self.step_count == 0:
+                    self._log_start()
+                # the same condition on every process, so the collective runs in step
+                while self.step_count < cfg.steps and not signals.stop_agreed():
+                    metrics = self._run_one()
+                    history.append(metrics)
+                    if bar is not None:
+                        bar.set_postfix(**self.progress_postfix(metrics))
+                        bar.update(1)
+                if self.step_count < cfg.steps:
+                    self._stop_on_signal()
+            finally:
+                if bar is not None:
+                    bar.close()
+                self.writer.close(failed=sys.exc_info()[0] is not None)
+                self._release()
+            if cfg.export_hf and self.preempted_at is None:
+                self.export()  # collective; process 0 writes
+        if self.preempted_at is not None:
+            print(f"preempted at step {self.preempted_at}; resume with --resume", file=sys.stderr,
+                  flush=True)
+        return history

@@ -1,0 +1,8 @@
+"""Rewards computed on decoded text (`reward.kind: function`).
+
+  functions.py    the registry of reward functions (`reward.function`): VADER sentiment,
+                  response length, verifiable rewards (math_verify, reasoning_gym, with an
+                  optional format weight); a fork registers its own with
+                  `register_reward_function`
+  verifiers.py    what answer a response gives (`<answer>` tags) and whether it is right
+"""

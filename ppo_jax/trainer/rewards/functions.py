@@ -1,0 +1,200 @@
+"""Python reward functions on decoded text, registered by name.
+
+A reward function takes the decoded prompts and responses of a batch and returns one float per
+sample: `fn(prompts: list[str], responses: list[str]) -> np.ndarray [B] float32`. Register a
+new one with `@register_reward_function("name")` (a factory returning the function, so heavy set-up
+runs only when selected; `reward.function_kwargs` are the factory's keyword arguments) and
+select it with `reward.function=name`.
+
+Optional extensions, used by the verifiable rewards below:
+- a factory may set `row_fields` (e.g. `("answer",)`): the prompt-row fields its function
+  reads; prompts whose rows lack one are refused before any model loads
+  (`check_prompt_rows`), and `row_hint`, a note on where such prompts come from.
+- a function with a `rows` keyword (`fn(prompts, responses, *, rows)`) also receives each
+  sample's prompt row: the prompt record's other fields (an `answer`, a reasoning-gym task's
+  `entry`; `data.prompt_records`). Functions without it are called as before.
+- it may return a dict `{"score": [B], name: [B], ...}` instead of the scores: the other
+  entries are components the trainer logs as `reward/<name>` (training) and `eval/<name>`
+  (held-out evaluation; `accuracy` there also gives pass@k).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Literal, Optional
+
+import numpy as np
+
+from ppo_jax.core.registry import Registry
+from ppo_jax.trainer.rewards import verifiers
+
+REWARD_KINDS = ("function", "model")  # reward.kind: a registered function | a reward model
+RewardKind = Literal[REWARD_KINDS]
+RewardFunction = Callable[[list[str], list[str]], np.ndarray]
+REWARD_FUNCTIONS = Registry("reward function")  # name -> factory () -> RewardFunction
+
+
+def register_reward_function(name: str, *, override: bool = False):
+    """Decorator registering a factory `() -> RewardFunction` under `name` (the registry
+    convention of `ppo_jax.core.registry`: the same factory again is a no-op).
+
+    Raises:
+      ValueError: empty name, or `name` taken by another factory and not `override`.
+    """
+    return REWARD_FUNCTIONS.register(name, override=override)
+
+
+def get_reward_function(name: str, **kwargs) -> RewardFunction:
+    """Build the registered reward function `name` (its factory called with `kwargs`,
+    `reward.function_kwargs`).
+
+    Raises:
+      ValueError: unknown name (`"unknown reward function 'x'; known: ..."`), or keyword
+        arguments the factory does not take (naming them).
+    """
+    factory = REWARD_FUNCTIONS.get(name)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"reward.function_kwargs={kwargs!r} do not fit reward function "
+                         f"{name!r}: {e}") from None
+    return factory(**kwargs)
+
+
+def check_prompt_rows(name: str, rows: list[dict], key: str, source: str) -> None:
+    """Refuse prompts whose rows lack a field the reward function `name` reads (its factory's
+    `row_fields`, e.g. math_verify's `answer`), before any model loads.
+
+    Raises:
+      ValueError: naming the function, the field, `key`, `source` and the first record without
+        it (records count from 0).
+    """
+    fields = getattr(REWARD_FUNCTIONS.get(name), "row_fields", ())
+    for field in fields:
+        missing = next((i for i, row in enumerate(rows) if field not in row), None)
+        if missing is not None:
+            hint = getattr(REWARD_FUNCTIONS.get(name), "row_hint", "")
+            raise ValueError(f"reward.function={name} reads the {field!r} field of every prompt "
+                             f"row, but {key}: record {missing} of {source} has "
+                             f"{sorted(rows[missing]) or 'only the prompt'}{hint}")
+
+
+def takes_rows(fn: Callable) -> bool:
+    """`fn` accepts the `rows` keyword (or any keyword)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "rows" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def reward_output(out, n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`(scores [n] float32, components {name: [n] float32})` of a reward function's result
+    (an array of n scores, or a dict with "score" and components).
+
+    Raises:
+      ValueError: a dict without "score", or a result that is not n numbers.
+    """
+    parts = dict(out) if isinstance(out, dict) else {"score": out}
+    if "score" not in parts:
+        raise ValueError(f"a reward function's dict result needs a 'score' entry, got {sorted(parts)}")
+    arrays = {k: np.asarray(v, np.float32) for k, v in parts.items()}
+    bad = {k: a.shape for k, a in arrays.items() if a.shape != (n,)}
+    if bad:
+        raise ValueError(f"a reward function returned {bad} for {n} responses; each must be [{n}]")
+    return arrays.pop("score"), arrays
+
+
+@register_reward_function("vader")
+def vader_sentiment() -> RewardFunction:
+    """VADER compound sentiment of the response, in [-1, 1] (Hutto & Gilbert 2014).
+
+    The lexicon ships inside the `vadersentiment` wheel; nothing is downloaded.
+    """
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+
+    def score(prompts: list[str], responses: list[str]) -> np.ndarray:
+        del prompts
+        return np.asarray([analyzer.polarity_scores(r)["compound"] for r in responses], np.float32)
+
+    return score
+
+
+@register_reward_function("length")
+def response_length() -> RewardFunction:
+    """Number of whitespace-separated words of the response divided by 10 (a debugging reward)."""
+
+    def score(prompts: list[str], responses: list[str]) -> np.ndarray:
+        del prompts
+        return np.asarray([len(r.split()) / 10.0 for r in responses], np.float32)
+
+    return score
+
+
+@register_reward_function("reasoning_gym")
+def reasoning_gym_reward(format_weight: float = 0.0) -> RewardFunction:
+    """Verifiable reward of reasoning-gym problems (`data.prompts: task`): the task's own
+    `score_answer` on the response's `<answer>...</answer>` (`verifiers.task_score`), plus
+    `format_weight` when the tagged answer is there. Components: `accuracy`, `format`."""
+
+    def score(prompts: list[str], responses: list[str], *, rows: list[dict]) -> dict:
+        del prompts
+        accuracy = np.asarray([verifiers.task_score(r, row) for r, row in zip(responses, rows)])
+        return _with_format(accuracy, responses, format_weight)
+
+    return score
+
+
+reasoning_gym_reward.row_fields = ("task", "entry")
+reasoning_gym_reward.row_hint = " (prompts from a reasoning-gym task: data.prompts: task, data.task)"
+
+
+@register_reward_function("math_verify")
+def math_verify_reward(format_weight: float = 0.0) -> RewardFunction:
+    """Verifiable reward of math answers: 1 when math-verify finds the response's answer (its
+    `<answer>` text, else the whole response: LaTeX, `\\boxed{}`, plain numbers) equal to the
+    prompt row's `answer` (`verifiers.math_correct`), plus `format_weight` when the response has
+    an `<answer>` tag. Components: `accuracy`, `format`."""
+
+    def score(prompts: list[str], responses: list[str], *, rows: list[dict]) -> dict:
+        del prompts
+        accuracy = np.asarray([verifiers.math_correct(r, row.get("answer"))
+                               for r, row in zip(responses, rows)])
+        return _with_format(accuracy, responses, format_weight)
+
+    return score
+
+
+math_verify_reward.row_fields = ("answer",)
+math_verify_reward.row_hint = (" (a .jsonl / .json / .parquet of records with `prompt` and "
+                               "`answer`)")
+
+
+def _with_format(accuracy: np.ndarray, responses: list[str], weight: float) -> dict:
+    """`{"score": accuracy + weight * format, "accuracy", "format"}`, format 1 where the
+    response has a tagged answer."""
+    fmt = np.asarray([verifiers.tagged_answer(r) is not None for r in responses], np.float32)
+    return {"score": accuracy + weight * fmt, "accuracy": accuracy, "format": fmt}
+
+
+def score_texts(reward_fn: RewardFunction, decode: Callable, prompts: list[str], ids: np.ndarray,
+                mask: np.ndarray, rows: Optional[list[dict]] = None
+                ) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
+    """Decode response rows `ids`, `mask` `[n, N]` (this process's) with `decode(ids, mask) ->
+    n strings` and score them against their `prompts` (and prompt `rows`, for a function that
+    takes them) with `reward_fn`.
+
+    Returns:
+      `(responses, scores [n] float32, components {name: [n] float32})` (`reward_output`).
+
+    Raises:
+      ValueError: a result of the wrong shape (`reward_output`).
+    """
+    responses = decode(ids, mask)
+    if takes_rows(reward_fn):
+        out = reward_fn(prompts, responses, rows=rows if rows is not None else [{}] * len(prompts))
+    else:
+        out = reward_fn(prompts, responses)
+    return (responses, *reward_output(out, len(responses)))

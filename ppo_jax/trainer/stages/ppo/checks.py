@@ -1,0 +1,168 @@
+"""The start-up checks of a PPO config's registered functions (before any model is loaded),
+made with the settings the trainer builds (`stages.ppo.settings`), so the check makes exactly
+the trainer's call.
+
+Each registered function named by the config (reward shaping, advantage estimator, policy loss,
+value loss) is looked up, its signature is bound to the exact call the trainer will make, and it
+is run once on a tiny batch (B = 1, T = 2) with the configured arguments; its outputs must have
+the shapes the trainer reduces. A formula that cannot run fails here with a `ConfigError`
+naming the key, not in the middle of the first step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ppo_jax.core import (
+    KL_ESTIMATORS,
+    LossInputs,
+    get_advantage_estimator,
+    get_policy_loss,
+    get_reward_shaping,
+    get_value_loss,
+    needs_greedy_baseline,
+    needs_groups,
+    uses_critic,
+)
+from ppo_jax.trainer.config import Config, ConfigError
+from ppo_jax.trainer.rewards.functions import get_reward_function
+from ppo_jax.trainer.stages.ppo.settings import settings_for
+
+B, T = 1, 2
+_TOKENS = "[B, T]"
+_OLD_LOSS_HINT = (" (a registered loss takes one LossInputs batch and returns a per-token loss "
+                  "[B, T] and per-token stats; docs/forks.md)")
+
+
+def _test_batch() -> LossInputs:
+    ones = jnp.ones((B, T), jnp.float32)
+    fields = {f: ones for f in LossInputs._fields if f not in ("mask", "group_ids")}
+    return LossInputs(mask=jnp.ones((B, T), jnp.int32), group_ids=jnp.zeros((B,), jnp.int32),
+                      **fields)
+
+
+def _shape_problem(out: Any, spec: tuple) -> str | None:
+    """None when `out` is a tuple matching `spec` (a shape, or "stats": a dict of [B, T])."""
+    if not isinstance(out, tuple) or len(out) != len(spec):
+        return f"{type(out).__name__} instead of a tuple of {len(spec)}"
+    for i, (item, want) in enumerate(zip(out, spec)):
+        if want == "stats":
+            if not isinstance(item, dict):
+                return f"output {i} (stats) is a {type(item).__name__}, not a dict"
+            bad = {k: jnp.shape(v) for k, v in item.items() if jnp.shape(v) != (B, T)}
+            if bad:
+                return f"stats of shapes {bad} instead of per-token {_TOKENS} = {(B, T)}"
+        elif jnp.shape(item) != want:
+            return f"output {i} of shape {jnp.shape(item)} instead of {want}"
+    return None
+
+
+def _check_one(key: str, name: str, getter: Callable, args: dict, kwargs: dict, spec: tuple) -> None:
+    """Look up, bind, run once and check the output shapes of one registered function.
+
+    Raises:
+      ConfigError: naming `key`, the function and what failed.
+    """
+    try:
+        fn = getter(name)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    hint = _OLD_LOSS_HINT if "loss" in key else ""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(
+            f"{key}={name!r}: {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot be "
+            f"called as the trainer calls it, fn({', '.join(args)}, "
+            f"{', '.join(f'{k}=' for k in kwargs)}): {e}{hint}") from None
+    try:  # and runs with the configured arguments (a bad method or clip fails here, not mid-step)
+        out = fn(*args.values(), **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's function is reported
+        raise ConfigError(f"{key}={name!r} fails on a {B}x{T} test batch with the configured "
+                          f"arguments {kwargs}: {type(e).__name__}: {e}") from None
+    problem = _shape_problem(jax.tree.map(jnp.asarray, out) if isinstance(out, tuple) else out, spec)
+    if problem:
+        raise ConfigError(f"{key}={name!r} returns {problem} on a {B}x{T} test batch{hint}")
+
+
+def _calls(cfg: Config) -> list:
+    """(key, name, getter, positional args, the trainer's own kwargs, config kwargs, output spec)."""
+    p = cfg.ppo
+    settings = settings_for(cfg)
+    upd, exp = settings.update, settings.experience
+    tok, row = jnp.ones((B, T), jnp.float32), jnp.ones((B,), jnp.float32)
+    mask = jnp.ones((B, T), jnp.int32)
+    return [
+        ("ppo.reward_shaping", p.reward_shaping, get_reward_shaping,
+         {"scores": row, "ended": jnp.ones((B,), bool), "logprobs": tok, "ref_logprobs": tok,
+          "mask": mask}, exp.shaping_fixed_kwargs(jnp.float32(p.kl_coef)),
+         ("reward_shaping_kwargs", p.reward_shaping_kwargs), ((B, T), (B, T), (B,))),
+        ("ppo.advantage_estimator", p.advantage_estimator, get_advantage_estimator,
+         {"values": tok, "rewards": tok, "mask": mask},
+         {"gamma": p.gamma, "lam": p.lam, "scores": row, "group_ids": jnp.zeros((B,), jnp.int32),
+          "baseline_scores": row},
+         ("advantage_kwargs", p.advantage_kwargs), ((B, T), (B, T))),
+        ("ppo.policy_loss", p.policy_loss, get_policy_loss, {"batch": _test_batch()},
+         upd.policy_fixed_kwargs(), ("policy_loss_kwargs", p.policy_loss_kwargs),
+         ((B, T), "stats")),
+        ("ppo.value_loss", p.value_loss, get_value_loss, {"batch": _test_batch()},
+         {"cliprange_value": upd.cliprange_value}, ("value_loss_kwargs", p.value_loss_kwargs),
+         ((B, T), "stats")),
+    ]
+
+
+def check_names(cfg: Config) -> None:
+    """Registered names in the config exist, take the arguments the trainer will pass, run on
+    a 1x2 batch and return outputs of the right shapes (before anything is loaded).
+
+    Raises:
+      ConfigError: naming the key, listing the known names or the call that would fail.
+    """
+    for key, name, getter, args, fixed, (extra_name, extra), spec in _calls(cfg):
+        shadowed = sorted(set(fixed) & set(extra))
+        if shadowed:
+            raise ConfigError(f"ppo.{extra_name}.{shadowed[0]}: the trainer passes {shadowed[0]} "
+                              "itself (set it through its own ppo.* field)")
+        _check_one(key, name, getter, args, {**fixed, **extra}, spec)
+    if cfg.ppo.kl_estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
+    if cfg.reward.kind == "function":
+        try:
+            get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
+        except ValueError as e:
+            raise ConfigError(f"reward.function: {e}") from None
+    if cfg.ppo.dynamic_sampling and needs_greedy_baseline(
+            get_advantage_estimator(cfg.ppo.advantage_estimator)):
+        raise ConfigError(f"ppo.dynamic_sampling=true does not sample ReMax's greedy baseline "
+                          f"(ppo.advantage_estimator={cfg.ppo.advantage_estimator!r}); use a "
+                          "group estimator such as grpo or rloo")
+    _check_critic_free(cfg)
+    if (needs_groups(get_advantage_estimator(cfg.ppo.advantage_estimator))
+            and cfg.generation.samples_per_prompt < 2):
+        raise ConfigError(f"ppo.advantage_estimator={cfg.ppo.advantage_estimator!r} compares the "
+                          "samples of a prompt, but generation.samples_per_prompt="
+                          f"{cfg.generation.samples_per_prompt}: every score advantage would be "
+                          "0 and nothing would train; set generation.samples_per_prompt to 2 or "
+                          "more (e.g. 8), or use advantage_estimator=gae")
+
+
+def _check_critic_free(cfg: Config) -> None:
+    """Settings that need a critic are refused with a critic-free estimator (GRPO, RLOO, ...).
+
+    Raises:
+      ConfigError: naming the setting and the estimator.
+    """
+    name = cfg.ppo.advantage_estimator
+    if uses_critic(get_advantage_estimator(name)):
+        return
+    for key, on in (("model.shared_critic", cfg.model.shared_critic),
+                    ("ppo.critic_warmup_steps", cfg.ppo.critic_warmup_steps > 0),
+                    ("model.critic", bool(cfg.model.critic)),
+                    ("model.lora.critic", cfg.model.lora.critic)):
+        if on:
+            raise ConfigError(f"{key} needs a critic, but ppo.advantage_estimator={name!r} "
+                              "trains none; drop the setting or use 'gae'")

@@ -1,0 +1,137 @@
+"""The PPO step's sampler: the static batch (`rollout.sampler`) jitted with the rollout copy's
+layout, or the paged engine (`rollout.engine`), behind one call signature
+`(actor Model, prompt_ids, prompt_mask, key) -> (response_ids, response_mask, logprobs)`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Optional
+
+import jax
+
+from ppo_jax.models.functional import Model
+from ppo_jax.parallel.rules import tree_shardings
+from ppo_jax.rollout.engine import (
+    EngineSettings, EngineStats, PagedEngine, check_page_size, engine_layout,
+)
+from ppo_jax.rollout.sampler import SamplingSettings, sample
+from ppo_jax.rollout.weights import rollout_rules
+from ppo_jax.trainer.config import Config, ConfigError
+from ppo_jax.trainer.stages.ppo.settings import settings_from
+
+
+def engine_settings(cfg: Config) -> Optional[EngineSettings]:
+    """The paged engine's settings (`generation.*`), or None with `generation.engine: static`."""
+    g = cfg.generation
+    return settings_from(EngineSettings, (g,)) if g.engine == "paged" else None
+
+
+def check_kernel(cfg: Config, model_cfg, mesh) -> None:
+    """`generation.attention: pallas` against the actor's shapes (`paged_attention_tpu.
+    unsupported_reason`: head_dim 128, KV heads per chip the kernel can tile).
+
+    Raises:
+      ConfigError: naming `generation.attention` and why the kernel cannot take the model.
+    """
+    g = cfg.generation
+    if g.engine != "paged" or g.attention != "pallas":
+        return
+    from ppo_jax.models.paged_attention_tpu import unsupported_reason
+
+    tensor = mesh.shape["tensor"] if mesh is not None else 1
+    reason = unsupported_reason(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                model_cfg.jnp_dtype, tensor)
+    if reason is not None:
+        raise ConfigError(f"generation.attention=pallas: {reason}; use "
+                          "generation.attention=reference")
+
+
+def check_engine(cfg: Config, replicas: int) -> None:
+    """With `generation.engine: paged`, the engine's settings against the run's widest batch
+    (`data.max_prompt_length` wide prompts) on `replicas` = mesh data x fsdp replicas, before
+    any model is loaded (`rollout.engine.engine_layout`, `check_page_size`).
+
+    Raises:
+      ConfigError: naming the `generation.*` key and its value.
+    """
+    settings, g = engine_settings(cfg), cfg.generation
+    if settings is None:
+        return
+    width = cfg.data.max_prompt_length
+    try:
+        engine_layout(settings, batch=cfg.ppo.batch_size, prompt_width=width,
+                      max_new_tokens=g.max_new_tokens, replicas=replicas,
+                      group_size=g.samples_per_prompt if g.share_prompt_prefill else 1)
+        check_page_size(g.page_size, width + g.max_new_tokens,
+                        "data.max_prompt_length + generation.max_new_tokens")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def rollout_shardings(actor: Model, actor_sh: Model, place, layout: str, copied: bool) -> Model:
+    """The shardings of the actor as the sampler receives it (`actor`: its arrays or shapes,
+    `actor_sh`: their training shardings): the training ones, or, when the trainer makes a
+    rollout copy on a mesh, `rollout_rules(layout)`'s."""
+    if not copied or place.constraint_mesh is None:
+        return actor_sh
+    return replace(actor_sh, params=tree_shardings(actor.params, place.mesh,
+                                                   rollout_rules(layout)))
+
+
+class EngineSampler:
+    """The paged engine behind the sampler's signature: one `PagedEngine` per prompt width
+    (built, and compiled, on first use); `last_stats` is the last call's `EngineStats`."""
+
+    def __init__(self, sampling: SamplingSettings, engine: EngineSettings, model_cfg):
+        self.sampling, self.settings, self.model_cfg = sampling, engine, model_cfg
+        self.engines: dict[tuple, PagedEngine] = {}
+        self.last_stats = EngineStats()
+
+    def engine(self, graphdef, batch: int, width: int) -> PagedEngine:
+        """The engine of a `[batch, width]` prompt batch (raises ValueError on bad settings)."""
+        key = (batch, width)
+        if key not in self.engines:
+            self.engines[key] = PagedEngine(graphdef, self.model_cfg, self.sampling, self.settings,
+                                            batch=batch, prompt_width=width)
+        return self.engines[key]
+
+    def programs(self, actor: Model, prompt_ids, prompt_mask, key, prefix: str = "") -> list:
+        """The engine's programs for abstract arguments (`PagedEngine.programs`), as
+        `trainer.programs.Program`s named `prefix + name`."""
+        from ppo_jax.trainer.programs import Program
+
+        engine = self.engine(actor.graphdef, *prompt_ids.shape)
+        return [Program(prefix + p["name"], p["fn"], p["args"], per_step=p["per_step"],
+                        while_trips=p["while_trips"])
+                for p in engine.programs(actor.params, prompt_ids, prompt_mask, key)]
+
+    def __call__(self, actor: Model, prompt_ids, prompt_mask, key):
+        engine = self.engine(actor.graphdef, *prompt_ids.shape)
+        out = engine.generate(actor.params, prompt_ids, prompt_mask, key)
+        self.last_stats = engine.last_stats
+        return out
+
+
+def make_sampler(sampling: SamplingSettings, engine: Optional[EngineSettings], actor_sh: Model,
+                 place, model_cfg):
+    """The static sampler (`engine` None), jitted with the actor's layout `actor_sh` and the
+    batch layout of `place`, or an `EngineSampler`."""
+    if engine is not None:
+        return EngineSampler(sampling, engine, model_cfg)
+    rows, rep = place.rows, place.replicated
+    return jax.jit(partial(sample, settings=sampling), in_shardings=(actor_sh, rows, rows, rep),
+                   out_shardings=(rows, rows, rows))
+
+
+def engine_metrics(sampler) -> dict:
+    """The paged engine's figures of its last call (`rollout/*`; none for the static sampler):
+    preemptions, the mean fraction of slots live per chunk, decode steps, prefill calls, the
+    most pages in use at once (in one replica)."""
+    stats = getattr(sampler, "last_stats", None)
+    if stats is None:
+        return {}
+    return {"rollout/preemptions": float(stats.preemptions),
+            "rollout/slot_occupancy": stats.slot_occupancy,
+            "rollout/decode_steps": float(stats.steps), "rollout/prefills": float(stats.prefills),
+            "rollout/peak_pages": float(stats.peak_pages)}
