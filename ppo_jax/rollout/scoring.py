@@ -47,7 +47,7 @@ class ScoringSettings:
     argument). Shared by experience making and the held-out evaluation."""
 
     temperature: float = 1.0  # the sampling temperature: log-probs of softmax(logits / T)
-    micro_batch_size: int = 4  # rows per forward pass (`map_in_chunks`)
+    micro_batch_size: int = 8  # rows per forward pass (`map_in_chunks`); ppo.micro_batch_size's default
     # vocabulary columns per block of the log-prob / entropy head (`head_logprobs`); 0: the
     # full [B, N, V] logits
     logprob_chunk_size: int = 0

@@ -1,5 +1,6 @@
 """`stages.ppo.settings`: every static setting of a PPO step is built once from the config, each
-field read from the config section of the same name, with no hand copy."""
+field written out from its key; every field that has a config key's name carries its value, and
+the settings dataclasses' defaults are the config's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ppo_jax.trainer.config import load_config
-from ppo_jax.trainer.stages.ppo.settings import settings_for, settings_from
+from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,21 +41,67 @@ def test_ignore_eos_samples_without_stop_tokens():
     assert s.sampling.stop_token_ids == () and s.eval.sampling.stop_token_ids == ()
 
 
-def test_a_field_in_no_section_or_in_two_must_be_given():
-    @dataclass(frozen=True)
-    class Wants:
-        gamma: float
-        temperature: float
+# every key a settings field is named after, set away from its default: (key, value)
+CHANGED = [
+    ("ppo.ppo_epochs", 3), ("ppo.mini_batch_size", 4), ("ppo.micro_batch_size", 2),
+    ("ppo.policy_loss", "ppo_clip"), ("ppo.cliprange", 0.3), ("ppo.cliprange_high", 0.28),
+    ("ppo.dual_clip", 3.0), ("ppo.cliprange_value", 0.4), ("ppo.loss_aggregation", "seq-mean-token-sum"),
+    ("ppo.entropy_coef", 0.01), ("ppo.kl_loss_coef", 0.02), ("ppo.kl_loss_estimator", "kl"),
+    ("ppo.vf_coef", 0.3), ("ppo.rollout_correction", "tis"), ("ppo.rollout_correction_cap", 3.0),
+    ("ppo.kl_estimator", "abs"), ("ppo.reward_clip", 5.0), ("ppo.score_scale", 2.0),
+    ("ppo.missing_eos_penalty", -1.0), ("ppo.whiten_rewards", True), ("ppo.whiten_advantages", False),
+    ("ppo.gamma", 0.9), ("ppo.lam", 0.7), ("ppo.overlong_buffer", 2), ("ppo.overlong_penalty_factor", 0.5),
+    ("generation.temperature", 0.8), ("generation.top_k", 5), ("generation.top_p", 0.9),
+    ("generation.greedy", True), ("generation.max_new_tokens", 7), ("model.logprob_chunk_size", 16),
+    ("generation.page_size", 4), ("generation.num_pages", 64), ("generation.max_concurrent", 4),
+    ("generation.decode_chunk", 2), ("generation.decode_buckets", 2),
+]
 
-    cfg = load_config(ROOT / "configs/tiny.yaml")
-    assert settings_from(Wants, (cfg.ppo, cfg.generation)) == Wants(cfg.ppo.gamma,
-                                                                    cfg.generation.temperature)
-    with pytest.raises(TypeError, match="Wants.temperature: in no config section"):
-        settings_from(Wants, (cfg.ppo,))
-    with pytest.raises(TypeError, match=r"Wants.temperature: in \['GenerationConfig', 'EvalConfig'\]"):
-        settings_from(Wants, (cfg.ppo, cfg.generation, cfg.eval))
-    assert settings_from(Wants, (cfg.ppo, cfg.generation, cfg.eval), temperature=2.0).temperature == 2.0
-    assert dataclasses.is_dataclass(settings_from(Wants, (cfg.ppo,), temperature=1.0))
+
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def test_every_field_named_after_a_config_key_carries_its_value():
+    """Each `(key, value)` of CHANGED reaches every settings field of the key's name, with
+    max_new_tokens also as max_response_length (the overlong punishment's and
+    seq-mean-token-sum's length)."""
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"{k}={v}" for k, v in CHANGED]
+                      + ["generation.engine=paged", "ppo.batch_size=8"])
+    s = settings_for(cfg)
+    parts = [s.sampling, s.experience, s.experience.scoring, s.update, engine_settings(cfg)]
+    want = {k.split(".")[1]: v for k, v in CHANGED}
+    want["max_response_length"] = want["max_new_tokens"]
+    seen = set()
+    for part in parts:
+        for name, value in _fields(part).items():
+            if name in want:
+                assert value == want[name], f"{type(part).__name__}.{name}: {value!r}"
+                seen.add(name)
+    assert seen == set(want), sorted(set(want) - seen)
+
+
+@pytest.mark.parametrize("cls", ["UpdateSettings", "ExperienceSettings", "ScoringSettings",
+                                 "SamplingSettings", "EngineSettings"])
+def test_the_settings_defaults_are_the_configs(cls):
+    """A settings dataclass made with its defaults is the default run's (configs/default.yaml)
+    in every field named after a config key."""
+    from ppo_jax.rollout import engine, experience, sampler, scoring
+    from ppo_jax.trainer.stages.ppo import update
+
+    module = {"UpdateSettings": update, "ExperienceSettings": experience, "ScoringSettings": scoring,
+              "SamplingSettings": sampler, "EngineSettings": engine}[cls]
+    cfg = load_config(None)
+    sections = {"ppo": cfg.ppo, "generation": cfg.generation, "model": cfg.model}
+    keys = {f"{sec}.{k}": v for sec, obj in sections.items() for k, v in _fields(obj).items()}
+    by_name = {}
+    for key, value in keys.items():
+        by_name.setdefault(key.split(".")[1], []).append(value)
+    for f in dataclasses.fields(getattr(module, cls)):
+        if f.name in by_name and f.default is not dataclasses.MISSING:
+            config = by_name[f.name][0]
+            config = tuple(config) if isinstance(config, (list, dict)) else config
+            assert f.default == config, f"{cls}.{f.name}: default {f.default!r}, config {config!r}"
 
 
 @pytest.mark.parametrize("share,want", [(True, 4), (False, 1)])

@@ -18,13 +18,7 @@ from ppo_jax.rollout.engine import (
 from ppo_jax.rollout.sampler import SamplingSettings, sample
 from ppo_jax.rollout.weights import rollout_rules
 from ppo_jax.trainer.config import Config, ConfigError
-from ppo_jax.trainer.stages.ppo.settings import settings_from
-
-
-def engine_settings(cfg: Config) -> Optional[EngineSettings]:
-    """The paged engine's settings (`generation.*`), or None with `generation.engine: static`."""
-    g = cfg.generation
-    return settings_from(EngineSettings, (g,)) if g.engine == "paged" else None
+from ppo_jax.trainer.stages.ppo.settings import engine_settings
 
 
 def check_kernel(cfg: Config, model_cfg, mesh) -> None:

@@ -3,49 +3,27 @@
 
 Each layer takes its own frozen settings dataclass (`rollout.sampler.SamplingSettings`,
 `rollout.scoring.ScoringSettings`, `rollout.experience.ExperienceSettings`,
-`trainer.stages.ppo.update.UpdateSettings`, `trainer.stages.ppo.evaluation.EvalSettings`). A field is read from the
-config section that has a field of the same name (`settings_from`), so no field is copied by
-hand; what the config does not hold (the mesh, stop and pad ids from the tokenizer, the reward
-model's score statistics) is given by the trainer. Checking the config is separate
-(`stages.ppo.checks`).
+`trainer.stages.ppo.update.UpdateSettings`, `trainer.stages.ppo.evaluation.EvalSettings`,
+`rollout.engine.EngineSettings`). Every field is written out below from its config key, so a
+grep for a key (`cliprange`) finds where it reaches the step; what the config does not hold
+(the mesh, stop and pad ids from the tokenizer, the reward model's score statistics) is given
+by the trainer. tests/trainer/test_ppo_settings.py checks that every field of the same name as
+a config key carries its value. Checking the config is separate (`stages.ppo.checks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
+from ppo_jax.rollout.engine import EngineSettings
 from ppo_jax.rollout.experience import ExperienceSettings
 from ppo_jax.rollout.sampler import SamplingSettings
 from ppo_jax.rollout.scoring import ScoringSettings
 from ppo_jax.trainer.config import Config, static_kwargs
 from ppo_jax.trainer.stages.ppo.evaluation import EvalSettings
 from ppo_jax.trainer.stages.ppo.update import UpdateSettings
-
-
-def settings_from(cls, sections: tuple, **given: Any):
-    """An instance of the frozen dataclass `cls`: each field from `given`, else from the one
-    config section (a dataclass) of `sections` with a field of that name; dicts become sorted
-    `(name, value)` tuples (`static_kwargs`) and lists tuples, so the result is hashable.
-
-    Raises:
-      TypeError: a field is in no section and not given, or in several sections and not given
-        (ambiguous): a programming error, caught by the tests.
-    """
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name in given:
-            values[f.name] = given[f.name]
-            continue
-        found = [s for s in sections if f.name in {g.name for g in dataclasses.fields(s)}]
-        if len(found) != 1:
-            where = [type(s).__name__ for s in found] or "no config section"
-            raise TypeError(f"{cls.__name__}.{f.name}: in {where}; give it explicitly")
-        value = getattr(found[0], f.name)
-        values[f.name] = (static_kwargs(value) if isinstance(value, dict)
-                          else tuple(value) if isinstance(value, list) else value)
-    return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -56,6 +34,69 @@ class PPOSettings:
     experience: ExperienceSettings
     update: UpdateSettings
     eval: EvalSettings
+
+
+def scoring_settings(cfg: Config, *, mesh=None, score_normalizer=None,
+                     reward_eos_id: Optional[int] = None) -> ScoringSettings:
+    """The scoring passes' settings (experience making; the evaluation at its own temperature)."""
+    return ScoringSettings(temperature=cfg.generation.temperature,
+                           micro_batch_size=cfg.ppo.micro_batch_size,
+                           logprob_chunk_size=cfg.model.logprob_chunk_size, mesh=mesh,
+                           score_normalizer=score_normalizer, reward_eos_id=reward_eos_id)
+
+
+def sampling_settings(cfg: Config, *, stop_token_ids: tuple[int, ...], pad_token_id: int,
+                      mesh=None) -> SamplingSettings:
+    """The training sampler's settings (`generation.*`); one prefill per group of
+    `generation.samples_per_prompt` rows unless `generation.share_prompt_prefill` is off."""
+    g = cfg.generation
+    return SamplingSettings(
+        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+        greedy=g.greedy, stop_token_ids=() if g.ignore_eos else tuple(stop_token_ids),
+        pad_token_id=pad_token_id,
+        samples_per_prompt=g.samples_per_prompt if g.share_prompt_prefill else 1, mesh=mesh)
+
+
+def experience_settings(cfg: Config, scoring: ScoringSettings, *,
+                        shared_critic: bool) -> ExperienceSettings:
+    """Experience making's settings (`ppo.*`: KL estimator, reward shaping, advantages)."""
+    p = cfg.ppo
+    return ExperienceSettings(
+        scoring=scoring, kl_estimator=p.kl_estimator, reward_clip=p.reward_clip,
+        score_scale=p.score_scale, missing_eos_penalty=p.missing_eos_penalty,
+        whiten_rewards=p.whiten_rewards, whiten_advantages=p.whiten_advantages,
+        advantage_estimator=p.advantage_estimator, gamma=p.gamma, lam=p.lam,
+        advantage_kwargs=static_kwargs(p.advantage_kwargs), shared_critic=shared_critic,
+        reward_shaping=p.reward_shaping, reward_shaping_kwargs=static_kwargs(p.reward_shaping_kwargs),
+        overlong_buffer=p.overlong_buffer, overlong_penalty_factor=p.overlong_penalty_factor,
+        max_response_length=cfg.generation.max_new_tokens)
+
+
+def update_settings(cfg: Config, *, shared_critic: bool, mesh=None) -> UpdateSettings:
+    """The update's settings (`ppo.*`: epochs, minibatches, losses, clipping, coefficients)."""
+    p = cfg.ppo
+    return UpdateSettings(
+        ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
+        micro_batch_size=p.micro_batch_size, temperature=cfg.generation.temperature,
+        policy_loss=p.policy_loss, value_loss=p.value_loss, cliprange=p.cliprange,
+        cliprange_high=p.cliprange_high, dual_clip=p.dual_clip, cliprange_value=p.cliprange_value,
+        policy_loss_kwargs=static_kwargs(p.policy_loss_kwargs),
+        value_loss_kwargs=static_kwargs(p.value_loss_kwargs), loss_aggregation=p.loss_aggregation,
+        entropy_coef=p.entropy_coef, kl_loss_coef=p.kl_loss_coef,
+        kl_loss_estimator=p.kl_loss_estimator, shared_critic=shared_critic, vf_coef=p.vf_coef,
+        mesh=mesh, train_actor=True, logprob_chunk_size=cfg.model.logprob_chunk_size,
+        max_response_length=cfg.generation.max_new_tokens,
+        rollout_correction=p.rollout_correction, rollout_correction_cap=p.rollout_correction_cap)
+
+
+def engine_settings(cfg: Config) -> Optional[EngineSettings]:
+    """The paged engine's settings (`generation.*`), or None with the static sampler."""
+    g = cfg.generation
+    if g.engine != "paged":
+        return None
+    return EngineSettings(page_size=g.page_size, num_pages=g.num_pages,
+                          max_concurrent=g.max_concurrent, decode_chunk=g.decode_chunk,
+                          decode_buckets=g.decode_buckets, attention=g.attention)
 
 
 def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
@@ -72,23 +113,17 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
       stop_token_ids, pad_token_id: from the tokenizer and model config (`trainer.loading.models`);
         `generation.ignore_eos` samples with no stop token.
     """
-    p, g, m, e = cfg.ppo, cfg.generation, cfg.model, cfg.eval
-    stops = () if g.ignore_eos else tuple(stop_token_ids)
-    scoring = settings_from(ScoringSettings, (p, g, m), mesh=mesh,
-                            score_normalizer=score_normalizer, reward_eos_id=reward_eos_id)
-    shared = g.samples_per_prompt if g.share_prompt_prefill else 1  # one prefill per group
-    sampling = settings_from(SamplingSettings, (g,), stop_token_ids=stops,
-                             pad_token_id=pad_token_id, samples_per_prompt=shared, mesh=mesh)
+    e = cfg.eval
+    scoring = scoring_settings(cfg, mesh=mesh, score_normalizer=score_normalizer,
+                               reward_eos_id=reward_eos_id)
+    sampling = sampling_settings(cfg, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,
+                                 mesh=mesh)
     eval_sampling = dataclasses.replace(  # eval.samples_per_prompt answers share a prefill too
-        sampling, max_new_tokens=e.max_new_tokens or g.max_new_tokens,
+        sampling, max_new_tokens=e.max_new_tokens or cfg.generation.max_new_tokens,
         temperature=e.temperature, greedy=e.greedy,
-        samples_per_prompt=e.samples_per_prompt if g.share_prompt_prefill else 1)
+        samples_per_prompt=e.samples_per_prompt if cfg.generation.share_prompt_prefill else 1)
     return PPOSettings(
         sampling=sampling,
-        experience=settings_from(ExperienceSettings, (p,), scoring=scoring,
-                                 shared_critic=shared_critic,
-                                 max_response_length=g.max_new_tokens),
-        update=settings_from(UpdateSettings, (p, g, m), shared_critic=shared_critic, mesh=mesh,
-                             train_actor=True, max_response_length=g.max_new_tokens),
-        eval=EvalSettings(eval_sampling,
-                          dataclasses.replace(scoring, temperature=e.temperature)))
+        experience=experience_settings(cfg, scoring, shared_critic=shared_critic),
+        update=update_settings(cfg, shared_critic=shared_critic, mesh=mesh),
+        eval=EvalSettings(eval_sampling, dataclasses.replace(scoring, temperature=e.temperature)))

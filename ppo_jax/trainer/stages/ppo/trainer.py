@@ -43,9 +43,9 @@ from ppo_jax.trainer.stages.ppo.programs import PPOPrograms
 from ppo_jax.trainer.stages.ppo.dynamic import DynamicSampling
 from ppo_jax.trainer.stages.ppo.rewards import PPORewards
 from ppo_jax.trainer.stages.ppo.samplers import (
-    check_engine, check_kernel, engine_metrics, engine_settings, make_sampler, rollout_shardings,
+    check_engine, check_kernel, engine_metrics, make_sampler, rollout_shardings,
 )
-from ppo_jax.trainer.stages.ppo.settings import settings_for
+from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 from ppo_jax.trainer.stages.ppo.update import ppo_update
 
 

@@ -48,11 +48,13 @@ from ppo_jax.trainer.accumulate import accumulate_gradients
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """Static settings of the update (hashable)."""
+    """Static settings of the update (hashable). The defaults are the config's (`ppo.*`,
+    configs/default.yaml; tests/trainer/test_ppo_settings.py holds them equal); the trainer
+    builds them from a run's config (`stages.ppo.settings.settings_for`)."""
 
-    ppo_epochs: int = 4
-    mini_batch_size: int = 4
-    micro_batch_size: int = 4
+    ppo_epochs: int = 2
+    mini_batch_size: int = 8
+    micro_batch_size: int = 8
     temperature: float = 1.0
     policy_loss: str = "ppo_clip"
     value_loss: str = "clipped_mse"
