@@ -6,7 +6,7 @@ Usage:
   python -m ppo_jax.evaluate --run runs/rlvr --actor runs/rlvr/actor_hf --json figures.json
   python -m ppo_jax.evaluate --run runs/rlvr --step 40 --set eval.num_prompts=256
 
-The trainer of the run's config.json is built as the run built it (`trainer.loading.saved_actor`:
+The trainer of the run's config.json is built as the run built it (`ppo_jax.saved_actor`:
 models, reference, reward and settings from the config, nothing written to the run), its actor
 taken from checkpoint `--step` (default the latest; 0 is the starting actor) or from `--actor`
 (an HF directory such as `<run>/actor_hf`, or a PEFT adapter on the run's `model.actor`), and
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ppo_jax.trainer.checkpoint import finished_steps
 from ppo_jax.trainer.config import Config, ConfigError
-from ppo_jax.trainer.loading.saved_actor import (
+from ppo_jax.saved_actor import (
     actor_dir_kind, build_trainer, check_step, read_run_config, restore_step, set_actor,
     with_adapter,
 )
@@ -114,7 +114,7 @@ def evaluate(cfg: Config, run: str, *, step: int | None = None, actor: str | Non
       model: the stage's held-out metrics), without `time/eval`.
 
     Raises:
-      ConfigError / FileNotFoundError / ValueError: as `trainer.loading.saved_actor`.
+      ConfigError / FileNotFoundError / ValueError: as `ppo_jax.saved_actor`.
     """
     trainer = build_trainer(cfg)
     if actor is not None:

@@ -6,7 +6,7 @@ Usage:
   python -m ppo_jax.generate --run runs/tiny --step 2 --prompt "Hi" --greedy
   python -m ppo_jax.generate runs/tiny/actor_hf          # in a terminal: a read-answer loop
 
-The actor (`trainer.loading.saved_actor`): an HF directory (`<run>/actor_hf`), a PEFT adapter
+The actor (`ppo_jax.saved_actor`): an HF directory (`<run>/actor_hf`), a PEFT adapter
 directory (`<run>/actor_adapter`, loaded on the run's `model.actor`, or on `--base`), or a
 checkpoint step of a run (`--run DIR --step N`; step 0 is the starting actor).
 
@@ -49,7 +49,7 @@ from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, generate
 from ppo_jax.rollout.weights import cast_floats
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.data.prompts import PromptSet, left_pad, read_prompt_records, tokenize_prompts
-from ppo_jax.trainer.loading.saved_actor import (
+from ppo_jax.saved_actor import (
     actor_dir_kind, adapter_overrides, build_trainer, check_actor_stage, check_step, load_actor,
     restore_step, run_config_path, run_of, trainer_actor,
 )
@@ -176,7 +176,7 @@ def load_session(args, cfg: Config) -> Session:
     `cfg` (its weights cast to `--param-dtype` when given), and its tokenizer.
 
     Raises:
-      ConfigError / FileNotFoundError / ValueError: as `trainer.loading.saved_actor`.
+      ConfigError / FileNotFoundError / ValueError: as `ppo_jax.saved_actor`.
     """
     from ppo_jax.models import load_tokenizer
 

@@ -9,7 +9,7 @@ actor answers every problem once per seed (temperature `eval.temperature`, or gr
 over seeds and the rise with its min / max. `--json PATH` writes them.
 
 The base is the config's starting actor: `model.actor` (with `model.lora.adapter` when the run
-starts from one), loaded as the trainer loads it (`trainer.loading.saved_actor.load_actor`); another
+starts from one), loaded as the trainer loads it (`ppo_jax.saved_actor.load_actor`); another
 starting model is `--set model.actor=DIR`. `--base`, when given, must name that same model: a
 different one is refused (it would compare the trained actor with a model it never started
 from). The trained actor is an HF directory (`<run>/actor_hf`) or a PEFT adapter directory
@@ -43,7 +43,7 @@ from ppo_jax.models.lora import join
 from ppo_jax.rollout.sampler import generate
 from ppo_jax.trainer.config import ConfigError, load_config
 from ppo_jax.trainer.rewards.functions import get_reward_function, score_texts
-from ppo_jax.trainer.loading.saved_actor import actor_dir_kind, load_actor
+from ppo_jax.saved_actor import actor_dir_kind, load_actor
 from ppo_jax.trainer.loading.models import build_prompts, pad_token_id, resolve_model_path, stop_token_ids
 
 

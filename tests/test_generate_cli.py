@@ -93,7 +93,7 @@ def base_dir() -> Path:
 
 def adapter_model(run: Path):
     """The run's base (tiny-random) with the saved PEFT adapter, loaded with peft_io directly."""
-    from ppo_jax.models import load_config as model_config
+    from ppo_jax.models import load_model_config as model_config
     from ppo_jax.models.lora import LoraSettings
     from ppo_jax.models.peft_io import load_adapter
 
@@ -209,7 +209,7 @@ def test_evaluate_a_step_gives_the_figures_the_run_logged(lora_run, tmp_path, ca
 @pytest.fixture
 def no_loading(monkeypatch):
     """Any model load fails the test: a refusal must come before."""
-    import ppo_jax.trainer.loading.saved_actor as saved
+    import ppo_jax.saved_actor as saved
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")

@@ -20,7 +20,7 @@ from ppo_jax.core.aggregation import (
 )
 from ppo_jax.core.gae import GAE_METHODS, compute_gae
 from ppo_jax.core import estimators, outcome  # registers the advantage estimators
-from ppo_jax.core.estimators import CRITIC_FREE, needs_greedy_baseline, needs_groups, uses_critic
+from ppo_jax.core.estimators import needs_greedy_baseline, needs_groups, uses_critic
 from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty, sequence_kl
 from ppo_jax.core.kl_control import (
     KL_CONTROLLER_KINDS,
@@ -73,7 +73,6 @@ from ppo_jax.core.shaping import kl_penalty_shaping
 from ppo_jax.core.dapo import group_rows, informative_groups, overlong_penalty, select_groups
 
 __all__ = [
-    "CRITIC_FREE",
     "estimators",
     "outcome",
     "GAE_METHODS",

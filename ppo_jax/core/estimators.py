@@ -23,9 +23,6 @@ from ppo_jax.core import outcome
 from ppo_jax.core.gae import DEFAULT_CHUNK, DEFAULT_GAE_METHOD, DEFAULT_UNROLL, compute_gae
 from ppo_jax.core.registry import register_advantage_estimator
 
-CRITIC_FREE = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
-
-
 def _critic_free(fn):
     fn.uses_critic = False
     return fn

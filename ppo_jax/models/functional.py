@@ -47,11 +47,6 @@ class Model:
         return nnx.merge(self.graphdef, self.params)
 
 
-def merge_model(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.Module:
-    """Inverse of `split_model` (cheap; call it inside jitted functions)."""
-    return nnx.merge(graphdef, params)
-
-
 def causal_lm_forward(graphdef, params, input_ids, attention_mask, *,
                       cache: KVCache | None = None, cache_index=None):
     """CausalLM: -> (logits `[B, L, V]` float32, cache). See `heads.CausalLM.__call__`."""

@@ -40,7 +40,7 @@ class CheckpointError(ValueError):
     """A checkpoint tensor is missing or has the wrong shape; the message names the tensor."""
 
 
-def load_config(path, **overrides) -> ModelConfig:
+def load_model_config(path, **overrides) -> ModelConfig:
     """`ModelConfig` from `<path>/config.json`; overrides: param_dtype, dtype, remat, ...
 
     Raises FileNotFoundError (no directory / config.json), ValueError (invalid JSON,
@@ -180,7 +180,7 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     """
     path = Path(path)
     lora = lora or LoraSettings()
-    cfg = load_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat, **lora.config_fields())
+    cfg = load_model_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat, **lora.config_fields())
     reader = SafetensorsReader(path)
     cls = model_class(kind)
     kw = {} if cls is CausalLM else {"head_init_std": head_init_std}

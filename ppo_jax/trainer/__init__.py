@@ -17,7 +17,7 @@ Rooms:
   config/         the typed config: schema, cross-field checks, `--help-config`
   data/           prompt sets (PPO), reasoning tasks, SFT rows, preference pairs, packing
   rewards/        reward functions on decoded text (registry) and answer verifiers
-  loading/        building the models of a run (HF / GGUF / PEFT, LoRA wiring), a saved actor
+  loading/        building the models of a run (HF / GGUF / PEFT, LoRA wiring)
   tracking/       metrics.jsonl, TensorBoard, W&B / MLflow, the progress line
   host/           process environment, host memory, multi-host start-up
   stages/         one trainer per RLHF stage: `sft`, `reward_model`, and `ppo/` (the PPO step)

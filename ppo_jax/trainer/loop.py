@@ -2,13 +2,14 @@
 checkpoints with `--resume`, metrics, the progress bar, and the loop build -> step -> log/save
 -> export.
 
-A stage subclasses `StageTrainer` and fills in four steps, called in this order by `__init__`:
+A stage subclasses `StageTrainer` and fills in four methods. `__init__` calls the first two
+(then restores a checkpoint under `--resume`); `train()` calls the other two:
 
     _check_inputs()   read and validate config names and data files (nothing written yet)
     _build()          load models, create `self.state` (a pytree of arrays, what a checkpoint
                       holds) and `self.prompt_order` (the data order), jit the update
     step() -> dict    one optimiser step (or one PPO step); its metrics as floats
-    export()          write the trained model as an HF directory
+    export()          write the trained model as an HF directory (once, after the last step)
 
 A stage that `train.py --compile-for` can compile also gives `_check_config()` (the config
 checks of `_check_inputs` that read no file), `programs()` (its jitted functions with abstract

@@ -77,7 +77,7 @@ def assert_same_hf_dir(old: Path, new: Path) -> None:
     from safetensors.numpy import load_file
     from transformers import AutoConfig
 
-    from ppo_jax.models import load_config
+    from ppo_jax.models import load_model_config
 
     a, b = load_file(old / "model.safetensors"), load_file(new / "model.safetensors")
     assert sorted(a) == sorted(b)
@@ -89,7 +89,7 @@ def assert_same_hf_dir(old: Path, new: Path) -> None:
     assert theta == new_cfg["rope_parameters"]["rope_theta"] and new_cfg == old_cfg
     hf_old, hf_new = (AutoConfig.from_pretrained(d).to_dict() for d in (old, new))
     assert {**hf_old, "_name_or_path": ""} == {**hf_new, "_name_or_path": ""}
-    assert load_config(old) == load_config(new)
+    assert load_model_config(old) == load_model_config(new)
     for name in ("tokenizer.json", "generation_config.json"):
         assert json.loads((old / name).read_text()) == json.loads((new / name).read_text()), name
     assert (old / "chat_template.jinja").read_text() == (new / "chat_template.jinja").read_text()

@@ -70,11 +70,11 @@ def smol_dir():
 
 @pytest.mark.slow
 def test_gguf_conversion_writes_a_plain_hf_directory(smol_dir):
-    from ppo_jax.models import load_config, load_tokenizer
+    from ppo_jax.models import load_model_config, load_tokenizer
 
     cfg_json = json.loads((smol_dir / "config.json").read_text())
     assert "quantization_config" not in cfg_json and cfg_json["model_type"] == "llama"
-    cfg = load_config(smol_dir)
+    cfg = load_model_config(smol_dir)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 3, 49152)
     tok = load_tokenizer(smol_dir)
     assert tok.pad_token_id == tok.eos_token_id == 2 and tok.eos_token == "<|im_end|>"

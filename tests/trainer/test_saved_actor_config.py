@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_config_in_effect_at_a_step_is_read(tmp_path):
     from ppo_jax.trainer.config import load_config, to_dict
-    from ppo_jax.trainer.loading.saved_actor import read_run_config
+    from ppo_jax.saved_actor import read_run_config
 
     first = to_dict(load_config(ROOT / "configs/tiny.yaml", [f"train.output_dir={tmp_path}"]))
     (tmp_path / "config.json").write_text(json.dumps(first))

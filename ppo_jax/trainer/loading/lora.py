@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.models import abstract_model
-from ppo_jax.models import load_config as load_model_config
+from ppo_jax.models import load_model_config
 from ppo_jax.models.config import lora_target_names
 from ppo_jax.models.lora import (
     LoraSettings, adapter_params, fresh_adapter, is_adapter, join, split_params,

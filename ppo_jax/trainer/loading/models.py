@@ -19,7 +19,7 @@ from flax import nnx
 
 from ppo_jax.core import get_advantage_estimator, uses_critic
 from ppo_jax.models import abstract_model, load_model, load_tokenizer, split_model
-from ppo_jax.models import load_config as load_model_config
+from ppo_jax.models import load_model_config
 from ppo_jax.models.hf_io import SafetensorsReader
 from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
 from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab

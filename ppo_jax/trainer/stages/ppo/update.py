@@ -223,8 +223,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
                          f"ppo.micro_batch_size={s.micro_batch_size} must divide each other")
     n_mb = batch // s.mini_batch_size
     actor_loss, critic_loss, joint_loss = loss_functions(s, actor_graphdef, critic_graphdef, frozen)
-    group_ids = getattr(exp, "group_ids", None)
-    data = (exp, jnp.arange(batch, dtype=jnp.int32) if group_ids is None else group_ids)
+    data = (exp, exp.group_ids)
 
     def accumulate(loss_fn, params, mb, norms):
         """Sum of micro-batch gradients and stats (each exact under the minibatch's norms)."""
