@@ -196,6 +196,8 @@ def test_normalize_needs_the_reward_models_score_statistics(tiny_checkpoint, tmp
     (["stage=sft", "sft.data=x.jsonl", "sft.batch_size=6", "sft.micro_batch_size=4"], "sft.batch_size=6"),
     (["stage=sft", "sft.data=x.jsonl", "sft.max_length=32", "data.max_prompt_length=32"], "no room"),
     (["ppo.critic_warmup_steps=2", "model.shared_critic=true"], "separate critic"),
+    (["model.shared_critic=true", "model.critic=tiny-random"],
+     "model.critic='tiny-random' cannot be used with model.shared_critic=true"),
 ])
 def test_stage_settings_are_checked_by_the_config(sets, match):
     from ppo_jax.trainer.config import ConfigError, load_config

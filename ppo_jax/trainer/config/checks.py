@@ -82,6 +82,9 @@ def validate(cfg: Config) -> None:
                           f"it needs generation.samples_per_prompt > 1 (it is "
                           f"{g.samples_per_prompt}) and reward.kind=function (it is "
                           f"{cfg.reward.kind!r})")
+    if cfg.stage == "ppo" and cfg.model.shared_critic and cfg.model.critic:
+        raise ConfigError(f"model.critic={cfg.model.critic!r} cannot be used with "
+                          "model.shared_critic=true (the value head sits on the actor)")
     if p.critic_warmup_steps and cfg.model.shared_critic:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")

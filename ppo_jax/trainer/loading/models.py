@@ -116,9 +116,6 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     actor_path = resolve_model_path(m.actor, "model.actor")
     ref_path = resolve_model_path(m.reference, "model.reference") if m.reference else actor_path
     rm_path = resolve_model_path(m.reward_model, "model.reward_model") if m.reward_model else None
-    if m.shared_critic and m.critic:
-        raise ConfigError(f"model.critic={m.critic!r} cannot be used with model.shared_critic=true "
-                          "(the value head sits on the actor)")
     if m.critic:
         critic_path = resolve_model_path(m.critic, "model.critic")
     else:
@@ -190,9 +187,6 @@ def abstract_models(cfg: Config, sharding_fn=None) -> Models:
       FileNotFoundError / ValueError / ConfigError: as `model_shape_config` and `build_models`.
     """
     m = cfg.model
-    if m.shared_critic and m.critic:
-        raise ConfigError(f"model.critic={m.critic!r} cannot be used with model.shared_critic=true "
-                          "(the value head sits on the actor)")
     trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
     frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
                   sharding_fn=sharding_fn)
