@@ -81,7 +81,9 @@ class ExperienceSettings:
     reward_shaping_kwargs: tuple = ()  # extra (name, value) keyword arguments of the shaping
     overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last L_cache tokens
     overlong_penalty_factor: float = 1.0
-    max_response_length: int = 1  # L_max of the overlong punishment (max_new_tokens)
+    # the longest response the sampler may give (generation.max_new_tokens): L_max of the
+    # overlong punishment; None: the rollout's response width (as UpdateSettings' field)
+    max_response_length: Optional[int] = None
 
     def shaping_fixed_kwargs(self, kl_coef) -> dict:
         """The trainer's own keyword arguments of a reward-shaping call."""
@@ -199,7 +201,7 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
     logprobs, entropy, values, ref_logprobs, scores = scoring_passes(models, rollout, scores,
                                                                      settings=s)
     raw_scores = scores.astype(jnp.float32)
-    overlong = overlong_penalty(mask.sum(axis=1), max_length=max(s.max_response_length, 1),
+    overlong = overlong_penalty(mask.sum(axis=1), max_length=s.max_response_length or mask.shape[1],
                                 buffer=s.overlong_buffer, penalty_factor=s.overlong_penalty_factor)
     shaping = get_reward_shaping(s.reward_shaping)
     rewards, non_score, scores = shaping(raw_scores + overlong, ended, logprobs, ref_logprobs,

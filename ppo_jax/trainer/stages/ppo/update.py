@@ -75,8 +75,9 @@ class UpdateSettings:
     # vocabulary columns per block of the log-prob / entropy head, forward and backward
     # (scoring.head_logprobs); 0: the full [B, N, V] logits
     logprob_chunk_size: int = 0
-    # seq-mean-token-sum's constant T (generation.max_new_tokens); None: the experience's width.
-    # Pinned so that cutting all-pad response columns (trainer.stages.ppo.columns) changes no loss.
+    # the longest response the sampler may give (generation.max_new_tokens): seq-mean-token-sum's
+    # constant T; None: the experience's response width (as ExperienceSettings' field). Pinned so
+    # that cutting all-pad response columns (trainer.stages.ppo.columns) changes no loss.
     max_response_length: Optional[int] = None
     # core.ROLLOUT_CORRECTIONS: weights on pg_loss for the sampler / trainer log-prob mismatch
     rollout_correction: str = "none"
