@@ -1,16 +1,16 @@
 # One command each, on a fresh machine: `make train` (main job) and `make test` (test suite).
 ARGS ?=
 
-.PHONY: train rlvr test test-slow pipeline bench bench-quick bench-floor bench-gpu-dry bench-gpu bench-train
+.PHONY: train rlvr test test-slow pipeline bench bench-quick bench-gpu-dry bench-gpu bench-train
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
-# bench/generate.py, bench/ppo_step.py, bench/roofline.py, bench/update_profile.py,
-# bench/decode_floor.py, bench/engine.py, bench/logprob_memory.py and bench/lora_update.py (each prints its table against its peer and
-# writes it with its figures, the git commit and the CPU under $(BENCH_RAW); bench/harness.py),
-# then bench/report.py collects them into bench/results.md (with a GPU section when bench/gpu.sh
-# --json left a gpu.json there; each benchmark's wall time is in it). Run it on a quiet machine
-# from a clean tree (other load inflates every figure; results.md warns about a dirty tree, and
-# bench/report.py refuses raw files from commits whose measured code differs).
+# bench/generate.py, bench/ppo_step.py and bench/engine.py (each prints its table against its
+# peer and writes it with its figures, the git commit and the CPU under $(BENCH_RAW);
+# bench/harness.py), then bench/report.py collects them into bench/results.md (each benchmark's
+# wall time is in it). Run it on a quiet machine from a clean tree (other load inflates every
+# figure; results.md warns about a dirty tree, and bench/report.py refuses raw files from commits
+# whose measured code differs). The one-question studies retired from bench/ (their figures,
+# commits and the way to re-run them): docs/benchmarks.md "Studies (retired scripts)".
 # `make bench-quick` runs the same pipeline with tiny sizes (a smoke check of the scripts, not
 # figures to quote; ~5 minutes) and writes bench/results_raw/quick/results.md instead.
 BENCH_RAW ?= bench/results_raw
@@ -50,12 +50,7 @@ bench:
 	.venv/bin/python bench/core.py --json $(BENCH_RAW)/core.json
 	.venv/bin/python bench/generate.py --json $(BENCH_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --json $(BENCH_RAW)/ppo_step.json
-	.venv/bin/python bench/roofline.py --json $(BENCH_RAW)/roofline.json
-	.venv/bin/python bench/update_profile.py --json $(BENCH_RAW)/update_profile.json
-	.venv/bin/python bench/decode_floor.py --json $(BENCH_RAW)/decode_floor.json
 	.venv/bin/python bench/engine.py --json $(BENCH_RAW)/engine.json
-	.venv/bin/python bench/logprob_memory.py --json $(BENCH_RAW)/logprob_memory.json
-	.venv/bin/python bench/lora_update.py --json $(BENCH_RAW)/lora_update.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
 bench-quick:
@@ -65,12 +60,7 @@ bench-quick:
 	.venv/bin/python bench/core.py --batch 16 --length 64 --rounds 3 --torch-block 1 --jax-block 3 --json $(BENCH_QUICK_RAW)/core.json
 	.venv/bin/python bench/generate.py --new-tokens 4 --runs 1 --json $(BENCH_QUICK_RAW)/generate.json
 	.venv/bin/python bench/ppo_step.py --epochs 1 --steps 1 --warmup 1 --rounds 1 --new-tokens 4 --json $(BENCH_QUICK_RAW)/ppo_step.json
-	.venv/bin/python bench/roofline.py --steps 1 --warmup 1 --new-tokens 4 --matmul 1024 --matmul-runs 3 --json $(BENCH_QUICK_RAW)/roofline.json
-	.venv/bin/python bench/update_profile.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/update_profile.json
-	.venv/bin/python bench/decode_floor.py --new-tokens 4 --runs 3 --json $(BENCH_QUICK_RAW)/decode_floor.json
 	.venv/bin/python bench/engine.py --tiny --rounds 1 --responses 16 --rows 4 --slots 4 --new-tokens 24 --json $(BENCH_QUICK_RAW)/engine.json
-	.venv/bin/python bench/logprob_memory.py --runs 1 --update-config configs/tiny.yaml --json $(BENCH_QUICK_RAW)/logprob_memory.json
-	.venv/bin/python bench/lora_update.py --tiny --rounds 1 --calls 1 --profile-calls 1 --json $(BENCH_QUICK_RAW)/lora_update.json
 	.venv/bin/python bench/report.py $(BENCH_QUICK_RAW) --out $(BENCH_QUICK_RAW)/results.md
 
 # Whole train.py runs measured from outside (bench/train_run.py: wall time, peak RSS, page faults,
@@ -97,21 +87,14 @@ bench-train:
 	  --json $(BENCH_RAW)/train_ab_columns.json
 	.venv/bin/python bench/report.py $(BENCH_RAW) --out bench/results.md
 
-# How far the sampler is from its weight-matmul floor, alone (prints only; `make bench` runs it
-# too and puts its figures in bench/results.md).
-bench-floor:
-	scripts/setup_venv.sh test
-	.venv/bin/python bench/decode_floor.py
-
-# bench/gpu.sh on the CPU with a tiny model: checks the GPU benchmark's code path anywhere
-# (tests/bench runs it too).
+# bench/gpu.sh on the CPU with a tiny model: checks the GPU benchmarks' code path anywhere
+# (tests/bench runs it too); writes $(BENCH_QUICK_RAW)/gpu.
 bench-gpu-dry:
 	scripts/setup_venv.sh test
-	bench/gpu.sh --dry-run
+	bench/gpu.sh --dry-run --out $(BENCH_QUICK_RAW)/gpu
 
-# On a GPU machine: PPO step, MFU and sampler bandwidth in bf16 (sized for < 8 min on an H200),
-# then only the GPU section of bench/results.md is rewritten. Without pip access, see the
-# header of bench/gpu.sh (PPO_BENCH_PYTHON, PPO_BENCH_WHEELS, bench/gpu_wheels.sh).
+# On a GPU machine: bench/ppo_step.py (ppo_jax only) and bench/engine.py in bf16 on random
+# weights of SmolLM2's shape, into $(BENCH_RAW)/gpu with its own results.md. Without pip access,
+# see the header of bench/gpu.sh (PPO_BENCH_PYTHON, PPO_BENCH_WHEELS, bench/gpu_wheels.sh).
 bench-gpu:
-	bench/gpu.sh --json $(BENCH_RAW)/gpu.json
-	$${PPO_BENCH_PYTHON:-.venv/bin/python} bench/report.py --gpu-only $(BENCH_RAW)/gpu.json
+	bench/gpu.sh --out $(BENCH_RAW)/gpu

@@ -14,10 +14,10 @@ Each round times both sides in alternating order after a warm-up call (compiles)
 gives the length distribution, tokens / s of each side and their ratio, the engine's decode
 steps and slot occupancy against the static decode steps (every sub-batch runs to its longest).
 
-Accelerators (no model download there): `--random-stops K` runs random weights of SmolLM2's
-shape (bench/gpu.py's, in `--dtype`) with K stop tokens spread over the vocabulary, so a
-response ends at each token with probability ~K / V: geometric lengths cut at
-`--new-tokens`, the heavy tail synthesised.
+Accelerators (no model download there; bench/gpu.sh): `--random-stops K` runs random weights
+of SmolLM2's shape (harness.SHAPES, in `--dtype`) with K stop tokens spread over the
+vocabulary, so a response ends at each token with probability ~K / V: geometric lengths cut
+at `--new-tokens`, the heavy tail synthesised.
 
 Usage: python bench/engine.py [--workload heavy default rlvr] [--rounds 2] [--slots 64 128]
     [--rows 64] [--responses 256] [--new-tokens 256] [--chunk 8] [--page-size 16] [--tiny]
@@ -32,7 +32,8 @@ from functools import partial
 
 import numpy as np
 
-from harness import ROOT, finish, fmt, log, options, ratio, stats, table, timed, under_malloc_settings
+from harness import (ROOT, finish, fmt, log, options, random_model, ratio, stats, table, timed,
+                     under_malloc_settings)
 
 
 def workload(name: str, args):
@@ -53,14 +54,9 @@ def model_dir(args):
     from ppo_jax.models.smollm2 import ensure_smollm2
     from ppo_jax.models.tiny_random import ensure_tiny_random
 
-    cache = ROOT / ".cache"
     if args.random_stops:
-        from gpu import SHAPES, unpack_tokenizer, write_random_llama
-
-        dims = SHAPES["tiny" if args.tiny else "smollm2"]
-        name = "random-llama-" + "-".join(str(v) for v in list(dims.values())[:-1])
-        return write_random_llama(cache / name, unpack_tokenizer(cache / "smollm2-tokenizer"), dims)
-    return ensure_tiny_random(cache / "tiny-random-llama") if args.tiny else ensure_smollm2()
+        return random_model("tiny" if args.tiny else "smollm2")
+    return ensure_tiny_random(ROOT / ".cache/tiny-random-llama") if args.tiny else ensure_smollm2()
 
 
 def build(name: str, args):

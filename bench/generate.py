@@ -33,7 +33,7 @@ PROMPTS = [
 
 def load_sides(model_dir: Path, batch: int) -> SimpleNamespace:
     """Both samplers on the same left-padded chat prompts, float32: `ours(n)`, `theirs(n, threads)`
-    make a callable of one greedy call of exactly `n` new tokens; also `ids`, `cfg`, `params`."""
+    make a callable of one greedy call of exactly `n` new tokens; also the prompts' `ids`."""
     import transformers
 
     tok = load_tokenizer(model_dir)
@@ -41,7 +41,7 @@ def load_sides(model_dir: Path, batch: int) -> SimpleNamespace:
                                        tokenize=False, add_generation_prompt=True)
                for i in range(batch)], return_tensors="np", padding=True)
     ids, mask = enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(np.int32)
-    model, cfg = load_model(model_dir, "causal_lm", param_dtype="float32", dtype="float32")
+    model, _ = load_model(model_dir, "causal_lm", param_dtype="float32", dtype="float32")
     graphdef, params = split_model(model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
@@ -61,8 +61,7 @@ def load_sides(model_dir: Path, batch: int) -> SimpleNamespace:
                                    temperature=None, top_p=None, top_k=None)
         return call
 
-    return SimpleNamespace(ids=ids, cfg=cfg, params=params, ours=ours, theirs=theirs,
-                           transformers=transformers.__version__)
+    return SimpleNamespace(ids=ids, ours=ours, theirs=theirs, transformers=transformers.__version__)
 
 
 def union_s(spans) -> float:

@@ -1,43 +1,58 @@
 #!/usr/bin/env bash
-# PPO-step throughput, MFU and sampler bandwidth of ppo_jax on a GPU (or TPU) machine, bf16:
-# sets up the environment, checks what `jax.devices()` sees, then runs bench/gpu.py (random
-# weights of the SmolLM2-135M shape and of a ~1.07B Llama shape; see its docstring for what is
-# measured and the FLOPs / bytes models). Nothing is downloaded at run time: the models are
+# ppo_jax on a GPU (or TPU) machine, bfloat16, random weights of SmolLM2-135M's shape: sets up
+# the environment, checks what `jax.devices()` sees, then runs the kept benchmarks' device modes
+# and bench/report.py over their JSON. Nothing is downloaded at run time: the models are
 # random-init, the SmolLM2 tokenizer ships in bench/smollm2_tokenizer/.
+#   ppo_step  bench/ppo_step.py: ppo_jax's PPO step per phase, shared and separate critic,
+#             4 epochs, batch 64, 128 new tokens, counted FLOPs and GFLOP/s (no TRL peer there:
+#             the device image has no torch);
+#   engine    bench/engine.py: the paged engine against the static sampler at equal KV memory,
+#             256 responses whose lengths `--random-stops 768` makes heavy-tailed, 64 and 128 slots.
+#
+# Usage:
+#   bench/gpu.sh [--out DIR] [ppo_step] [engine]   DIR (default bench/results_raw/gpu) gets
+#                                                  ppo_step.json, engine.json and results.md
+#   bench/gpu.sh --dry-run [--out DIR]             the same scripts on the CPU, tiny shape and sizes
+#                                                  (also PPO_BENCH_DRY=1; default DIR
+#                                                  bench/results_raw/quick/gpu)
+# Name one benchmark to run it alone (a short device lease; compiles take minutes on XLA:GPU).
 #
 # Environment set-up (skipped with PPO_BENCH_PYTHON=/path/to/python, an interpreter that already
 # has a jax with CUDA/TPU support and ppo_jax's dependencies, or gets the missing ones from
 # PPO_BENCH_WHEELS, e.g. on a machine without pip access):
 #   1. scripts/setup_venv.sh test   -> .venv (ppo_jax and its dependencies);
-#   2. pip install "jax[cuda12]==<the installed jax version>" into .venv (CUDA 12 wheels of
-#      jaxlib + the nvidia-* runtime wheels). This needs pip access to those wheels (PyPI or a
-#      mirror); set PPO_BENCH_JAX_EXTRA=tpu for a TPU VM, or =none to keep the installed jax.
-#
-# Usage:
-#   bench/gpu.sh [--json PATH]           e.g. bench/gpu.sh --json bench/results_raw/gpu.json
-#                                        (bench/report.py adds a gpu.json it finds to results.md)
-#   bench/gpu.sh --dry-run               same code path on the CPU, tiny model (also PPO_BENCH_DRY=1)
-# The settings (2 models x shared/separate critic, 4 epochs, batch 64, 128 new tokens, 1 warm-up +
-# 3 measured steps, a 420 s time budget: bench/gpu.py SETTINGS) are sized to finish in under
-# 8 minutes on one H200, compiles included (an estimate: not yet timed there).
-#
+#   2. pip install "jax[cuda12]==<the installed jax version>" into .venv; set
+#      PPO_BENCH_JAX_EXTRA=tpu for a TPU VM, or =none to keep the installed jax.
 # Machine without a package index (e.g. an H200 image with python3, jax + CUDA plugin, flax,
 # optax, orbax-checkpoint, chex, transformers, tokenizers, safetensors, numpy, pyarrow, tqdm):
 #   here:   bench/gpu_wheels.sh .whl      (omegaconf, tensorboardX, vaderSentiment wheels, <1 MB)
-#   there:  PPO_BENCH_PYTHON=python3 PPO_BENCH_WHEELS=.whl bench/gpu.sh --json OUT/gpu.json
-# Environment: PPO_BENCH_PEAK_TFLOPS / PPO_BENCH_PEAK_HBM_TBS (peak dense bf16 TFLOP/s and memory
-# TB/s per chip where the device is not in gpu.py's tables), PPO_BENCH_PYTHON,
-# PPO_BENCH_WHEELS (a folder of wheels installed, without their dependencies, into a temporary
-# folder put first on PYTHONPATH), PPO_BENCH_JAX_EXTRA (cuda12 | tpu | none), PPO_BENCH_COMMIT
-# (recorded as the code's commit where the tree has no .git; default `git rev-parse HEAD`),
-# PPO_JAX_CACHE (where the tokenizer, random models and XLA compilation cache go; default .cache).
+#   there:  PPO_BENCH_PYTHON=python3 PPO_BENCH_WHEELS=.whl bench/gpu.sh --out OUT
+# Environment: PPO_BENCH_SHAPE (smollm2 | llama1b: Llama-3.2-1B's decoder with SmolLM2's
+# vocabulary, for the PPO step; default smollm2), PPO_BENCH_PYTHON, PPO_BENCH_WHEELS (a folder
+# of wheels installed, without their dependencies, into a temporary folder put first on
+# PYTHONPATH), PPO_BENCH_JAX_EXTRA (cuda12 | tpu | none), PPO_BENCH_COMMIT (recorded as the
+# code's commit where the tree has no .git), PPO_JAX_CACHE (where the tokenizer, random models
+# and XLA compilation cache go; default .cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dry="${PPO_BENCH_DRY:-0}"
-for a in "$@"; do
-  if [ "$a" = "--dry-run" ]; then dry=1; fi
+out=
+benches=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --out) out="$2"; shift ;;
+    ppo_step|engine) benches+=("$1") ;;
+    *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+  shift
 done
+if [ ${#benches[@]} -eq 0 ]; then benches=(ppo_step engine); fi
+if [ -z "$out" ]; then
+  out=bench/results_raw/gpu
+  if [ "$dry" = 1 ]; then out=bench/results_raw/quick/gpu; fi
+fi
 
 if [ -n "${PPO_BENCH_PYTHON:-}" ]; then
   py="$PPO_BENCH_PYTHON"
@@ -86,5 +101,22 @@ if [ "$dry" != 1 ] && [ "$("$py" -c 'import jax; print(jax.default_backend())')"
   exit 1
 fi
 
-export PPO_BENCH_COMMAND="bench/gpu.sh $*"
-exec "$py" bench/gpu.py "$@"
+cache="${PPO_JAX_CACHE:-$PWD/.cache}"
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$cache/jax-compile}"
+if [ "$dry" = 1 ]; then
+  ppo_step=(--random-shape tiny --epochs 1 --batch 2 --new-tokens 4 --steps 1)
+  engine=(--tiny --random-stops 8 --responses 8 --rows 4 --slots 4 --new-tokens 8 --rounds 1)
+else
+  ppo_step=(--random-shape "${PPO_BENCH_SHAPE:-smollm2}" --epochs 4 --batch 64 --new-tokens 128 --steps 3)
+  engine=(--random-stops 768 --slots 64 128 --buckets 2 --rounds 2)
+fi
+mkdir -p "$out"
+for bench in "${benches[@]}"; do
+  case "$bench" in
+    ppo_step) "$py" bench/ppo_step.py --configs jax-shared jax-separate --dtype bfloat16 \
+                --warmup 1 --rounds 1 "${ppo_step[@]}" --json "$out/ppo_step.json" ;;
+    engine) "$py" bench/engine.py --workload heavy --dtype bfloat16 "${engine[@]}" \
+              --json "$out/engine.json" ;;
+  esac
+done
+"$py" bench/report.py "$out" --out "$out/results.md"

@@ -7,7 +7,7 @@
 # that list, so they are fetched with --no-deps.
 #
 # Usage: bench/gpu_wheels.sh [DIR (default .whl)]   then, on the GPU machine:
-#   PPO_BENCH_PYTHON=python3 PPO_BENCH_WHEELS=DIR bench/gpu.sh --json OUT/gpu.json
+#   PPO_BENCH_PYTHON=python3 PPO_BENCH_WHEELS=DIR bench/gpu.sh --out OUT
 # Environment: PPO_BENCH_WHEEL_PYTHON (the target's Python version, default 3.12).
 set -euo pipefail
 cd "$(dirname "$0")/.."

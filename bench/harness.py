@@ -1,15 +1,20 @@
 """What every benchmark shares (standard library only: the TRL environment imports it too):
 options, timing in interleaved rounds, worker processes, the run record (commit, dirty flag, CPU,
-load, wall time, malloc settings), `finish` (table under the CPU/commit line + JSON), markdown."""
+load, wall time, malloc settings), `finish` (table under the CPU/commit line + JSON), markdown,
+and random weights of a named shape with the shipped tokenizer (device machines download nothing).
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
+import hashlib
 import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +28,16 @@ JSON_TAG = "BENCH_JSON "
 # SIMD / matrix instruction sets worth naming next to a CPU figure (x86 flags, Arm features)
 ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve", "sve2")
+TOKENIZER = ROOT / "bench/smollm2_tokenizer"  # SmolLM2's, gzipped
+TOKENIZER_SHA256 = "bf346d64f6f0fbcefb4c1b6928a98241467dff36c6fbae5fe1785c4ff90667f4"
+SHAPE_KEYS = ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
+              "head_dim", "rope_theta")
+# random-weight shapes (bench/gpu.sh): SmolLM2-135M's; Llama-3.2-1B's decoder with SmolLM2's
+# vocabulary (~1.07B); a tiny one for dry runs
+SHAPES = {name: dict(zip(SHAPE_KEYS, dims)) for name, dims in (
+    ("smollm2", (576, 30, 1536, 9, 3, 64, 1e5)),
+    ("llama1b", (2048, 16, 8192, 32, 8, 64, 5e5)),
+    ("tiny", (64, 2, 128, 4, 2, 16, 1e4)))}
 
 
 def log(msg: str) -> None:
@@ -258,3 +273,34 @@ def ratio(x, digits: int = 2, st: dict | None = None) -> str:
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+# --------------------------------------------------------------------------- random weights
+def unpack_tokenizer(out: Path) -> Path:
+    """The shipped SmolLM2 tokenizer as a directory `out` (unpacked once, checked by sha256)."""
+    if not (out / "tokenizer.json").is_file():
+        data = gzip.decompress((TOKENIZER / "tokenizer.json.gz").read_bytes())
+        if (digest := hashlib.sha256(data).hexdigest()) != TOKENIZER_SHA256:
+            raise SystemExit(f"{TOKENIZER}/tokenizer.json.gz: sha256 {digest}, expected {TOKENIZER_SHA256}")
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(TOKENIZER / name, out / name)
+        (out / "tokenizer.json").write_bytes(data)  # last: it marks a complete directory
+    return out
+
+
+def random_model(shape: str) -> Path:
+    """Random bfloat16 weights of `SHAPES[shape]` with the shipped tokenizer, tied embeddings,
+    written once under the cache folder ($PPO_JAX_CACHE, else .cache)."""
+    from ppo_jax.models import load_tokenizer
+    from ppo_jax.models.smollm2 import default_cache_dir
+    from ppo_jax.models.tiny_random import ensure_random_checkpoint, tiny_config
+
+    dims, cache = SHAPES[shape], default_cache_dir()
+    tok = load_tokenizer(unpack_tokenizer(cache / "smollm2-tokenizer"))
+    eos = int(tok.eos_token_id)
+    pad = eos if tok.pad_token_id is None else int(tok.pad_token_id)
+    cfg = tiny_config(len(tok), **dims, max_position_embeddings=8192, bos_token_id=tok.bos_token_id,
+                      eos_token_ids=(eos,), pad_token_id=pad, param_dtype="bfloat16", dtype="bfloat16")
+    name = "random-llama-" + "-".join(str(dims[k]) for k in SHAPE_KEYS[:-1])
+    return ensure_random_checkpoint(cache / name, tok, cfg, dtype="bfloat16")

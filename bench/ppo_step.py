@@ -3,9 +3,10 @@
 settings, float32 on the CPU; every configuration a fresh worker process, in interleaved rounds.
 
 Usage: python bench/ppo_step.py [--epochs 1 4] [--steps 3] [--warmup 1] [--rounds 3] [--batch 8]
-    [--new-tokens 48] [--json PATH]
-Worker (also bench/gpu.py's, with `--dtype bfloat16`):
-    python bench/ppo_step.py --worker jax --mode shared --epochs 4 [--model-dir DIR]
+    [--new-tokens 48] [--configs trl jax-shared jax-separate] [--json PATH]
+    On a device machine (bench/gpu.sh): ppo_jax only, random weights of a shape (harness.SHAPES):
+    --configs jax-shared jax-separate --random-shape smollm2 --dtype bfloat16
+Worker: python bench/ppo_step.py --worker jax --mode shared --epochs 4 [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from harness import (ROOT, alternate, emit, finish, fmt, log, options, ppo_step_record, ppo_step_summary,
-                     ratio, run_worker, spread, stats, table, under_malloc_settings)
+                     random_model, ratio, run_worker, spread, stats, table, under_malloc_settings)
 
 PROMPTS = ROOT / "configs/prompts/reviews.jsonl"
 CONFIGS = ("trl", "jax-shared", "jax-separate")
@@ -34,14 +35,13 @@ TIMES = ("time/generation", "time/scoring", "time/update", "time/step")
 TRL_PYTHON = ROOT / ".venv-bench/bin/python"  # bench/setup_trl_env.sh
 
 
-def resolve_model_dir(model_dir: str | None, tiny_in: str | None = None) -> Path:
-    """The tiny random Llama written under `tiny_in` (a dry run), else `model_dir`, else the
+def resolve_model_dir(model_dir: str | None, random_shape: str = "") -> Path:
+    """Random weights of the shape `random_shape` (harness.SHAPES), else `model_dir`, else the
     converted SmolLM2-135M-Instruct."""
     from ppo_jax.models.smollm2 import ensure_smollm2
-    from ppo_jax.models.tiny_random import ensure_tiny_random
 
-    if tiny_in:
-        return ensure_tiny_random(Path(tiny_in) / "tiny-random-llama")
+    if random_shape:
+        return random_model(random_shape)
     return Path(model_dir or ensure_smollm2()).resolve()
 
 
@@ -87,9 +87,10 @@ def step_record(trainer, args, i: int) -> dict:
 
 
 def counted_flops(recorders: dict, records: list[dict], warmup: int) -> dict | None:
-    """Per phase, the FLOPs per measured step counted from the compiled functions (bench/flops.py);
-    adds each record's `gflops_per_s/<phase>`. None (and a log line) if counting fails."""
-    out = {"source": "jaxpr dot_general count (bench/flops.py)"}
+    """Per phase, the FLOPs per measured step counted from the compiled functions
+    (ppo_jax/aot/flops.py); adds each record's `gflops_per_s/<phase>`. None (and a log line) if
+    counting fails."""
+    out = {"source": "jaxpr dot_general count (ppo_jax/aot/flops.py)"}
     try:
         for phase, rec in recorders.items():
             counts = rec.per_call()
@@ -111,8 +112,8 @@ def run_jax_worker(args) -> dict:
     from importlib.metadata import version
 
     import jax
-    from flops import SignatureRecorder
 
+    from ppo_jax.aot.flops import SignatureRecorder
     from ppo_jax.models import count_params
     from ppo_jax.trainer.config import load_config
     from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
@@ -129,7 +130,7 @@ def run_jax_worker(args) -> dict:
     n_params = {k: 0 if trainer.state[k] is None else count_params(trainer.state[k].params)
                 for k in ("actor", "critic")}
     warm, measured = records[:args.warmup], records[args.warmup:]
-    mc, dev = trainer.models.actor.cfg, jax.devices()[0]
+    dev = jax.devices()[0]
     try:
         peak_device = (dev.memory_stats() or {}).get("peak_bytes_in_use")
     except Exception:  # noqa: BLE001 - not every backend implements memory_stats (CPU)
@@ -140,9 +141,6 @@ def run_jax_worker(args) -> dict:
         "new_tokens": args.new_tokens, "dtype": args.dtype, "device": dev.platform,
         "device_kind": dev.device_kind, "device_count": jax.device_count(),
         "model": model_dir.name, "n_params": n_params["actor"], "n_params_critic": n_params["critic"],
-        "model_config": {k: getattr(mc, k) for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-            "num_kv_heads", "head_dim", "tie_word_embeddings")},
         "prompt_width": int(trainer.prompts.ids.shape[1]), "warmup_steps": len(warm),
         "measured_steps": len(measured), "load_s": load_s, "first_step_s": records[0]["time/step"],
         "compile_s": warm[0]["time/step"] - statistics.median(r["time/step"] for r in measured) if warm else None,
@@ -251,12 +249,13 @@ def markdown(d: dict) -> str:
 
 def main() -> None:
     args = options(__doc__, model_dir=None, epochs=[1, 4], batch=8, new_tokens=48, steps=3, warmup=1,
-                   rounds=3, max_prompt_length=64, json=None, worker="", mode="shared", dtype="float32")
+                   rounds=3, max_prompt_length=64, configs=list(CONFIGS), random_shape="", json=None,
+                   worker="", mode="shared", dtype="float32")
     if args.worker == "jax":
         (args.epochs,) = args.epochs  # one value
         return emit(run_jax_worker(args))
-    model_dir, configs = resolve_model_dir(args.model_dir), list(CONFIGS)
-    if not TRL_PYTHON.is_file():
+    model_dir, configs = resolve_model_dir(args.model_dir, args.random_shape), args.configs
+    if "trl" in configs and not TRL_PYTHON.is_file():
         log(f"TRL environment not found ({TRL_PYTHON}); run bench/setup_trl_env.sh. Skipping the TRL rows.")
         configs.remove("trl")
     from ppo_jax.trainer.host.memory import malloc_env, malloc_settings_active
@@ -275,7 +274,8 @@ def main() -> None:
                     cmd = ([str(TRL_PYTHON), str(ROOT / "bench/ppo_step_trl.py"), f"--prompt-ids={prompt_file}",
                             f"--kl-coef={KL_COEF}", f"--lr={LR}", f"--seed={SEED}"] if name == "trl" else
                            [sys.executable, str(Path(__file__).resolve()), "--worker=jax",
-                            f"--mode={name.split('-')[1]}", f"--max-prompt-length={args.max_prompt_length}"])
+                            f"--mode={name.split('-')[1]}", f"--max-prompt-length={args.max_prompt_length}",
+                            f"--dtype={args.dtype}"])
                     cmd += [*shared, f"--epochs={epochs}"]
                     if res := run_worker(cmd, env, f"{name}, {epochs} epoch(s), round {rnd + 1}/{args.rounds}"):
                         results.append({**res, "config": name, "round": rnd, "command": " ".join(cmd),
@@ -283,7 +283,7 @@ def main() -> None:
     finish({"bench": "ppo_step", "settings": {
         "model": model_dir.name, "batch": args.batch, "new_tokens": args.new_tokens, "epochs": args.epochs,
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-        "max_prompt_length": args.max_prompt_length, "dtype": "float32", "kl_coef": KL_COEF, "vf_coef": VF_COEF,
+        "max_prompt_length": args.max_prompt_length, "dtype": args.dtype, "kl_coef": KL_COEF, "vf_coef": VF_COEF,
         "max_grad_norm": MAX_GRAD_NORM, "configs": configs},
         "results": merge_rounds(results), "rounds": results}, markdown, args.json)
     if len(results) < len(configs) * len(args.epochs) * args.rounds:

@@ -1,9 +1,8 @@
 """Collect the benchmarks' JSON (`--json`) into bench/results.md: the header (commits, recorded
-CPU, software, load and wall time, commands), each benchmark's own table, the ceiling estimate,
-`make bench-train`'s runs and gpu.json. Refuses raw files from commits whose measured code differs.
+CPU, software, load and wall time, commands), each benchmark's own table and `make bench-train`'s
+runs. Refuses raw files from commits whose measured code differs.
 
 Usage: python bench/report.py [RAW_DIR (default bench/results_raw)] [--out bench/results.md]
-       python bench/report.py --gpu-only GPU_JSON [--out bench/results.md]   (that section only)
 """
 
 from __future__ import annotations
@@ -16,12 +15,10 @@ import subprocess
 from importlib.metadata import distributions
 from pathlib import Path
 
-from gpu import gpu_section, replace_gpu_section
-from harness import ROOT, cpu_info, cpu_line, fmt, now, options, table
+from harness import ROOT, cpu_info, cpu_line, now, options
 
-# the code whose speed the benchmarks measure: commits holding the same of these measured the same.
-# Of configs/ only the default run's and the prompts (logprob_memory.py's Llama-8B arithmetic reads
-# llama_8b_gpu_tpu.yaml: a change there shows in that estimate, not in a measurement).
+# the code whose speed the benchmarks measure: commits holding the same of these measured the same
+# (of configs/ only the default run's and the prompts)
 MEASURED_CODE = ("ppo_jax", "train.py", "configs/default.yaml", "configs/prompts",
                  "pyproject.toml", "scripts/setup_venv.sh")
 BENCH_SCRIPTS = ("bench/*.py", "bench/*.sh")
@@ -29,19 +26,10 @@ RENDERING = ("bench/report.py",)  # renders only: measures nothing
 # the benchmarks `make bench` runs, in results.md's order, with their headings
 SECTIONS = (
     ("ppo_step", "PPO step: ppo_jax vs TRL 0.11 `PPOTrainer` (bench/ppo_step.py)"),
-    ("roofline", "Roofline: the PPO update's FLOP rate vs a large matmul (bench/roofline.py)"),
-    ("update_profile", "Update profile: where the update's time goes, XLA:CPU flags A/B, PyTorch "
-     "beside it (bench/update_profile.py)"),
     ("generate", "Generation: ppo_jax sampler vs transformers `generate` (bench/generate.py)"),
-    ("decode_floor", "Decode floor: the sampler's decode step vs its weight matmuls alone "
-     "(bench/decode_floor.py)"),
     ("engine", "Rollout engine: the paged engine vs the static sampler at equal KV memory "
      "(bench/engine.py)"),
     ("core", "PPO math: ppo_jax.core vs TRL 0.11-style torch (bench/core.py)"),
-    ("logprob_memory", "Log-probs without the `[B, T, V]` logits: memory of the head and of the "
-     "whole update (bench/logprob_memory.py)"),
-    ("lora_update", "LoRA update: forward + backward against the full fine-tune, two widths "
-     "(bench/lora_update.py)"),
 )
 TRAIN_RUNS = ("train_run", "train_ab_malloc", "train_ab_columns")  # `make bench-train`, optional
 # bench/train_run.py runs of LoRA against the full fine-tune (docs/lora.md), optional
@@ -172,54 +160,21 @@ def machine_lines(raws: dict[str, dict | None]) -> list[str]:
     return out
 
 
-# --------------------------------------------------------------------------- ceiling
-def ceiling_markdown(step: dict, roof: dict, floor: dict | None) -> str:
-    """An estimate: ppo_jax's step with every counted scoring + update FLOP at the fastest matmul
-    rate measured, generation at the decode floor, host work free; against TRL's measured step."""
-    rate = roof["matmul"]["gflops_per_s"]["max"] * 1e9
-    gen_scale = floor["floor_step_s"] / floor["decode_step_s"] if floor else 1.0
-    rows = []
-    for epochs in sorted({r["epochs"] for r in step["results"]}):
-        rs = {r["config"]: r for r in step["results"] if r["epochs"] == epochs}
-        trl, ours = rs.get("trl"), rs.get("jax-shared")
-        if not trl or not ours or not ours.get("model_flops"):
-            continue
-        t_ours, t_trl = ours["stats"]["time/step"]["median"], trl["stats"]["time/step"]["median"]
-        flops = sum(ours["model_flops"][k]["flops"] for k in ("scoring", "update"))
-        gen = ours["stats"]["time/generation"]["median"] * gen_scale
-        best = gen + flops / rate
-        rows.append([epochs, fmt(t_ours), fmt(gen), fmt(flops / rate), fmt(best), fmt(t_trl),
-                     f"×{t_trl / t_ours:.2f}", f"**×{t_trl / best:.2f}**"])
-    if not rows:
-        return "_needs ppo_step.json with TRL and the shared-critic run, and roofline.json_"
-    gen_txt = (f"generation at the decode floor (its measured time x {gen_scale:.2f}, the "
-               "weight matmuls' share of a decode step in decode_floor.json)" if floor
-               else "generation as measured (no decode_floor.json)")
-    return "\n".join([
-        f"An estimate, not a measurement: ppo_jax's step if scoring and update ran every counted "
-        f"model FLOP at the fastest {roof['matmul']['n']}^3 float32 matmul rate measured here "
-        f"({fmt(rate / 1e9, 1)} GFLOP/s, roofline.json), {gen_txt}, and host work (decode, reward, "
-        "GAE) took no time; against TRL's measured step (seconds, medians):", "",
-        table(["epochs", "ppo_jax step", "generation at best", "scoring + update at best",
-               "best step", "TRL step", "ratio now", "ratio at best"], rows)])
-
-
 # --------------------------------------------------------------------------- main
 def render(raw: Path, out_path: Path | None = None) -> str:
     """results.md's text from the raw JSON files in `raw` (`out_path`: for the reproduce line)."""
     load = lambda name: json.loads(p.read_text()) if (p := raw / f"{name}.json").is_file() else None  # noqa: E731
     raws = {name: load(name) for name, _ in SECTIONS}
     raws.update({name: d for name in TRAIN_RUNS + LORA_RUNS if (d := load(name))})
-    gpu = load("gpu")  # optional: bench/gpu.sh --json <raw>/gpu.json on an accelerator
     rel = raw.relative_to(ROOT) if raw.is_relative_to(ROOT) else raw
     out = ["# Benchmark results", "", f"Generated {now()} by `bench/report.py` from `{rel}`. All "
            "figures are wall-clock times on the machine below; other load on the machine inflates "
            "them (the load average at the end of each benchmark is given).", ""]
-    if prov := provenance_lines({**raws, "gpu": gpu}):
+    if prov := provenance_lines(raws):
         out += ["\n\n".join(prov), ""]
     out += ["## Machine and software", ""] + machine_lines(raws)
     out += ["", "## Reproduce", "", "```bash", "make bench   # sets up .venv and .venv-bench, runs "
-            "the nine benchmarks, writes bench/results.md", "# or one at a time:"]
+            "the benchmarks, writes bench/results.md", "# or one at a time:"]
     out += [d["command"] for d in raws.values() if d and d.get("command")]
     o = (out_path or ROOT / "bench/results.md").resolve()
     dest = "" if o == (ROOT / "bench/results.md").resolve() else \
@@ -230,9 +185,6 @@ def render(raw: Path, out_path: Path | None = None) -> str:
         out += ["", f"## {heading}", "", (d.get("markdown") or f"_{name}.json carries no section "
                                           "(written before the benchmarks rendered their own)_")
                 if d else f"_not run (no {name}.json)_"]
-    if raws["ppo_step"] and raws["roofline"]:
-        out += ["", "## Ceiling: the fastest PPO step the measured CPU allows (bench/report.py)", "",
-                ceiling_markdown(raws["ppo_step"], raws["roofline"], raws["decode_floor"])]
     for group, heading in ((LORA_RUNS, "LoRA against the full fine-tune: whole runs (bench/train_run.py, "
                                        "commands in each)"),
                            (TRAIN_RUNS, "Whole training runs (bench/train_run.py, `make bench-train`)")):
@@ -240,21 +192,13 @@ def render(raw: Path, out_path: Path | None = None) -> str:
             out += ["", f"## {heading}"]
             for d in runs:
                 out += ["", f"### {d.get('title') or 'train.py runs'}", "", d.get("markdown", "")]
-    if gpu:
-        out += ["", gpu_section(gpu)]
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("raw", nargs="?", type=Path, default=ROOT / "bench/results_raw")
-    args = options(__doc__, parser=parser, out=ROOT / "bench/results.md", gpu_only=None)
-    if args.gpu_only is not None:  # only (re)write the GPU section of --out, keep the rest
-        section = gpu_section(json.loads(args.gpu_only.read_text()))
-        old = args.out.read_text() if args.out.is_file() else "# Benchmark results\n"
-        args.out.write_text(replace_gpu_section(old, section))
-        print(f"wrote the GPU section of {args.out}")
-        return
+    args = options(__doc__, parser=parser, out=ROOT / "bench/results.md")
     text = render(args.raw.resolve(), args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

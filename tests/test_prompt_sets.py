@@ -27,10 +27,10 @@ def test_everyday_prompts_are_distinct_and_never_held_out():
 def test_default_prompts_fit_the_default_prompt_length(tmp_path):
     from transformers import AutoTokenizer
 
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench/gpu.py")
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
-    tok = AutoTokenizer.from_pretrained(gpu.unpack_tokenizer(tmp_path / "tok"))
+    spec = importlib.util.spec_from_file_location("bench_harness", ROOT / "bench/harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    tok = AutoTokenizer.from_pretrained(harness.unpack_tokenizer(tmp_path / "tok"))
     cfg = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
     widths = [len(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
                                           add_generation_prompt=True, return_dict=True)["input_ids"])

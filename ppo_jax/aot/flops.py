@@ -7,11 +7,17 @@ decode loop: `max_new_tokens - 1`; 1 by default). Attention's `q k^T` and `p v` 
 are counted; elementwise work (softmax, norms, Adam) is not. Recomputation under remat is in
 the jaxpr and is counted; trace a program built with `model.remat=none` for model FLOPs
 without it.
+
+`count_flops(jitted, *args)` applies it to a jitted function's trace, XLA's cost analysis
+beside it; `SignatureRecorder` wraps a jitted function to count every call's FLOPs after the
+calls were timed (bench/ppo_step.py).
 """
 
 from __future__ import annotations
 
 import math
+
+import jax
 
 
 def dot_general_flops(eqn) -> int:
@@ -55,3 +61,51 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
             mult = eqn.params["length"] if name == "scan" else while_trips if name == "while" else 1
             flops += sum(f for f, _ in subs) * mult
     return flops, loops
+
+
+def xla_flops(compiled) -> float | None:
+    """`cost_analysis()["flops"]` of a `Compiled` (a dict, or one per device); None if unreported.
+    XLA counts a while body once, so it undercounts scanned layers: a figure to set beside ours."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements cost analysis
+        return None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else None
+    flops = (ca or {}).get("flops")
+    return None if flops is None or flops < 0 else float(flops)
+
+
+def count_flops(jitted, *args, with_xla: bool = True) -> dict:
+    """Counts of `jitted(*args)` (arrays or `ShapeDtypeStruct`s): `{"flops", "loops",
+    "xla_flops"}` (`jaxpr_matmul_flops` of its trace; `xla_flops` None when `with_xla` is False
+    or unreported)."""
+    traced = jitted.trace(*args)
+    flops, loops = jaxpr_matmul_flops(traced.jaxpr)
+    return {"flops": flops, "loops": loops,
+            "xla_flops": xla_flops(traced.lower().compile()) if with_xla else None}
+
+
+class SignatureRecorder:
+    """Calls `fn`, recording each call's abstract arguments (`calls`: a signature key per call;
+    `specs[key]`); `per_call()`: `count_flops` of each call (one trace per signature), so a
+    benchmark counts the FLOPs of what it timed after the timing."""
+
+    def __init__(self, fn):
+        self.fn, self.calls, self.specs = fn, [], {}
+
+    def __call__(self, *args):
+        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+            if hasattr(x, "shape") and hasattr(x, "dtype") else x, args)
+        leaves, treedef = jax.tree.flatten(specs)
+        key = (treedef, tuple(leaves))
+        self.specs.setdefault(key, specs)
+        self.calls.append(key)
+        return self.fn(*args)
+
+    def per_call(self, with_xla: bool = True) -> list[dict]:
+        """`count_flops` of every recorded call, in call order."""
+        counts = {key: count_flops(self.fn, *specs, with_xla=with_xla)
+                  for key, specs in self.specs.items()}
+        return [counts[key] for key in self.calls]

@@ -78,7 +78,23 @@ def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
 
 
 def ensure_tiny_random(directory: str | Path, seed: int = 0) -> Path:
-    """Write the tiny checkpoint to `directory` unless it is already there; return the path.
+    """Write the tiny checkpoint to `directory` unless it is already there; return the path."""
+    directory = Path(directory)
+    if _complete(directory):
+        return directory
+    tokenizer = tiny_tokenizer()
+    return ensure_random_checkpoint(directory, tokenizer, tiny_config(len(tokenizer)), seed)
+
+
+def _complete(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+
+
+def ensure_random_checkpoint(directory: str | Path, tokenizer, cfg: ModelConfig, seed: int = 0,
+                             dtype: str | None = None) -> Path:
+    """Randomly initialised weights of `cfg` (a causal LM) with `tokenizer`, as an HF directory
+    (weights in `dtype`, default each param's own), unless `directory` already holds one; the path.
+    Any shape works (the benchmarks' random SmolLM2-shape models on a machine without a download).
 
     Written to a temporary sibling then renamed, so an interrupted write is never reused.
     """
@@ -86,14 +102,12 @@ def ensure_tiny_random(directory: str | Path, seed: int = 0) -> Path:
     from ppo_jax.models.hf_io import save_pretrained
 
     directory = Path(directory)
-    if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
+    if _complete(directory):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_tokenizer()
-    cfg = tiny_config(len(tokenizer))
     tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp", dir=directory.parent))
     try:
-        save_pretrained(init_model(cfg, "causal_lm", seed=seed), cfg, tmp, tokenizer)
+        save_pretrained(init_model(cfg, "causal_lm", seed=seed), cfg, tmp, tokenizer, dtype=dtype)
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)

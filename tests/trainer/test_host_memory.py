@@ -74,9 +74,7 @@ def test_reexec_runs_the_script_again_once_with_the_settings(tmp_path):
     assert off[:2] == ["start None", "after None None"]
 
 
-@pytest.mark.parametrize("script", ["train.py", "bench/core.py", "bench/decode_floor.py", "bench/logprob_memory.py",
-                                    "bench/generate.py", "bench/ppo_step.py", "bench/roofline.py",
-                                    "bench/update_profile.py"])
+@pytest.mark.parametrize("script", ["train.py", "bench/core.py", "bench/generate.py", "bench/ppo_step.py"])
 def test_entry_points_reexec_first_in_main(script):
     """train.py and the CPU benchmarks re-execute under the settings before anything else runs in
     their `__main__` block (the benchmarks then measure XLA:CPU as train.py runs it)."""

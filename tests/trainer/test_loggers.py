@@ -280,8 +280,10 @@ def test_bad_logger_names_are_refused_at_load_time(value, says):
 
 
 def test_a_logger_without_its_package_exits_2_before_loading(tmp_path, monkeypatch, capsys):
-    real = loggers.importlib.util.find_spec
-    monkeypatch.setattr(loggers.importlib.util, "find_spec",
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "mlflow" else real(name, *a))
     out = tmp_path / "run"
     assert train.main(tiny_args(out, "--set", "train.loggers=[wandb,mlflow]")) == 2

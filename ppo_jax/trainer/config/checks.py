@@ -5,6 +5,7 @@ is a `ConfigError` naming the key and its value, raised before anything is loade
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import typing
 from typing import Literal
@@ -16,7 +17,6 @@ from ppo_jax.trainer.config.help import leaves
 from ppo_jax.trainer.config.schema import (
     Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
 )
-from ppo_jax.trainer.tracking.loggers import check_loggers
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -55,17 +55,7 @@ def validate(cfg: Config) -> None:
     _positive("data.prompt_buckets", cfg.data.prompt_buckets)
     _positive("generation.response_buckets", g.response_buckets)
     _validate_optim_train(o, cfg.train)
-    if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
-        raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
-    if cfg.stage == "ppo" and cfg.model.reward_model and cfg.reward.kind != "model":
-        raise ConfigError(f"model.reward_model={cfg.model.reward_model!r} is read only with "
-                          f"reward.kind='model' (reward.kind={cfg.reward.kind!r}): set "
-                          "reward.kind=model to score with it, or model.critic to start the "
-                          "critic from it")
-    if cfg.reward.normalize and cfg.reward.kind != "model":
-        raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
-    if cfg.reward.eos_at_end and cfg.reward.kind != "model":
-        raise ConfigError("reward.eos_at_end=true applies to reward.kind='model' only")
+    _validate_reward(cfg)
     if p.critic_warmup_steps < 0:
         raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
     _positive("generation.samples_per_prompt", g.samples_per_prompt)
@@ -97,6 +87,21 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, name)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
+
+
+def _validate_reward(cfg: Config) -> None:
+    """The reward's source: a reward model only with reward.kind=model, and its options."""
+    if cfg.stage == "ppo" and cfg.reward.kind == "model" and not cfg.model.reward_model:
+        raise ConfigError("reward.kind='model' needs model.reward_model (a local HF directory)")
+    if cfg.stage == "ppo" and cfg.model.reward_model and cfg.reward.kind != "model":
+        raise ConfigError(f"model.reward_model={cfg.model.reward_model!r} is read only with "
+                          f"reward.kind='model' (reward.kind={cfg.reward.kind!r}): set "
+                          "reward.kind=model to score with it, or model.critic to start the "
+                          "critic from it")
+    if cfg.reward.normalize and cfg.reward.kind != "model":
+        raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
+    if cfg.reward.eos_at_end and cfg.reward.kind != "model":
+        raise ConfigError("reward.eos_at_end=true applies to reward.kind='model' only")
 
 
 def _validate_ppo(p: PPOConfig) -> None:
@@ -254,3 +259,27 @@ def _validate_stage(cfg: Config) -> None:
     if name == "reward_model" and not cfg.model.reward_model:
         raise ConfigError("stage='reward_model' needs model.reward_model: the model to start from "
                           "(a causal LM such as 'smollm2' or an SFT output gets a fresh score head)")
+
+
+# name in `train.loggers` -> (module imported, pip package that provides it); the trackers
+# themselves: `trainer.tracking.loggers`
+LOGGERS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny (or mlflow)")}
+
+
+def check_loggers(names, key: str = "train.loggers") -> None:
+    """Refuse unknown, repeated or uninstalled tracker names (reads no file, imports nothing).
+
+    Raises:
+      ConfigError: naming `key`, the value, and the known names or the pip package to install.
+    """
+    names = list(names)
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(f"{key}={names!r}: {name!r} is not one of {list(LOGGERS)} "
+                              "(metrics.jsonl is always written; TensorBoard: train.tensorboard)")
+        module, package = LOGGERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key}={names!r}: {name!r} needs the {module} package, which is "
+                              f"not installed: pip install {package}")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"{key}={names!r}: a name given twice")

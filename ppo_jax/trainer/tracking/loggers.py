@@ -11,7 +11,6 @@ its server cannot be reached. The clients are imported only when a tracker opens
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import netrc
 import os
@@ -22,31 +21,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ppo_jax.trainer.config.fields import ConfigError
-
-# name in `train.loggers` -> (module imported, pip package that provides it)
-LOGGERS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny (or mlflow)")}
 DEFAULT_PROJECT = "ppo_jax"  # W&B project / MLflow experiment when neither config nor env names one
 WANDB_HOST = "https://api.wandb.ai"
-
-
-def check_loggers(names, key: str = "train.loggers") -> None:
-    """Refuse unknown, repeated or uninstalled tracker names (reads no file, imports nothing).
-
-    Raises:
-      ConfigError: naming `key`, the value, and the known names or the pip package to install.
-    """
-    names = list(names)
-    for name in names:
-        if name not in LOGGERS:
-            raise ConfigError(f"{key}={names!r}: {name!r} is not one of {list(LOGGERS)} "
-                              "(metrics.jsonl is always written; TensorBoard: train.tensorboard)")
-        module, package = LOGGERS[name]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"{key}={names!r}: {name!r} needs the {module} package, which is "
-                              f"not installed: pip install {package}")
-    if len(set(names)) < len(names):
-        raise ConfigError(f"{key}={names!r}: a name given twice")
 
 
 def warn_dropped(name: str, what: str, error: BaseException) -> None:

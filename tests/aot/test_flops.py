@@ -1,0 +1,67 @@
+"""The project's jaxpr FLOP count applied to jitted functions (`aot.flops.count_flops`,
+`SignatureRecorder`: what bench/ppo_step.py counts its timed steps with), XLA's count beside it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ppo_jax.aot.flops import SignatureRecorder, count_flops
+
+
+def test_counted_flops_of_a_matmul_are_2mnk():
+    m, k, n = 3, 5, 7
+    c = count_flops(jax.jit(lambda x, y: x @ y), jnp.ones((m, k)), jnp.ones((k, n)))
+    assert c["flops"] == 2 * m * n * k and c["loops"] == 0
+    assert c["xla_flops"] == pytest.approx(2 * m * n * k)
+
+
+def test_counted_flops_of_a_gradient_are_three_matmuls():
+    """d/dx and d/dw of sum(x @ w): forward, g w^T and x^T g, each 2 M N K (the 6N rule)."""
+    m, k, n = 4, 6, 3
+    grad = jax.jit(jax.grad(lambda x, w: (x @ w).sum(), argnums=(0, 1)))
+    assert count_flops(grad, jnp.ones((m, k)), jnp.ones((k, n)))["flops"] == 3 * 2 * m * n * k
+
+
+def test_scan_bodies_count_per_iteration_but_xla_counts_them_once():
+    """Why the benchmarks count from the jaxpr: XLA's cost analysis counts a while body once."""
+    layers, b, d = 6, 8, 16
+
+    def stack(x, w):
+        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
+
+    c = count_flops(jax.jit(stack), jnp.ones((b, d)), jnp.ones((layers, d, d)))
+    assert c["flops"] == layers * 2 * b * d * d
+    assert c["xla_flops"] < c["flops"] / 2
+
+
+def test_batched_dots_and_the_costlier_cond_branch():
+    bt, i, j, k = 2, 3, 4, 5
+
+    def f(p, a, b, c):
+        ab = jnp.einsum("bij,bjk->bik", a, b)
+        return jax.lax.cond(p, lambda: ab, lambda: ab @ c)
+
+    args = (True, jnp.ones((bt, i, j)), jnp.ones((bt, j, k)), jnp.ones((k, k)))
+    got = count_flops(jax.jit(f), *args, with_xla=False)
+    assert got["flops"] == 2 * bt * i * j * k + 2 * bt * i * k * k and got["xla_flops"] is None
+
+
+def test_while_loops_are_reported():
+    def f(x):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ c[0], c[1] + 1), (x, 0))[0]
+
+    c = count_flops(jax.jit(f), jnp.ones((4, 4)), with_xla=False)
+    assert c == {"flops": 2 * 4 ** 3, "loops": 1, "xla_flops": None}
+
+
+def test_signature_recorder_counts_each_call_after_the_fact():
+    rec = SignatureRecorder(jax.jit(lambda x, y: x @ y))
+    a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
+    out = rec(a, b)
+    rec(jnp.ones((5, 3)), b)
+    rec(a, b)
+    assert out.shape == (2, 4) and float(out[0, 0]) == 3.0
+    assert [c["flops"] for c in rec.per_call(with_xla=False)] == [48, 120, 48]
+    assert len(rec.specs) == 2
