@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -84,8 +85,8 @@ def update_memory(config: Path, chunk: int) -> dict:
             "train.progress=false", "train.save_every=0", "train.sample_every=0",
             "ppo.critic_warmup_steps=0"])  # step 1 runs the whole update, not the critic's alone
         trainer = PPOTrainer(cfg)
-        recorder = SignatureRecorder(trainer._update)
-        trainer._update = recorder
+        recorder = SignatureRecorder(trainer.jit.update)
+        trainer.jit = replace(trainer.jit, update=recorder)
         metrics = trainer.step()
         (specs,) = recorder.specs.values()
         mem = recorder.fn.lower(*specs).compile().memory_analysis()
