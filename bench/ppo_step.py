@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from harness import (ROOT, alternate, emit, finish, fmt, log, options, ppo_step_record, ppo_step_summary,
@@ -123,8 +124,9 @@ def run_jax_worker(args) -> dict:
         t0 = time.perf_counter()
         trainer = PPOTrainer(load_config(None, jax_overrides(model_dir, args.mode, args, out_dir)))
         load_s = time.perf_counter() - t0
-        rec = {"scoring": SignatureRecorder(trainer._experience), "update": SignatureRecorder(trainer._update)}
-        trainer._experience, trainer._update = rec["scoring"], rec["update"]
+        rec = {"scoring": SignatureRecorder(trainer.jit.experience),
+               "update": SignatureRecorder(trainer.jit.update)}
+        trainer.jit = replace(trainer.jit, experience=rec["scoring"], update=rec["update"])
         records = [step_record(trainer, args, i) for i in range(args.warmup + args.steps)]
         model_flops = counted_flops(rec, records, args.warmup)
     n_params = {k: 0 if trainer.state[k] is None else count_params(trainer.state[k].params)

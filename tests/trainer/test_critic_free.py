@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -53,14 +54,14 @@ def test_grpo_advantages_are_the_group_normalised_scores_of_the_rollout(tmp_path
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     trainer = trainer_for(tmp_path, "grpo", "ppo.whiten_advantages=false", "ppo.kl_coef=0.0")
     captured = {}
-    experience = trainer._experience
+    experience = trainer.jit.experience
 
     def spy(*args):
         out = experience(*args)
-        captured["exp"] = out[0]
+        captured["exp"] = out.experience
         return out
 
-    trainer._experience = spy
+    trainer.jit = replace(trainer.jit, experience=spy)
     trainer.step()
     exp = captured["exp"]
     np.testing.assert_array_equal(exp.group_ids, [0, 0, 0, 0, 1, 1, 1, 1])
@@ -83,10 +84,10 @@ def test_remax_baseline_is_the_greedy_response_score(tmp_path, monkeypatch):
     ids = jnp.asarray(trainer.prompts.ids[:8])
     mask = jnp.asarray(trainer.prompts.mask[:8])
     actor = trainer.ppo_models(trainer.state["actor"].params).actor
-    baseline = trainer._greedy_baseline(actor, ids, mask, jax.random.PRNGKey(0),
-                                        trainer.prompts.texts[:8])
-    g_resp, g_mask, _ = trainer._generate_greedy(actor, ids, mask, jax.random.PRNGKey(1))
-    texts = trainer._decode(np.asarray(g_resp), np.asarray(g_mask))
+    baseline = trainer.greedy_baseline(actor, ids, mask, jax.random.PRNGKey(0),
+                                       trainer.prompts.texts[:8])
+    g_resp, g_mask, _ = trainer.jit.sample_greedy(actor, ids, mask, jax.random.PRNGKey(1))
+    texts = trainer.decode(np.asarray(g_resp), np.asarray(g_mask))
     want = trainer.reward_fn(trainer.prompts.texts[:8], texts)  # greedy: the key does not matter
     np.testing.assert_allclose(np.asarray(baseline), want, atol=1e-6)
 

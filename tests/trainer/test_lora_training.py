@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -48,14 +49,14 @@ def lora_run(tmp_path_factory):
     loaded = {"actor": host(trainer.frozen["actor"]), "critic": host(trainer.frozen["critic"])}
     start = {"actor": host(trainer.state["actor"].params), "critic": host(trainer.state["critic"].params)}
     captured = []
-    experience = trainer._experience
+    experience = trainer.jit.experience
 
     def spy(*args):
         out = experience(*args)
-        captured.append(jax.tree.map(np.asarray, out[0]))
+        captured.append(jax.tree.map(np.asarray, out.experience))
         return out
 
-    trainer._experience = spy
+    trainer.jit = replace(trainer.jit, experience=spy)
     history = trainer.train(progress=False)
     return trainer, loaded, start, captured, history, tmp / "run"
 

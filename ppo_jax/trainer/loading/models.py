@@ -31,7 +31,7 @@ from ppo_jax.trainer.loading.lora import (
 
 TINY_RANDOM = "tiny-random"
 # config.json-only directories of real models, for `train.py --compile-for` (no weights)
-MODEL_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "model_shapes"
+MODEL_SHAPES = Path(__file__).resolve().parents[3] / "configs" / "model_shapes"
 SMOLLM2_SHAPES = "smollm2-135m-instruct"
 
 

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling for `PPOTrainer` (a mixin; `ppo.dynamic_sampling`): a group of
+"""DAPO's dynamic sampling (`ppo.dynamic_sampling`), as functions of explicit values: a group of
 samples whose rewards are all equal has zero advantage under GRPO-style estimators and carries
 no policy gradient, so the step over-samples and trains on informative groups.
 
@@ -18,20 +18,28 @@ One step (Yu et al. 2025, "DAPO", sec. 3.2 and Algorithm 1, with static shapes):
 Logged: `dynamic_sampling/rounds`, `dynamic_sampling/kept_fraction` (informative groups /
 groups drawn), `dynamic_sampling/filled_fraction` (uninformative groups in the batch / its
 groups). `reward/<name>` means are over every row drawn in the step.
+
+`PPOTrainer.dynamic_rollout` runs it: `draw_rounds` (step 1-2, one `draw_round` each) and
+`informative_rollout` (step 3: `select_rollout`, jitted, and the `Sampled` batch).
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
+from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.core import group_rows, informative_groups, select_groups
+from ppo_jax.models.functional import Model
 from ppo_jax.rollout.scoring import Rollout
-from ppo_jax.trainer.stages.ppo.parts import Sampled
+from ppo_jax.trainer.data.prompts import PromptSet
+from ppo_jax.trainer.stages.ppo.columns import ResponseColumns
+from ppo_jax.trainer.stages.ppo.parts import PromptBatch, Sampled, group_ids, prompt_rows
+from ppo_jax.trainer.stages.ppo.rewards import TextScores
 
 
 def select_rollout(rollouts: tuple, scores: tuple, *, keep: int, n: int):
@@ -55,60 +63,83 @@ def select_rollout(rollouts: tuple, scores: tuple, *, keep: int, n: int):
     return jax.tree.map(lambda x: x[rows], both), all_scores[rows], rows, kept
 
 
-class DynamicSampling:
-    """`dynamic_rollout()` of a built `PPOTrainer` (its sampler, reward function, placement)."""
+@dataclass(frozen=True)
+class DrawnRound:
+    """One round of dynamic sampling (`draw_round`).
 
-    def _build_dynamic(self) -> None:
-        rows, rep = self.place.rows, self.place.replicated
-        n = self.cfg.generation.samples_per_prompt
-        groups = self.cfg.ppo.batch_size // n
-        self._informative = jax.jit(partial(informative_groups, num_groups=groups,
-                                            samples_per_prompt=n), out_shardings=rep)
-        self._select = jax.jit(partial(select_rollout, keep=groups, n=n),
-                               out_shardings=(rows, rows, rep, rep))
+    Attributes:
+      indices: `[B]` the whole batch's prompt indices.
+      rollout: prompts `[B, P]` at the set's full width, responses `[B, N]` (max_new_tokens).
+      logprobs: `[B, N]` the sampler's log-probs of its draws.
+      scores: `[B]` float32 on the mesh.
+      reward_means: the reward components' batch means (`reward/<name>`).
+      informative: informative groups among the round's B / n.
+    """
 
-    def _draw_round(self, key, actor):
-        """The next batch of prompts at full width, sampled with `key` and scored: `(whole
-        prompt indices, Rollout, scores, reward means, informative groups)`."""
-        place, batch, n = self.place, self.cfg.ppo.batch_size, self.cfg.generation.samples_per_prompt
-        lo, hi = place.row_range(batch)
-        whole = np.repeat(self.prompt_order.next_indices(batch // n), n)
-        idx, width = whole[lo:hi], self.prompt_columns.full
-        q = place.put_rows(self.prompts.ids[idx], (batch, width))
-        qm = place.put_rows(self.prompts.mask[idx], (batch, width))
-        resp, mask, logprobs = jax.block_until_ready(self._generate(actor, q, qm, key))
-        _, scores, means = self._text_scores([self.prompts.texts[i] for i in idx], resp, mask,
-                                             self._rows_of(idx))
-        informative = int(np.sum(jax.device_get(self._informative(scores))))
-        return whole, (Rollout(q, qm, resp, mask), logprobs), scores, means, informative
+    indices: np.ndarray
+    rollout: Rollout
+    logprobs: jax.Array
+    scores: jax.Array
+    reward_means: dict[str, float]
+    informative: int
 
-    def dynamic_rollout(self) -> Sampled:
-        """A `Sampled` batch of informative groups (module doc), its scores and reward means
-        attached (`Sampled.scores`, `Sampled.reward_stats`)."""
-        place, batch, n = self.place, self.cfg.ppo.batch_size, self.cfg.generation.samples_per_prompt
-        rng, key, upd_key = self._split(self.state["rng"])
-        actor = self.rollout_actor()
-        drawn, found = [], 0
-        while True:
-            drawn.append(self._draw_round(key, actor))
-            found += drawn[-1][4]
-            if found >= batch // n or len(drawn) == self.cfg.ppo.max_sampling_rounds:
-                break
-            rng, key, _ = self._split(rng)
-        (rollout, logprobs), scores, rows, kept = self._select(tuple(d[1] for d in drawn),
-                                                               tuple(d[2] for d in drawn))
-        source = np.concatenate([d[0] for d in drawn])[np.asarray(jax.device_get(rows))]
-        lo, hi = place.row_range(batch)
-        idx = source[lo:hi]
-        resp, resp_mask, resp_width = self.response_columns(rollout.response_ids,
-                                                            rollout.response_mask)
-        groups = place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
-        stats = {k: float(np.mean([d[3][k] for d in drawn])) for k in drawn[0][3]}
-        stats.update({"dynamic_sampling/rounds": float(len(drawn)),
-                      "dynamic_sampling/kept_fraction": found / (len(drawn) * (batch // n)),
-                      "dynamic_sampling/filled_fraction": 1 - int(kept) / (batch // n)})
-        return Sampled([self.prompts.texts[i] for i in idx],
-                       Rollout(rollout.query_ids, rollout.query_mask, resp, resp_mask), groups,
-                       None, upd_key, rng, int(self.prompt_columns.full), int(resp_width),
-                       time.perf_counter(), self._rows_of(idx), scores, stats,
-                       rollout_logprobs=self.response_columns.cut(logprobs, resp_width))
+
+def draw_round(batch: PromptBatch, actor: Model, key, *, sample: Callable,
+               score: Callable[..., TextScores], informative: Callable) -> DrawnRound:
+    """`batch` sampled by `actor` with `key` (`sample`, the step's sampler), scored on the
+    host (`score(texts, ids, mask, rows) -> TextScores`), its informative groups counted
+    (`informative`: `[B]` scores -> `[B / n]` bool, jitted)."""
+    resp, mask, logprobs = jax.block_until_ready(sample(actor, batch.ids, batch.mask, key))
+    scored = score(batch.texts, resp, mask, batch.rows)
+    found = int(np.sum(jax.device_get(informative(scored.scores))))
+    return DrawnRound(indices=batch.indices, rollout=Rollout(batch.ids, batch.mask, resp, mask),
+                      logprobs=logprobs, scores=scored.scores, reward_means=scored.components,
+                      informative=found)
+
+
+def draw_rounds(draw: Callable[[jax.Array], DrawnRound], rng, key, *, split_keys: Callable,
+                groups: int, max_rounds: int) -> tuple[list[DrawnRound], jax.Array]:
+    """Rounds `draw(key)` until `groups` informative groups were found or `max_rounds` were
+    drawn (module doc, steps 1-2); the first with `key`, each next one with a key split from
+    `rng`. Returns `(rounds, rng)`, `rng` the next step's key."""
+    drawn, found = [], 0
+    while True:
+        drawn.append(draw(key))
+        found += drawn[-1].informative
+        if found >= groups or len(drawn) == max_rounds:
+            return drawn, rng
+        rng, key, _ = split_keys(rng)
+
+
+def sampling_stats(drawn: list[DrawnRound], kept: int, groups: int) -> dict[str, float]:
+    """The reward means over every round and `dynamic_sampling/*` (module doc) of `drawn`
+    rounds of `groups` groups each, `kept` informative groups in the batch."""
+    found = sum(d.informative for d in drawn)
+    stats = {k: float(np.mean([d.reward_means[k] for d in drawn])) for k in drawn[0].reward_means}
+    stats.update({"dynamic_sampling/rounds": float(len(drawn)),
+                  "dynamic_sampling/kept_fraction": found / (len(drawn) * groups),
+                  "dynamic_sampling/filled_fraction": 1 - kept / groups})
+    return stats
+
+
+def informative_rollout(drawn: list[DrawnRound], rng, update_key, *, select: Callable,
+                        response_columns: ResponseColumns, prompts: PromptSet, place, n: int,
+                        prompt_width: int) -> Sampled:
+    """The `Sampled` batch of the informative groups of `drawn` (module doc, step 3; `select`:
+    `select_rollout` jitted), responses cut to their bucket (`stages.ppo.columns`), its scores
+    and `sampling_stats` attached (`Sampled.scores`, `Sampled.reward_stats`)."""
+    (rollout, logprobs), scores, rows, kept = select(
+        tuple((d.rollout, d.logprobs) for d in drawn), tuple(d.scores for d in drawn))
+    source = np.concatenate([d.indices for d in drawn])[np.asarray(jax.device_get(rows))]
+    batch = source.shape[0]
+    lo, hi = place.row_range(batch)
+    idx = source[lo:hi]
+    resp, resp_mask, resp_width = response_columns(rollout.response_ids, rollout.response_mask)
+    return Sampled(
+        prompts=[prompts.texts[i] for i in idx],
+        rollout=Rollout(rollout.query_ids, rollout.query_mask, resp, resp_mask),
+        group_ids=group_ids(place, batch, n), baseline_scores=None, update_key=update_key,
+        rng=rng, prompt_width=prompt_width, response_width=int(resp_width),
+        end=time.perf_counter(), rows=prompt_rows(prompts, idx), scores=scores,
+        reward_stats=sampling_stats(drawn, int(kept), batch // n),
+        rollout_logprobs=response_columns.cut(logprobs, resp_width))

@@ -1,5 +1,7 @@
-"""The three named parts of a PPO step (`PPOTrainer.sample_rollout`, `score_rollout`,
-`learn`), each a small dataclass, and the step's metrics assembled from them."""
+"""The values of a PPO step: the prompt batch it draws (`next_prompts`, `PromptBatch`), its
+three named parts (`PPOTrainer.sample_rollout`, `score_rollout`, `learn`: `Sampled`, `Scored`,
+`Learned`), what it keeps for the decoded samples (`LastRollout`), and its metrics assembled
+from the parts (`step_metrics`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import numpy as np
 
 from ppo_jax.rollout.experience import Experience
 from ppo_jax.rollout.scoring import Rollout
+from ppo_jax.trainer.data.prompts import PromptSampler, PromptSet
+from ppo_jax.trainer.stages.ppo.columns import PromptColumns
 
 
 def _mean_stats(stats: dict) -> dict:
@@ -21,6 +25,56 @@ def _mean_stats(stats: dict) -> dict:
         if key in stats:
             out[f"{key}_first_minibatch"] = float(np.asarray(stats[key])[0, 0])
     return out
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """The next batch of prompts (`next_prompts`): B rows, the `n` samples of a prompt adjacent.
+
+    Attributes:
+      indices: `[B]` the whole batch's prompt indices (every process knows them).
+      ids, mask: `[B, W]` int32 on the mesh, left-padded, `W` = `width`.
+      width: the prompt columns kept (a bucket width, or the set's full width).
+      texts: this process's rows' prompt texts.
+      rows: this process's rows' prompt records (their other fields), or None.
+    """
+
+    indices: np.ndarray
+    ids: jax.Array
+    mask: jax.Array
+    width: int
+    texts: list[str]
+    rows: Optional[list[dict]]
+
+
+def next_prompts(prompts: PromptSet, order: PromptSampler, columns: PromptColumns, place, *,
+                 batch: int, n: int, bucketed: bool = True) -> PromptBatch:
+    """The next `batch // n` prompts of `order`, each repeated `n` times, put on the mesh.
+
+    Column buckets (`stages.ppo.columns`): with `bucketed`, the batch's widest prompt rounded
+    up to a bucket (read from the whole batch's indices, so every process agrees); else the
+    set's full width (dynamic sampling concatenates rounds). Advances `order`.
+    """
+    lo, hi = place.row_range(batch)
+    whole = np.repeat(order.next_indices(batch // n), n)
+    idx = whole[lo:hi]  # this process's rows
+    width = int(columns.width(whole) if bucketed else columns.full)
+    ids = place.put_rows(columns.cut(prompts.ids[idx], width), (batch, width))
+    mask = place.put_rows(columns.cut(prompts.mask[idx], width), (batch, width))
+    return PromptBatch(indices=whole, ids=ids, mask=mask, width=width,
+                       texts=[prompts.texts[i] for i in idx], rows=prompt_rows(prompts, idx))
+
+
+def prompt_rows(prompts: PromptSet, idx) -> Optional[list[dict]]:
+    """The prompt records (each prompt's other fields) of prompt indices `idx`, or None when the
+    set has none."""
+    return None if prompts.rows is None else [prompts.rows[i] for i in idx]
+
+
+def group_ids(place, batch: int, n: int) -> jax.Array:
+    """`[B]` int32 on the mesh: each row's prompt group, `row // n`."""
+    lo, hi = place.row_range(batch)
+    return place.put_rows((np.arange(batch, dtype=np.int32) // n)[lo:hi], (batch,))
 
 
 @dataclass
@@ -69,6 +123,18 @@ class Learned:
     stats: dict
     critic_warmup: bool
     end: float
+
+
+@dataclass(frozen=True)
+class LastRollout:
+    """What a step keeps for its decoded samples (`rewards.sample_records`): this process's
+    prompt texts, its decoded responses (None when a reward model scored: decoded on demand),
+    the batch's `Rollout` and its `[B]` scores."""
+
+    prompts: list[str]
+    responses: Optional[list[str]]
+    rollout: Rollout
+    scores: jax.Array
 
 
 def step_metrics(t0: float, sampled: Sampled, scored: Scored, learned: Learned,

@@ -1,12 +1,14 @@
 """The PPO step's sampler: the static batch (`rollout.sampler`) jitted with the rollout copy's
 layout, or the paged engine (`rollout.engine`), behind one call signature
-`(actor Model, prompt_ids, prompt_mask, key) -> (response_ids, response_mask, logprobs)`."""
+`(actor Model, prompt_ids, prompt_mask, key) -> (response_ids, response_mask, logprobs)`;
+`rollout_samplers` makes a run's (with the rollout copy of the weights and ReMax's greedy
+sampler), `check_engine` / `check_kernel` check the config against them before any load."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 
@@ -16,7 +18,7 @@ from ppo_jax.rollout.engine import (
     EngineSettings, EngineStats, PagedEngine, check_page_size, engine_layout,
 )
 from ppo_jax.rollout.sampler import SamplingSettings, sample
-from ppo_jax.rollout.weights import rollout_rules
+from ppo_jax.rollout.weights import rollout_copy_fn, rollout_rules
 from ppo_jax.trainer.config import Config, ConfigError
 from ppo_jax.trainer.stages.ppo.settings import engine_settings
 
@@ -116,6 +118,32 @@ def make_sampler(sampling: SamplingSettings, engine: Optional[EngineSettings], a
     rows, rep = place.rows, place.replicated
     return jax.jit(partial(sample, settings=sampling), in_shardings=(actor_sh, rows, rows, rep),
                    out_shardings=(rows, rows, rows))
+
+
+@dataclass(frozen=True)
+class RolloutSamplers:
+    """A run's sampling programs (`rollout_samplers`): the rollout copy of the actor's params
+    (None: the sampler takes the trained params as they are), the sampler, and the greedy
+    sampler of ReMax's baseline (None when the estimator needs none)."""
+
+    rollout_copy: Optional[Callable]
+    sample: Callable
+    sample_greedy: Optional[Callable]
+
+
+def rollout_samplers(cfg: Config, sampling: SamplingSettings, place, actor: Model,
+                     actor_sh: Model, layout: str, model_cfg, *, greedy: bool) -> RolloutSamplers:
+    """The rollout copy of `actor` (its arrays or shapes; `rollout.weights.rollout_copy_fn`:
+    cast to `generation.param_dtype`, laid out by the resolved `layout`) and the samplers
+    (`make_sampler`, with `sampling`; a greedy one too when `greedy`) on the layout the
+    sampler receives (`rollout_shardings`; `actor_sh`: the training shardings)."""
+    copy = rollout_copy_fn(actor.params, place.constraint_mesh, layout, cfg.generation.param_dtype)
+    sh = rollout_shardings(actor, actor_sh, place, layout, copy is not None)
+    engine = engine_settings(cfg)
+    return RolloutSamplers(
+        rollout_copy=copy, sample=make_sampler(sampling, engine, sh, place, model_cfg),
+        sample_greedy=(make_sampler(replace(sampling, greedy=True), engine, sh, place, model_cfg)
+                       if greedy else None))
 
 
 def engine_metrics(sampler) -> dict:
