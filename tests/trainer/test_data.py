@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from ppo_jax.trainer.data.prompts import PromptSampler, left_pad, read_prompts, tokenize_prompts
+from ppo_jax.trainer.data.order import DataOrder
+from ppo_jax.trainer.data.prompts import left_pad, read_prompts, tokenize_prompts
 
 
 def test_read_prompts_from_every_format(tmp_path):
@@ -85,15 +86,15 @@ def test_long_prompts_are_rejected_when_configured(tokenizer):
 
 
 def test_sampler_order_is_deterministic_and_resumable():
-    a = PromptSampler(10, seed=3)
+    a = DataOrder(10, seed=3)
     first = [a.next_indices(4) for _ in range(5)]  # crosses two epoch boundaries
-    b = PromptSampler(10, seed=3, position=8)
+    b = DataOrder(10, seed=3, position=8)
     np.testing.assert_array_equal(b.next_indices(4), first[2])
     epoch0 = np.concatenate(first)[:10]
     assert sorted(epoch0.tolist()) == list(range(10))  # each epoch is a permutation
 
 
 def test_sampler_splits_a_global_batch_between_processes():
-    whole = PromptSampler(16, seed=0).next_indices(8)
-    parts = [PromptSampler(16, seed=0).next_indices(8, process_index=i, process_count=2) for i in range(2)]
+    whole = DataOrder(16, seed=0).next_indices(8)
+    parts = [DataOrder(16, seed=0).next_indices(8, process_index=i, process_count=2) for i in range(2)]
     np.testing.assert_array_equal(np.concatenate(parts), whole)

@@ -1,6 +1,7 @@
 """Data of the three stages: read, check, tokenise, order.
 
-  prompts.py      PPO prompt sets: read, template, tokenise, left-pad, a resumable order
+  prompts.py      PPO prompt sets: read, template, tokenise, left-pad
+  order.py        `DataOrder`: the resumable, seeded order a run reads any data set in
   tasks.py        reasoning-gym's procedural tasks as prompt sets (`data.prompts: task`)
   records.py      reading row files (.jsonl / .json / .txt / .parquet), shared field checks
   sft.py          stage 1's demonstrations (TRL `SFTTrainer` formats)

@@ -1,4 +1,4 @@
-"""Prompt sets: read, template, tokenise, left-pad, and iterate in a resumable order.
+"""Prompt sets: read, template, tokenise and left-pad (their order: `trainer.data.order`).
 
 A prompt file is `.jsonl` / `.json` (records with a `prompt` field, or bare strings), `.txt`
 (one prompt per line) or `.parquet` (a `prompt` column); a record's other fields (an `answer`,
@@ -188,35 +188,3 @@ def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, tru
     width = max(len(t) for t in lists)
     ids, mask = left_pad(lists, width, pad_token_id)
     return PromptSet(list(texts), ids, mask, rows)
-
-
-class PromptSampler:
-    """Deterministic, resumable order over a prompt set.
-
-    The order of epoch `e` is a permutation drawn from `seed + e`; `position` counts prompts
-    handed out since the start, so a checkpoint that stores it resumes the same order. With
-    several processes, each takes its own contiguous slice of every global batch.
-    """
-
-    def __init__(self, size: int, seed: int, shuffle: bool = True, position: int = 0):
-        if size <= 0:
-            raise ValueError(f"prompt set is empty (size={size})")
-        self.size, self.seed, self.shuffle, self.position = size, seed, shuffle, position
-        self._cached: tuple[int, np.ndarray] | None = None
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._cached is None or self._cached[0] != epoch:
-            order = (np.random.default_rng(self.seed + epoch).permutation(self.size)
-                     if self.shuffle else np.arange(self.size))
-            self._cached = (epoch, order)
-        return self._cached[1]
-
-    def next_indices(self, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
-        """Indices of the next global batch (this process's slice of it); advances position."""
-        out = []
-        for k in range(self.position, self.position + batch_size):
-            epoch, offset = divmod(k, self.size)
-            out.append(self._order(epoch)[offset])
-        self.position += batch_size
-        per = batch_size // process_count
-        return np.asarray(out[process_index * per:(process_index + 1) * per], dtype=np.int64)

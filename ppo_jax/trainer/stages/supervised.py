@@ -20,7 +20,7 @@ import optax
 from ppo_jax.trainer.accumulate import accumulate_gradients
 from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.config import ConfigError
-from ppo_jax.trainer.data.prompts import PromptSampler
+from ppo_jax.trainer.data.order import DataOrder
 from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
 from ppo_jax.trainer.programs import Program, batch_shape
 from ppo_jax.models.lora import join
@@ -82,7 +82,7 @@ class SupervisedTrainer(StageTrainer):
                                         backbone_lr_scale=sec.backbone_lr_scale)
         self.state = {"model": place.create_state(model.params, self.tx)}
         if not self.is_abstract:
-            self.prompt_order = PromptSampler(len(self.train_data["weight"]), cfg.train.seed,
+            self.prompt_order = DataOrder(len(self.train_data["weight"]), cfg.train.seed,
                                          cfg.data.shuffle)
         self._jit()
 

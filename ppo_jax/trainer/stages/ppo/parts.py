@@ -13,7 +13,8 @@ import numpy as np
 
 from ppo_jax.rollout.experience import Experience
 from ppo_jax.rollout.scoring import Rollout
-from ppo_jax.trainer.data.prompts import PromptSampler, PromptSet
+from ppo_jax.trainer.data.order import DataOrder
+from ppo_jax.trainer.data.prompts import PromptSet
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns
 
 
@@ -47,7 +48,7 @@ class PromptBatch:
     rows: Optional[list[dict]]
 
 
-def next_prompts(prompts: PromptSet, order: PromptSampler, columns: PromptColumns, place, *,
+def next_prompts(prompts: PromptSet, order: DataOrder, columns: PromptColumns, place, *,
                  batch: int, n: int, bucketed: bool = True) -> PromptBatch:
     """The next `batch // n` prompts of `order`, each repeated `n` times, put on the mesh.
 

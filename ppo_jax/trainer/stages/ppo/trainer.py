@@ -26,7 +26,8 @@ from ppo_jax.rollout.experience import PPOModels
 from ppo_jax.rollout.scoring import Rollout
 from ppo_jax.rollout.weights import resolve_layout
 from ppo_jax.trainer.config import eval_enabled
-from ppo_jax.trainer.data.prompts import PromptSampler, prompt_records
+from ppo_jax.trainer.data.order import DataOrder
+from ppo_jax.trainer.data.prompts import prompt_records
 from ppo_jax.trainer.host.memory import release_host_memory
 from ppo_jax.trainer.loading.models import (
     abstract_models, build_models, pad_token_id, prompt_set, stop_token_ids,
@@ -108,7 +109,7 @@ class PPOTrainer(StageTrainer):
         self.actor_tx, self.critic_tx, self.state = params.actor_tx, params.critic_tx, params.state
         self.frozen, self.shared_base = params.frozen, params.shared_base
         self.ref_params, self.reward_params = params.ref_params, params.reward_params
-        self.prompt_order = PromptSampler(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
+        self.prompt_order = DataOrder(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
         self.rollout_layout = resolve_layout(cfg.generation.rollout_layout, cfg.generation.engine)
         self.response_columns = ResponseColumns(cfg.generation.max_new_tokens,
                                                 cfg.generation.response_buckets, place.rows,
