@@ -15,7 +15,8 @@ need, in queue order. When growth alone exceeds the pool (more live sequences th
 them), the youngest sequence is preempted: its pages are released and it is queued again at
 the front, to be recomputed from its prompt. Its tokens come out the same, since every draw is
 keyed by (row, position) (`rollout.sampling`), and the oldest sequence always fits (the pool
-holds one sequence of the maximum length: `engine.check_engine`), so every batch finishes.
+holds one sequence of the maximum length: `engine.engine_layout` refuses a smaller one), so
+every batch finishes.
 """
 
 from __future__ import annotations

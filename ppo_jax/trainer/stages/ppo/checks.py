@@ -1,6 +1,15 @@
-"""The start-up checks of a PPO config's registered functions (before any model is loaded),
-made with the settings the trainer builds (`stages.ppo.settings`), so the check makes exactly
-the trainer's call.
+"""Every start-up check of a PPO run beyond one config key (those run at config load,
+`trainer.config.checks`), in the order the trainer makes them:
+
+- `check_names` and `check_prompt_files` (`PPOTrainer._check_inputs`, nothing loaded): the
+  registered functions the config names, and the prompt files' rows against the reward
+  function's fields;
+- `check_placement` (the mesh known, no model loaded): the batch on the mesh, the paged
+  engine's sizes;
+- `check_kernel` (the actor's config.json read): the TPU attention kernel against its shapes.
+
+The registered functions are checked with the settings the trainer builds
+(`stages.ppo.settings`), so the check makes exactly the trainer's call.
 
 Each registered function named by the config (reward shaping, advantage estimator, policy loss,
 value loss) is looked up, its signature is bound to the exact call the trainer will make, and it
@@ -28,9 +37,11 @@ from ppo_jax.core import (
     needs_groups,
     uses_critic,
 )
-from ppo_jax.trainer.config import Config, ConfigError
-from ppo_jax.trainer.rewards.functions import get_reward_function
-from ppo_jax.trainer.stages.ppo.settings import settings_for
+from ppo_jax.rollout.engine import check_page_size, engine_layout
+from ppo_jax.trainer.config import Config, ConfigError, eval_enabled
+from ppo_jax.trainer.data.prompts import prompt_records
+from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function
+from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 
 B, T = 1, 2
 _TOKENS = "[B, T]"
@@ -166,3 +177,72 @@ def _check_critic_free(cfg: Config) -> None:
         if on:
             raise ConfigError(f"{key} needs a critic, but ppo.advantage_estimator={name!r} "
                               "trains none; drop the setting or use 'gae'")
+
+
+def check_prompt_files(cfg: Config) -> None:
+    """`data.prompts` (and `eval.prompts` when evaluating) read, and with a reward function
+    their rows checked against the fields it reads (`rewards.functions.check_prompt_rows`).
+
+    Raises:
+      FileNotFoundError / ValueError / ConfigError: naming the key and the file.
+    """
+    sources = [("data.prompts", cfg.data.prompts)]
+    if eval_enabled(cfg.eval):
+        sources.append(("eval.prompts", cfg.eval.prompts))
+    for key, source in sources:
+        rows = prompt_records(cfg, source, key)[1]
+        if cfg.reward.kind == "function":
+            check_prompt_rows(cfg.reward.function, rows, key, source)
+
+
+def check_placement(cfg: Config, place) -> None:
+    """`ppo.batch_size` on the mesh of `place` (`Placement.check_batch`) and the paged engine's
+    sizes on its data replicas (`check_engine`).
+
+    Raises:
+      ConfigError: naming the key and what to set.
+    """
+    place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
+    check_engine(cfg, place.batch_shards)
+
+
+def check_kernel(cfg: Config, model_cfg, mesh) -> None:
+    """`generation.attention: pallas` against the actor's shapes (`paged_attention_tpu.
+    unsupported_reason`: head_dim 128, KV heads per chip the kernel can tile).
+
+    Raises:
+      ConfigError: naming `generation.attention` and why the kernel cannot take the model.
+    """
+    g = cfg.generation
+    if g.engine != "paged" or g.attention != "pallas":
+        return
+    from ppo_jax.models.paged_attention_tpu import unsupported_reason
+
+    tensor = mesh.shape["tensor"] if mesh is not None else 1
+    reason = unsupported_reason(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                model_cfg.jnp_dtype, tensor)
+    if reason is not None:
+        raise ConfigError(f"generation.attention=pallas: {reason}; use "
+                          "generation.attention=reference")
+
+
+def check_engine(cfg: Config, replicas: int) -> None:
+    """With `generation.engine: paged`, the engine's settings against the run's widest batch
+    (`data.max_prompt_length` wide prompts) on `replicas` = mesh data x fsdp replicas, before
+    any model is loaded (`rollout.engine.engine_layout`, `check_page_size`).
+
+    Raises:
+      ConfigError: naming the `generation.*` key and its value.
+    """
+    settings, g = engine_settings(cfg), cfg.generation
+    if settings is None:
+        return
+    width = cfg.data.max_prompt_length
+    try:
+        engine_layout(settings, batch=cfg.ppo.batch_size, prompt_width=width,
+                      max_new_tokens=g.max_new_tokens, replicas=replicas,
+                      group_size=g.samples_per_prompt if g.share_prompt_prefill else 1)
+        check_page_size(g.page_size, width + g.max_new_tokens,
+                        "data.max_prompt_length + generation.max_new_tokens")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

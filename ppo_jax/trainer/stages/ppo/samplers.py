@@ -2,7 +2,7 @@
 layout, or the paged engine (`rollout.engine`), behind one call signature
 `(actor Model, prompt_ids, prompt_mask, key) -> (response_ids, response_mask, logprobs)`;
 `rollout_samplers` makes a run's (with the rollout copy of the weights and ReMax's greedy
-sampler), `check_engine` / `check_kernel` check the config against them before any load."""
+sampler); their settings are checked before any load in `stages.ppo.checks`."""
 
 from __future__ import annotations
 
@@ -14,55 +14,11 @@ import jax
 
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.rules import tree_shardings
-from ppo_jax.rollout.engine import (
-    EngineSettings, EngineStats, PagedEngine, check_page_size, engine_layout,
-)
+from ppo_jax.rollout.engine import EngineSettings, EngineStats, PagedEngine
 from ppo_jax.rollout.sampler import SamplingSettings, sample
 from ppo_jax.rollout.weights import rollout_copy_fn, rollout_rules
-from ppo_jax.trainer.config import Config, ConfigError
+from ppo_jax.trainer.config import Config
 from ppo_jax.trainer.stages.ppo.settings import engine_settings
-
-
-def check_kernel(cfg: Config, model_cfg, mesh) -> None:
-    """`generation.attention: pallas` against the actor's shapes (`paged_attention_tpu.
-    unsupported_reason`: head_dim 128, KV heads per chip the kernel can tile).
-
-    Raises:
-      ConfigError: naming `generation.attention` and why the kernel cannot take the model.
-    """
-    g = cfg.generation
-    if g.engine != "paged" or g.attention != "pallas":
-        return
-    from ppo_jax.models.paged_attention_tpu import unsupported_reason
-
-    tensor = mesh.shape["tensor"] if mesh is not None else 1
-    reason = unsupported_reason(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                model_cfg.jnp_dtype, tensor)
-    if reason is not None:
-        raise ConfigError(f"generation.attention=pallas: {reason}; use "
-                          "generation.attention=reference")
-
-
-def check_engine(cfg: Config, replicas: int) -> None:
-    """With `generation.engine: paged`, the engine's settings against the run's widest batch
-    (`data.max_prompt_length` wide prompts) on `replicas` = mesh data x fsdp replicas, before
-    any model is loaded (`rollout.engine.engine_layout`, `check_page_size`).
-
-    Raises:
-      ConfigError: naming the `generation.*` key and its value.
-    """
-    settings, g = engine_settings(cfg), cfg.generation
-    if settings is None:
-        return
-    width = cfg.data.max_prompt_length
-    try:
-        engine_layout(settings, batch=cfg.ppo.batch_size, prompt_width=width,
-                      max_new_tokens=g.max_new_tokens, replicas=replicas,
-                      group_size=g.samples_per_prompt if g.share_prompt_prefill else 1)
-        check_page_size(g.page_size, width + g.max_new_tokens,
-                        "data.max_prompt_length + generation.max_new_tokens")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def rollout_shardings(actor: Model, actor_sh: Model, place, layout: str, copied: bool) -> Model:

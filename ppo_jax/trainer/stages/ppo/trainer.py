@@ -27,15 +27,15 @@ from ppo_jax.rollout.scoring import Rollout
 from ppo_jax.rollout.weights import resolve_layout
 from ppo_jax.trainer.config import eval_enabled
 from ppo_jax.trainer.data.order import DataOrder
-from ppo_jax.trainer.data.prompts import prompt_records
 from ppo_jax.trainer.host.memory import release_host_memory
 from ppo_jax.trainer.loading.models import (
     abstract_models, build_models, pad_token_id, prompt_set, stop_token_ids,
 )
 from ppo_jax.trainer.loop import StageTrainer
-from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function
-from ppo_jax.trainer.stages.ppo import build, dynamic, parts, programs, rewards, samplers, steps
-from ppo_jax.trainer.stages.ppo.checks import check_names
+from ppo_jax.trainer.rewards.functions import get_reward_function
+from ppo_jax.trainer.stages.ppo import (
+    build, checks, dynamic, parts, programs, rewards, samplers, steps,
+)
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import Learned, LastRollout, PromptBatch, Sampled, Scored
 from ppo_jax.trainer.stages.ppo.settings import settings_for
@@ -72,25 +72,18 @@ class PPOTrainer(StageTrainer):
     finite_keys = ("kl",)
 
     def _check_config(self) -> None:
-        check_names(self.cfg)
+        checks.check_names(self.cfg)
 
     def _check_inputs(self) -> None:
-        self._check_config()
-        sources = [("data.prompts", self.cfg.data.prompts)]
-        if eval_enabled(self.cfg.eval):
-            sources.append(("eval.prompts", self.cfg.eval.prompts))
-        for key, source in sources:  # fails before loading
-            rows = prompt_records(self.cfg, source, key)[1]
-            if self.cfg.reward.kind == "function":
-                check_prompt_rows(self.cfg.reward.function, rows, key, source)
+        checks.check_names(self.cfg)
+        checks.check_prompt_files(self.cfg)  # fails before loading
 
     def _build(self) -> None:
         cfg, place = self.cfg, self.place
-        place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
-        samplers.check_engine(cfg, place.batch_shards)
+        checks.check_placement(cfg, place)
         load = abstract_models if self.is_abstract else build_models
         models = load(cfg, sharding_fn=place.sharding_fn)
-        samplers.check_kernel(cfg, models.actor.cfg, place.mesh)
+        checks.check_kernel(cfg, models.actor.cfg, place.mesh)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = prompt_set(cfg, self.tokenizer, models.actor.cfg, cfg.data.prompts,
                                   "data.prompts", abstract=self.is_abstract)
