@@ -1,6 +1,7 @@
 """Data of the three stages: read, check, tokenise, order.
 
-  prompts.py      PPO prompt sets: read, template, tokenise, left-pad
+  prompts.py      PPO prompt sets: read, template, tokenise, left-pad (one call that does it
+                  all for a run: `trainer.loading.models.build_prompts`)
   order.py        `DataOrder`: the resumable, seeded order a run reads any data set in
   tasks.py        reasoning-gym's procedural tasks as prompt sets (`data.prompts: task`)
   records.py      reading row files (.jsonl / .json / .txt / .parquet), shared field checks

@@ -1,6 +1,8 @@
 """The three stages of RLHF, each a `StageTrainer` (`ppo_jax.trainer.loop`) with one jitted
 update: `sft` (stage 1, `SFTTrainer`), `reward_model` (stage 2, `RewardModelTrainer`), `ppo`
-(stage 3, `PPOTrainer`). `config.stage` picks one; `trainer_class(stage)` returns its class.
+(stage 3, `PPOTrainer`, in the package `ppo/`). `config.stage` picks one;
+`trainer_class(stage)` returns its class. Stages 1 and 2 share `supervised.py` (a data set of
+fixed-width rows, one trained model, minibatch steps, held-out evaluation).
 
 The stage names (`STAGES`, the config's `Stage` type) are defined in the config, which the
 trainers import, and re-exported here; the trainers are imported only when asked for.

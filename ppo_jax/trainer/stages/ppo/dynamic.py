@@ -39,7 +39,7 @@ from ppo_jax.rollout.scoring import Rollout
 from ppo_jax.trainer.data.prompts import PromptSet
 from ppo_jax.trainer.stages.ppo.columns import ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import PromptBatch, Sampled, group_ids, prompt_rows
-from ppo_jax.trainer.stages.ppo.rewards import TextScores
+from ppo_jax.trainer.stages.ppo.text_rewards import TextScores
 
 
 def select_rollout(rollouts: tuple, scores: tuple, *, keep: int, n: int):

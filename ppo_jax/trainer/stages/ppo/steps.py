@@ -109,7 +109,7 @@ def update_step(actor_state, critic_state, frozen: dict, experience: Experience,
 
 @dataclass(frozen=True)
 class Jitted:
-    """The jitted programs one PPO step calls (what `--compile-for` lists, `stages.ppo.programs`).
+    """The jitted programs one PPO step calls (what `--compile-for` lists, `stages.ppo.compile_for`).
 
     Attributes:
       split_keys: `split_keys`, replicated out.

@@ -1,12 +1,12 @@
 """Stage 3, PPO, on the shared loop of `trainer.loop`. `step()` reads top to bottom:
 `sample_rollout` (the next prompts and the actor's responses, cut to column buckets:
 `stages.ppo.columns`; or `dynamic_rollout`, DAPO's rounds: `stages.ppo.dynamic`),
-`score_rollout` (the reward function on the decoded text, `stages.ppo.rewards`, or the reward
+`score_rollout` (the reward function on the decoded text, `stages.ppo.text_rewards`, or the reward
 model, and one jitted experience pass) and `learn` (one jitted call runs every PPO epoch and
 minibatch), each returning a named value (`stages.ppo.parts`). The jitted programs are
 module-level functions (`stages.ppo.steps`) bound here (`_build_programs`) to their static
 settings, graphs and optimisers and jitted with their shardings; `--compile-for` lists the same
-objects (`stages.ppo.programs`). What is built once is `stages.ppo.build`.
+objects (`stages.ppo.compile_for`). What is built once is `stages.ppo.build`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ppo_jax.trainer.loading.models import (
 from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.rewards.functions import get_reward_function
 from ppo_jax.trainer.stages.ppo import (
-    build, checks, dynamic, parts, programs, rewards, samplers, steps,
+    build, checks, compile_for, dynamic, parts, samplers, steps, text_rewards,
 )
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import Learned, LastRollout, PromptBatch, Sampled, Scored
@@ -94,7 +94,7 @@ class PPOTrainer(StageTrainer):
         self.settings = settings_for(
             cfg, shared_critic=cfg.model.shared_critic, mesh=place.constraint_mesh,
             score_normalizer=models.score_normalizer if cfg.reward.normalize else None,
-            reward_eos_id=rewards.reward_eos_id(cfg.reward.eos_at_end, self.tokenizer,
+            reward_eos_id=text_rewards.reward_eos_id(cfg.reward.eos_at_end, self.tokenizer,
                                                 self.stop_ids),
             stop_token_ids=self.stop_ids,
             pad_token_id=pad_token_id(self.tokenizer, models.actor.cfg))
@@ -324,19 +324,19 @@ class PPOTrainer(StageTrainer):
         return self.score_texts(prompts, resp, mask, rows).scores
 
     def decode(self, ids, mask) -> list[str]:
-        """`rewards.decode_responses` with this run's tokenizer and `data.response_prefix`."""
-        return rewards.decode_responses(self.tokenizer, self.cfg.data.response_prefix or "",
+        """`text_rewards.decode_responses` with this run's tokenizer and `data.response_prefix`."""
+        return text_rewards.decode_responses(self.tokenizer, self.cfg.data.response_prefix or "",
                                         ids, mask)
 
-    def score_texts(self, prompts: list[str], ids, mask, rows=None) -> rewards.TextScores:
-        """`rewards.text_scores` by this run's reward function (raises its ValueError)."""
-        return rewards.text_scores(self.reward_fn, self.decode, self.place, prompts, ids, mask,
+    def score_texts(self, prompts: list[str], ids, mask, rows=None) -> text_rewards.TextScores:
+        """`text_rewards.text_scores` by this run's reward function (raises its ValueError)."""
+        return text_rewards.text_scores(self.reward_fn, self.decode, self.place, prompts, ids, mask,
                                    rows)
 
     @property
     def last_samples(self) -> list[dict]:
-        """This process's rows of the last step (`rewards.sample_records`)."""
-        return rewards.sample_records(self._last_rollout, self.decode)
+        """This process's rows of the last step (`text_rewards.sample_records`)."""
+        return text_rewards.sample_records(self._last_rollout, self.decode)
 
     def programs(self) -> list:
         """The step's jitted programs with abstract arguments (`programs.step_programs`)."""
@@ -344,7 +344,7 @@ class PPOTrainer(StageTrainer):
         critic = state["critic"]
         models = self.ppo_models(state["actor"].params, None if critic is None else critic.params,
                                  place.onload(self.ref_params), place.onload(self.reward_params))
-        return programs.step_programs(
+        return compile_for.step_programs(
             self.jit, models, state, self.frozen, cfg=self.cfg, place=place,
             prompt_width=self.prompt_columns.full, scored_on_host=self.reward_fn is not None,
             model_shardings=self._model_shardings(), rollout_layout=self.rollout_layout,
@@ -352,7 +352,7 @@ class PPOTrainer(StageTrainer):
 
     def resident(self) -> dict:
         """What stays in device memory between the programs of a step (`programs.resident`)."""
-        return programs.resident(self.state, self.frozen, self.ref_params, self.reward_params,
+        return compile_for.resident(self.state, self.frozen, self.ref_params, self.reward_params,
                                  shared_base=self.shared_base, evaluator=self.evaluator)
 
     # ----------------------------------------------------------------------------------------
