@@ -8,8 +8,8 @@ ARGS ?=
 # peer and writes it with its figures, the git commit and the CPU under $(BENCH_RAW);
 # bench/harness.py), then bench/report.py collects them into bench/results.md (each benchmark's
 # wall time is in it). Run it on a quiet machine from a clean tree (other load inflates every
-# figure; results.md warns about a dirty tree, and bench/report.py refuses raw files from commits
-# whose measured code differs). The one-question studies retired from bench/ (their figures,
+# figure; results.md warns about a dirty tree and about raw files from several commits or
+# CPUs). The one-question studies retired from bench/ (their figures,
 # commits and the way to re-run them): docs/benchmarks.md "Studies (retired scripts)".
 # `make bench-quick` runs the same pipeline with tiny sizes (a smoke check of the scripts, not
 # figures to quote; ~5 minutes) and writes bench/results_raw/quick/results.md instead.
@@ -69,7 +69,7 @@ bench-quick:
 # and 10 steps of the earlier default (batch 8, reviews.jsonl) with responses that stop at a
 # sentence end, with and without the column buckets; then bench/report.py rewrites results.md
 # from $(BENCH_RAW): give the BENCH_RAW of your `make bench` run so that its sections stay (of
-# the same measured code: bench/report.py refuses to mix commits whose ppo_jax differs).
+# the same measured code: bench/report.py warns when the raw files come from several commits).
 TRAIN_AB_MALLOC = --set train.steps=5 --set eval.every=0
 TRAIN_AB_COLUMNS = --set train.steps=10 --set eval.every=0 --set ppo.batch_size=8 \
 	--set data.prompts=configs/prompts/reviews.jsonl --set generation.stop_token_ids=[2,30,17,47]

@@ -1,6 +1,6 @@
 """ppo_jax.core's PPO math (reward shaping, GAE, whitening, clipped losses, gradient) jitted,
 against the same work written as TRL 0.11 does in torch (checked to agree first), float32, in
-interleaved rounds; also the GAE alone per method.
+interleaved rounds. (GAE's methods against each other: docs/benchmarks.md, "Studies".)
 
 Usage: python bench/core.py [--batch 256] [--length 1024] [--rounds 30] [--torch-block 3]
     [--jax-block 10] [--warmup-s 0.1] [--json PATH]
@@ -8,7 +8,6 @@ Usage: python bench/core.py [--batch 256] [--length 1024] [--rounds 30] [--torch
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import jax
@@ -16,15 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from harness import (compare, finish, interleaved, log, options, ratio, table, timed,
-                     under_malloc_settings)
+from harness import compare, finish, interleaved, log, options, ratio, stats, table, under_malloc_settings
 from ppo_jax import core
 
 GAMMA, LAM, KL_COEF, CLIP, CLIP_V, VF_COEF = 1.0, 0.95, 0.05, 0.2, 0.2, 0.1
 NAMES = ("scores", "logprobs", "ref_logprobs", "values", "mask", "new_logprobs", "new_values")
-FULL_PASS = (("chunked", 1, 16), ("scan", 1, 0), ("scan", 16, 0), ("associative", 0, 0))
-GAE_ALONE = (("chunked", 1, 16), ("chunked", 1, 32), ("chunked", 1, 64), ("scan", 1, 1),
-             ("scan", 4, 1), ("scan", 16, 1), ("associative", 1, 1))
 
 
 def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -41,22 +36,20 @@ def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]
     return {k: v.astype(np.float32) for k, v in arrays.items()}
 
 
-def make_jax_step(method: str, unroll: int = 1, chunk: int = 32):
-    def step(scores, logprobs, ref_logprobs, values, mask, new_logprobs, new_values, kl_coef):
-        rewards, _ = core.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef)
-        adv, returns = core.compute_gae(values, rewards, mask, gamma=GAMMA, lam=LAM, method=method,
-                                        unroll=unroll, chunk=chunk)
-        adv = core.masked_whiten(adv, mask)
+@jax.jit
+def jax_step(scores, logprobs, ref_logprobs, values, mask, new_logprobs, new_values, kl_coef):
+    """The pass with ppo_jax.core, GAE by its default method."""
+    rewards, _ = core.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef)
+    adv, returns = core.compute_gae(values, rewards, mask, gamma=GAMMA, lam=LAM)
+    adv = core.masked_whiten(adv, mask)
 
-        def loss_fn(nlp, nv):
-            pg, _ = core.policy_loss(nlp, logprobs, adv, mask, cliprange=CLIP)
-            vf, _ = core.value_loss(nv, values, returns, mask, cliprange_value=CLIP_V)
-            return pg + VF_COEF * vf
+    def loss_fn(nlp, nv):
+        pg, _ = core.policy_loss(nlp, logprobs, adv, mask, cliprange=CLIP)
+        vf, _ = core.value_loss(nv, values, returns, mask, cliprange_value=CLIP_V)
+        return pg + VF_COEF * vf
 
-        loss, (g_lp, g_v) = jax.value_and_grad(loss_fn, argnums=(0, 1))(new_logprobs, new_values)
-        return loss, g_lp, g_v, adv, returns
-
-    return jax.jit(step)
+    loss, (g_lp, g_v) = jax.value_and_grad(loss_fn, argnums=(0, 1))(new_logprobs, new_values)
+    return loss, g_lp, g_v, adv, returns
 
 
 # --------------------------------------------------------------------------- torch (TRL 0.11)
@@ -107,34 +100,23 @@ def check_agree(jax_out, torch_out, mask):
 
 
 def side_figures(blocks: list[list[float]]) -> dict:
-    """Median and min (ms per call) over every timed call of one side."""
-    calls = [1e3 * t for b in blocks for t in b]
-    return {"median_ms": statistics.median(calls), "min_ms": min(calls), "calls": len(calls)}
-
-
-def gae_label(method: str, unroll: int, chunk: int) -> str:
-    return {"scan": f"scan(unroll={unroll})", "chunked": f"chunked(chunk={chunk})"}.get(method, method)
+    """The stats of every timed call of one side, in ms."""
+    return stats(1e3 * t for b in blocks for t in b)
 
 
 def markdown(d: dict) -> str:
-    t = d["torch"]
-    rows = [["torch, TRL 0.11 style", f"{t['median_ms']:.3f} ({t['min_ms']:.3f})", "×1.0", "×1.0", "—", "—"]]
-    for label, r in d["jax"].items():
-        p = r["paired_ratio"]
-        rows.append([f"jax jit, GAE {label}" + (" (default)" if label == d["default_gae"] else ""),
-                     f"{r['median_ms']:.3f} ({r['min_ms']:.3f})", ratio(r["ratio_of_medians"], 1),
-                     ratio(r["ratio_of_minima"], 1),
-                     f"×{p['median']:.1f} (×{p['min']:.1f}–×{p['max']:.1f}, {p['n']} rounds)",
-                     f"{r['compile_s']:.2f}"])
-    gae = [[k, f"{v['median_ms']:.3f} ({v['min_ms']:.3f})"] for k, v in d["gae_alone"].items()]
+    t, j, p = d["torch"], d["jax"], d["jax"]["paired_ratio"]
+    rows = [["torch, TRL 0.11 style", f"{t['median']:.3f} ({t['min']:.3f})", "×1.0", "×1.0", "—", "—"],
+            [f"ppo_jax.core, jax jit (GAE: {d['gae']}, the default)", f"{j['median']:.3f} ({j['min']:.3f})",
+             ratio(j["ratio_of_medians"], 1), ratio(j["ratio_of_minima"], 1),
+             f"×{p['median']:.1f} (×{p['min']:.1f}–×{p['max']:.1f}, {p['n']} rounds)", f"{j['compile_s']:.2f}"]]
     return "\n".join([
         f"B={d['batch']}, T={d['length']}, float32; torch with TRL 0.11's Python loops. ms per call: "
         f"median (min) of every timed call of {d['rounds']} interleaved rounds, in blocks of "
         f"{d['jax_block']} (JAX) and {d['torch_block']} (torch) calls after {d['warmup_calls']}+ "
         f"untimed calls and {d['warmup_s']:g}+ s; speed-up vs torch: median/median, min/min, per round.", "",
         table(["implementation", "ms per call", "median / median", "min / min", "per-round ratios",
-               "compile s"], rows), "", "GAE alone (jitted, [B, T]):", "",
-        table(["method", "ms per call (min)"], gae)])
+               "compile s"], rows)])
 
 
 def main() -> None:
@@ -147,35 +129,18 @@ def main() -> None:
     log(f"B={args.batch} T={args.length}; jax {jax.__version__}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads)")
 
-    torch_out = torch_step(*ta)
-    default = (core.gae.DEFAULT_GAE_METHOD, core.gae.DEFAULT_UNROLL, core.gae.DEFAULT_CHUNK)
-    compiled, compile_s = {}, {}
-    for method, unroll, chunk in [default] + [c for c in FULL_PASS if c != default]:
-        label = gae_label(method, unroll, chunk)
-        t0 = time.perf_counter()
-        compiled[label] = make_jax_step(method, max(unroll, 1), max(chunk, 1)).lower(*ja).compile()
-        compile_s[label] = time.perf_counter() - t0
-        check_agree(jax.block_until_ready(compiled[label](*ja)), torch_out, inputs["mask"])
-    log("numerics: JAX (every GAE method) == torch/TRL (loss, both gradients, advantages, returns)")
+    t0 = time.perf_counter()
+    compiled = jax_step.lower(*ja).compile()
+    compile_s = time.perf_counter() - t0
+    check_agree(jax.block_until_ready(compiled(*ja)), torch_step(*ta), inputs["mask"])
+    log("numerics: JAX == torch/TRL (loss, both gradients, advantages, returns)")
 
-    fns = {label: (lambda fn=fn: jax.block_until_ready(fn(*ja))) for label, fn in compiled.items()}
-    fns["torch"] = lambda: torch_step(*ta)
-    block = {name: args.jax_block for name in compiled} | {"torch": args.torch_block}
-    blocks = interleaved(fns, args.rounds, block, args.warmup_calls, args.warmup_s)
-    side = {name: side_figures(b) for name, b in blocks.items()}
-    vs = {label: compare(blocks["torch"], blocks[label]) for label in compiled}
-
-    gae_alone = {}
-    v, r, m = (jnp.asarray(inputs[n]) for n in ("values", "new_values", "mask"))
-    for method, unroll, chunk in GAE_ALONE:
-        gae = jax.jit(lambda v, r, m: core.compute_gae(v, r, m, gamma=GAMMA, lam=LAM, method=method,
-                                                       unroll=unroll, chunk=chunk))
-        jax.block_until_ready(gae(v, r, m))
-        gae_alone[gae_label(method, unroll, chunk)] = side_figures([[
-            timed(lambda: jax.block_until_ready(gae(v, r, m))) for _ in range(args.rounds * args.jax_block)]])
-    label = gae_label(*default)
-    finish({"bench": "core", **vars(args), "dtype": "float32", "default_gae": label, "torch": side["torch"],
-            "jax": {k: {**side[k], "compile_s": compile_s[k], **vs[k]} for k in compiled}, "gae_alone": gae_alone,
+    fns = {"jax": lambda: jax.block_until_ready(compiled(*ja)), "torch": lambda: torch_step(*ta)}
+    blocks = interleaved(fns, args.rounds, {"jax": args.jax_block, "torch": args.torch_block},
+                         args.warmup_calls, args.warmup_s)
+    finish({"bench": "core", **vars(args), "dtype": "float32", "gae": core.gae.DEFAULT_GAE_METHOD,
+            "torch": side_figures(blocks["torch"]),
+            "jax": {**side_figures(blocks["jax"]), "compile_s": compile_s, **compare(blocks["torch"], blocks["jax"])},
             "versions": {"jax": jax.__version__, "torch": torch.__version__},
             "torch_threads": torch.get_num_threads(), "platform": jax.devices()[0].platform}, markdown, args.json)
 

@@ -10,19 +10,16 @@ Workloads (`--workload`, one or more):
            the same memory (a pool of rows x (P + N) / page_size pages) and `--slots` slots.
   default: `make train`'s sampler: 16 everyday prompts, 40 tokens, one batch on both sides.
   rlvr:    `make rlvr`'s: 8 chain-sum problems x 8 samples, 16 tokens, one prefill per group.
-Each round times both sides in alternating order after a warm-up call (compiles); the table
-gives the length distribution, tokens / s of each side and their ratio, the engine's decode
-steps and slot occupancy against the static decode steps (every sub-batch runs to its longest).
+Each round times every side, in alternating order, after a warm-up call (compiles).
 
 Accelerators (no model download there; bench/gpu.sh): `--random-stops K` runs random weights
-of SmolLM2's shape (harness.SHAPES, in `--dtype`) with K stop tokens spread over the
-vocabulary, so a response ends at each token with probability ~K / V: geometric lengths cut
-at `--new-tokens`, the heavy tail synthesised.
+of SmolLM2's shape (harness.SHAPES, in `--dtype`) with K stop tokens spread over the vocabulary:
+a response ends at each token with probability ~K / V, geometric lengths cut at `--new-tokens`.
 
 Usage: python bench/engine.py [--workload heavy default rlvr] [--rounds 2] [--slots 64 128]
     [--rows 64] [--responses 256] [--new-tokens 256] [--chunk 8] [--page-size 16] [--tiny]
     [--random-stops K] [--dtype float32] [--buckets 4] [--json PATH]
-    (--tiny: the tiny random model, a check of the script, not a figure; several --slots:
+    (--tiny: random weights of the tiny shape, a check of the script, not a figure; several --slots:
     one engine per slot count against the same static sub-batches)
 """
 
@@ -32,8 +29,8 @@ from functools import partial
 
 import numpy as np
 
-from harness import (ROOT, finish, fmt, log, options, random_model, ratio, stats, table, timed,
-                     under_malloc_settings)
+from harness import (ROOT, finish, fmt, interleaved, log, options, random_model, ratio, stats, table,
+                     timed, under_malloc_settings)
 
 
 def workload(name: str, args):
@@ -49,14 +46,13 @@ def workload(name: str, args):
 
 
 def model_dir(args):
-    """The model's HF directory: SmolLM2-135M-Instruct, the tiny random model, or random
-    weights of SmolLM2's (or, with --tiny, the tiny) shape (`--random-stops`)."""
+    """SmolLM2-135M-Instruct, or random weights of the tiny shape (`--tiny`) or of SmolLM2's
+    (`--random-stops`)."""
     from ppo_jax.models.smollm2 import ensure_smollm2
-    from ppo_jax.models.tiny_random import ensure_tiny_random
 
-    if args.random_stops:
+    if args.tiny or args.random_stops:
         return random_model("tiny" if args.tiny else "smollm2")
-    return ensure_tiny_random(ROOT / ".cache/tiny-random-llama") if args.tiny else ensure_smollm2()
+    return ensure_smollm2()
 
 
 def build(name: str, args):
@@ -85,13 +81,11 @@ def build(name: str, args):
     kw = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, stop_token_ids=stops,
               pad_token_id=pad_token_id(tok, model.cfg), samples_per_prompt=n)
     pool = 1 + rows * pages_for(width + g.max_new_tokens, args.page_size)
-    engines = {slots: PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
-                                  EngineSettings(page_size=args.page_size, num_pages=pool,
-                                                 decode_chunk=args.chunk,
-                                                 decode_buckets=args.buckets,
-                                                 **({"max_concurrent": slots} if extra else {})),
-                                  batch=batch, prompt_width=width)
-               for slots in (args.slots if extra else [0])}
+    engines = [PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
+                           EngineSettings(page_size=args.page_size, num_pages=pool, decode_chunk=args.chunk,
+                                          decode_buckets=args.buckets, **({"max_concurrent": slots} if extra else {})),
+                           batch=batch, prompt_width=width) for slots in (args.slots if extra else [0])]
+    engines = {f"paged {e.layout.slots * e.layout.replicas}": e for e in engines}
     key = jax.random.PRNGKey(0)
 
     def static():
@@ -103,21 +97,10 @@ def build(name: str, args):
         out = engine.generate(params, jax.numpy.asarray(ids), jax.numpy.asarray(mask), key)
         return tuple(np.asarray(x) for x in out[:2])
 
-    facts = dict(batch=batch, static_rows=rows, pool_pages=pool, page_size=args.page_size,
-                 chunk=args.chunk, buckets=args.buckets, device=jax.devices()[0].device_kind,
-                 new_tokens=g.max_new_tokens, prompt_width=width,
-                 samples_per_prompt=n, dtype=args.dtype, random_stops=k)
-    fns = {"static": static, **{f"paged {e.layout.slots * e.layout.replicas}":
-                                partial(paged, e) for e in engines.values()}}
-    return fns, {f"paged {e.layout.slots * e.layout.replicas}": e for e in engines.values()}, facts
-
-
-def agreement(static, paged) -> float:
-    """Share of rows whose tokens and response mask are equal on both sides: 1.0 in float32 on
-    the CPU (checked); in bfloat16, or where a GPU picks its matmul algorithm by batch shape, a
-    different batch composition rounds differently and some sampled rows part ways."""
-    same = np.all(static[0] == paged[0], axis=1) & np.all(static[1] == paged[1], axis=1)
-    return float(same.mean())
+    facts = dict(batch=batch, static_rows=rows, pool_pages=pool, page_size=args.page_size, chunk=args.chunk,
+                 buckets=args.buckets, device=jax.devices()[0].device_kind, new_tokens=g.max_new_tokens,
+                 prompt_width=width, samples_per_prompt=n, dtype=args.dtype, random_stops=k)
+    return {"static": static, **{side: partial(paged, e) for side, e in engines.items()}}, engines, facts
 
 
 def measure(name: str, args) -> dict:
@@ -128,28 +111,24 @@ def measure(name: str, args) -> dict:
     for side, fn in fns.items():
         seconds = timed(lambda: out.__setitem__(side, fn()))
         log(f"{name} warm-up {side}: {seconds:.1f} s")
-    agree = {side: agreement(out["static"], out[side]) for side in engines}
+    # share of rows with equal tokens and mask: 1.0 in float32 on the CPU (checked); in bfloat16, or
+    # where a GPU picks its matmul algorithm by batch shape, some sampled rows part ways
+    agree = {side: float((np.all(out["static"][0] == out[side][0], axis=1)
+                          & np.all(out["static"][1] == out[side][1], axis=1)).mean()) for side in engines}
     if facts["dtype"] == "float32" and facts["device"] == "cpu":
         for side, same in agree.items():
             if same < 1.0:
                 raise AssertionError(f"{name}: {side}'s tokens differ from the static sampler's")
     lengths, rows = out["static"][1].sum(axis=1), facts["static_rows"]
-    times = {side: [] for side in fns}
-    for rnd in range(args.rounds):
-        for side in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-            times[side].append(timed(fns[side]))
-            log(f"{name} round {rnd} {side}: {times[side][-1]:.1f} s")
+    times = {side: [t for (t,) in blocks] for side, blocks in interleaved(fns, args.rounds).items()}
     useful = int(lengths.sum())
-    sides = {side: {"slots": e.layout.slots * e.layout.replicas,
-                    "rows_identical": agree[side],
+    sides = {side: {"slots": e.layout.slots * e.layout.replicas, "rows_identical": agree[side],
                     "useful_tokens": int(out[side][1].sum()),
                     "tokens_per_s": int(out[side][1].sum()) / stats(times[side])["median"],
                     "ratio": stats((s / useful) / (p / int(out[side][1].sum()))
                                    for s, p in zip(times["static"], times[side])),
-                    **{k: getattr(e.last_stats, k) for k in ("steps", "row_steps", "chunks",
-                                                           "prefills",
-                                                           "slot_occupancy", "preemptions",
-                                                           "peak_pages")}}
+                    **{k: getattr(e.last_stats, k) for k in ("steps", "row_steps", "chunks", "prefills",
+                                                             "slot_occupancy", "preemptions", "peak_pages")}}
              for side, e in engines.items()}
     return {**facts, "useful_tokens": useful, "seconds": {k: stats(t) for k, t in times.items()},
             "lengths": {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),

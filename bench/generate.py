@@ -1,6 +1,6 @@
 """Generation: ppo_jax's jitted KV-cache sampler against transformers `generate` (PyTorch CPU, at
-its default thread count and at 1 thread), SmolLM2-135M-Instruct, float32, the same left-padded
-chat prompts, greedy, exactly `--new-tokens` tokens (checked); timed calls alternate.
+its default thread count), SmolLM2-135M-Instruct, float32, the same left-padded chat prompts,
+greedy, exactly `--new-tokens` tokens (checked); timed calls alternate.
 
 Usage: python bench/generate.py [--new-tokens 64] [--runs 5] [--json PATH]
 """
@@ -31,9 +31,9 @@ PROMPTS = [
 ]
 
 
-def load_sides(model_dir: Path, batch: int) -> SimpleNamespace:
-    """Both samplers on the same left-padded chat prompts, float32: `ours(n)`, `theirs(n, threads)`
-    make a callable of one greedy call of exactly `n` new tokens; also the prompts' `ids`."""
+def load_sides(model_dir: Path, batch: int, n: int) -> SimpleNamespace:
+    """Both samplers on the same left-padded chat prompts, float32: `ours()`, `theirs()`, one
+    greedy call of exactly `n` new tokens each; also the prompts' `ids`."""
     import transformers
 
     tok = load_tokenizer(model_dir)
@@ -46,96 +46,66 @@ def load_sides(model_dir: Path, batch: int) -> SimpleNamespace:
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     t_ids, t_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
 
-    def ours(n: int):
-        return lambda: jax.block_until_ready(generate(
+    def ours():
+        return jax.block_until_ready(generate(
             graphdef, params, ids, mask, jax.random.PRNGKey(0), max_new_tokens=n, greedy=True,
             stop_token_ids=(), pad_token_id=int(tok.pad_token_id)))
 
-    def theirs(n: int, threads: int | None = None):
-        def call():
-            if threads:
-                torch.set_num_threads(threads)
-            with torch.inference_mode():
-                return hf.generate(t_ids, attention_mask=t_mask, max_new_tokens=n, min_new_tokens=n,
-                                   do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
-                                   temperature=None, top_p=None, top_k=None)
-        return call
+    def theirs():
+        with torch.inference_mode():
+            return hf.generate(t_ids, attention_mask=t_mask, max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
+                               temperature=None, top_p=None, top_k=None)
 
     return SimpleNamespace(ids=ids, ours=ours, theirs=theirs, transformers=transformers.__version__)
 
 
-def union_s(spans) -> float:
-    """Total length of (start, end) spans, overlaps once (a nested jit traces inside its caller)."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        total += max(0.0, e - max(s, end))
-        end = max(end, e)
-    return total
-
-
 def markdown(d: dict) -> str:
-    r, best = d["ppo_jax"], str(d["transformers"]["torch_threads"])
-    rows = [["ppo_jax jitted KV-cache sampler", spread(r["tokens_per_s"], 1),
-             spread(r["seconds"], 3), fmt(r["first_call_s"]), "—"]]
-    for th in sorted(d["transformers_by_threads"], key=lambda th: (th != best, int(th))):
-        t, p = d["transformers_by_threads"][th], d["paired_ratio_by_threads"][th]
-        rows.append([f"transformers `generate` (PyTorch CPU), {th} thread{'' if th == '1' else 's'}"
-                     + (" (fastest)" if th == best else ""), spread(t["tokens_per_s"], 1),
-                     spread(t["seconds"], 3), fmt(t["first_call_s"]),
-                     f"{ratio(d['ratio_by_threads'][th])} (paired runs {ratio(p['min'])}–{ratio(p['max'])})"])
+    r, t, p = d["ppo_jax"], d["transformers"], d["paired_ratio"]
+    rows = [["ppo_jax jitted KV-cache sampler", spread(r["tokens_per_s"], 1), spread(r["seconds"], 3),
+             fmt(r["first_call_s"]), "—"],
+            [f"transformers `generate` (PyTorch CPU, {t['torch_threads']} threads)", spread(t["tokens_per_s"], 1),
+             spread(t["seconds"], 3), fmt(t["first_call_s"]),
+             f"{ratio(d['ratio'])} (paired runs {ratio(p['min'])}–{ratio(p['max'])})"]]
     return "\n".join([
         f"Model `{d['model']}`, float32, batch {d['batch']}, prompt width {d['prompt_width']}, "
         f"{d['new_tokens']} new tokens, greedy; tokens/s = batch x new tokens / one whole call; "
         f"median (min–max) of {d['runs']} alternating calls after one warm-up call.", "",
-        table(["implementation", "tokens/s", "s per call", "first call s",
-               "ppo_jax / this (medians)"], rows), "",
-        f"Headline ratio ppo_jax / transformers at its fastest thread setting ({best} threads) "
-        f"(medians): {ratio(d['ratio'])}; ppo_jax compile: {d['compile_s']:.1f} s; greedy rows "
-        f"identical token for token: {d['identical_rows']}/{d['batch']}."])
+        table(["implementation", "tokens/s", "s per call", "first call s", "ppo_jax / this (medians)"], rows), "",
+        f"ppo_jax compile (first call minus the median): {d['compile_s']:.1f} s; greedy rows identical "
+        f"token for token: {d['identical_rows']}/{d['batch']}."])
 
 
 def main() -> None:
     args = options(__doc__, new_tokens=64, runs=5, json=None)
     n, runs, model_dir = args.new_tokens, max(args.runs, 3), ensure_smollm2()
-    sides = load_sides(model_dir, 8)
-    (batch, width), default_threads = sides.ids.shape, torch.get_num_threads()
-    settings = list(dict.fromkeys((default_threads, 1)))  # torch's default thread count, and 1
+    sides = load_sides(model_dir, 8, n)
+    batch, width = sides.ids.shape
     log(f"model {model_dir.name}, float32, batch {batch}, prompt width {width}, {n} new tokens, "
-        f"greedy; jax {jax.__version__}, torch {torch.__version__}; torch threads {settings}")
-    spans = []  # JAX's /jax/core/compile/* spans (tracing, lowering, compiling)
-    jax.monitoring.register_event_time_span_listener(
-        lambda event, start, end, **_: event.startswith("/jax/core/compile/") and spans.append((start, end)))
-    fns, out = {"ppo_jax": sides.ours(n)}, {}
-    first = {"ppo_jax": timed(lambda: out.update(ppo_jax=fns["ppo_jax"]()))}  # the warm-up calls
-    compile_s = union_s(spans)
+        f"greedy; jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    fns, out = {"ppo_jax": sides.ours, "transformers": sides.theirs}, {}
+    first = {name: timed(lambda name=name: out.update({name: fns[name]()})) for name in fns}  # warm-up calls
     ours_ids, ours_mask = (np.asarray(x) for x in out["ppo_jax"])
+    theirs_ids = out["transformers"][:, width:].numpy()
     assert ours_ids.shape == (batch, n) and ours_mask.all(), "ours stopped early"
-    for th in settings:
-        fns[th] = sides.theirs(n, th)
-        first[th] = timed(lambda th=th: out.update({th: fns[th]()[:, width:].numpy()}))
-        assert out[th].shape == (batch, n), f"transformers generated {out[th].shape[1]} tokens"
+    assert theirs_ids.shape == (batch, n), f"transformers generated {theirs_ids.shape[1]} tokens"
     blocks = interleaved(fns, runs)
-    torch.set_num_threads(default_threads)
 
     def figures(name):
         times = [t for r in blocks[name] for t in r]
         return {"tokens_per_s": stats(batch * n / t for t in times), "seconds": stats(times),
                 "first_call_s": first[name]}
 
-    ours, hf = figures("ppo_jax"), {th: figures(th) for th in settings}
-    best = max(settings, key=lambda th: hf[th]["tokens_per_s"]["median"])
-    ratios = {th: ours["tokens_per_s"]["median"] / hf[th]["tokens_per_s"]["median"] for th in settings}
-    paired = {th: compare(blocks[th], blocks["ppo_jax"])["paired_ratio"] for th in settings}
-    same = (ours_ids == out[best]).all(axis=1)
+    ours, hf = figures("ppo_jax"), figures("transformers")
+    same = (ours_ids == theirs_ids).all(axis=1)
     finish({"bench": "generate", "model": model_dir.name, "dtype": "float32", "batch": batch,
             "prompt_width": width, "new_tokens": n, "runs": runs, "ppo_jax": ours,
-            "transformers": {**hf[best], "torch_threads": best},
-            "transformers_by_threads": {str(th): hf[th] for th in settings},
-            "ratio": ratios[best], "ratio_by_threads": {str(th): ratios[th] for th in settings},
-            "paired_ratio_by_threads": {str(th): paired[th] for th in settings},
-            "compile_s": compile_s, "identical_rows": int(same.sum()),
+            "transformers": {**hf, "torch_threads": torch.get_num_threads()},
+            "ratio": ours["tokens_per_s"]["median"] / hf["tokens_per_s"]["median"],
+            "paired_ratio": compare(blocks["transformers"], blocks["ppo_jax"])["paired_ratio"],
+            "compile_s": first["ppo_jax"] - ours["seconds"]["median"], "identical_rows": int(same.sum()),
             "first_divergence_steps": [int(np.argmax(a != b))
-                                       for a, b, s in zip(ours_ids, out[best], same) if not s],
+                                       for a, b, s in zip(ours_ids, theirs_ids, same) if not s],
             "versions": {"jax": jax.__version__, "torch": torch.__version__,
                          "transformers": sides.transformers},
             "xla_flags": os.environ.get("XLA_FLAGS", "")}, markdown, args.json)

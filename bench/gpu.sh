@@ -4,8 +4,8 @@
 # and bench/report.py over their JSON. Nothing is downloaded at run time: the models are
 # random-init, the SmolLM2 tokenizer ships in bench/smollm2_tokenizer/.
 #   ppo_step  bench/ppo_step.py: ppo_jax's PPO step per phase, shared and separate critic,
-#             4 epochs, batch 64, 128 new tokens, counted FLOPs and GFLOP/s (no TRL peer there:
-#             the device image has no torch);
+#             4 epochs, batch 64, 128 new tokens (no TRL peer there: the device image has no
+#             torch);
 #   engine    bench/engine.py: the paged engine against the static sampler at equal KV memory,
 #             256 responses whose lengths `--random-stops 768` makes heavy-tailed, 64 and 128 slots.
 #
@@ -28,7 +28,7 @@
 #   here:   bench/gpu_wheels.sh .whl      (omegaconf, tensorboardX, vaderSentiment wheels, <1 MB)
 #   there:  PPO_BENCH_PYTHON=python3 PPO_BENCH_WHEELS=.whl bench/gpu.sh --out OUT
 # Environment: PPO_BENCH_SHAPE (smollm2 | llama1b: Llama-3.2-1B's decoder with SmolLM2's
-# vocabulary, for the PPO step; default smollm2), PPO_BENCH_PYTHON, PPO_BENCH_WHEELS (a folder
+# vocabulary, for the PPO step; default smollm2; the shapes: configs/model_shapes/), PPO_BENCH_PYTHON, PPO_BENCH_WHEELS (a folder
 # of wheels installed, without their dependencies, into a temporary folder put first on
 # PYTHONPATH), PPO_BENCH_JAX_EXTRA (cuda12 | tpu | none), PPO_BENCH_COMMIT (recorded as the
 # code's commit where the tree has no .git), PPO_JAX_CACHE (where the tokenizer, random models

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
 import statistics
@@ -30,14 +31,9 @@ ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vn
              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve", "sve2")
 TOKENIZER = ROOT / "bench/smollm2_tokenizer"  # SmolLM2's, gzipped
 TOKENIZER_SHA256 = "bf346d64f6f0fbcefb4c1b6928a98241467dff36c6fbae5fe1785c4ff90667f4"
-SHAPE_KEYS = ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
-              "head_dim", "rope_theta")
-# random-weight shapes (bench/gpu.sh): SmolLM2-135M's; Llama-3.2-1B's decoder with SmolLM2's
-# vocabulary (~1.07B); a tiny one for dry runs
-SHAPES = {name: dict(zip(SHAPE_KEYS, dims)) for name, dims in (
-    ("smollm2", (576, 30, 1536, 9, 3, 64, 1e5)),
-    ("llama1b", (2048, 16, 8192, 32, 8, 64, 5e5)),
-    ("tiny", (64, 2, 128, 4, 2, 16, 1e4)))}
+# random-weight shapes (bench/gpu.sh), from configs/model_shapes/ with SmolLM2's vocabulary:
+# SmolLM2-135M's, Llama-3.2-1B's decoder (~1.07B); None: the tiny model (dry runs)
+SHAPES = {"smollm2": "smollm2-135m-instruct", "llama1b": "llama-3.2-1b-instruct", "tiny": None}
 
 
 def log(msg: str) -> None:
@@ -82,14 +78,15 @@ def warm(fn, min_calls: int, min_s: float, clock=time.perf_counter) -> int:
 
 def interleaved(fns: dict, rounds: int, block: int | dict = 1, warmup_calls: int = 0,
                 warmup_s: float = 0.0, clock=time.perf_counter) -> dict[str, list[list[float]]]:
-    """Each round, each function in turn: warmed (`warm`), then `block` calls (an int or name ->
-    int) timed one by one. Name -> seconds per call, one list per round."""
+    """Each round, each function in turn (the order reversed every other round, `alternate`):
+    warmed (`warm`), then `block` calls (an int or name -> int) timed one by one. Name -> seconds
+    per call, one list per round."""
     out = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            warm(fn, warmup_calls, warmup_s, clock)
+    for rnd in range(rounds):
+        for name in alternate(fns, rnd):
+            warm(fns[name], warmup_calls, warmup_s, clock)
             n = block[name] if isinstance(block, dict) else block
-            out[name].append([timed(fn, clock) for _ in range(n)])
+            out[name].append([timed(fns[name], clock) for _ in range(n)])
     return out
 
 
@@ -111,13 +108,19 @@ def ppo_step_record(times: dict, gen_tokens: int, prompt_tokens: int, epochs: in
             **extra, **{f"tokens_per_s/{k}": n / times[f"time/{k}"] for k, n in rates.items()}}
 
 
-def ppo_step_summary(records: list[dict]) -> dict:
-    """The stats of every time, tokens/s and GFLOP/s of the measured steps; mean token counts."""
-    return {"gen_tokens": records[0]["gen_tokens"],
-            **{f"{k}_mean": statistics.mean(r[k] for r in records) for k in ("seq_tokens", "prompt_tokens",
-                                                                               "padded_seq_len")},
-            "stats": {k: stats(r[k] for r in records) for k in records[0]
-                      if k.startswith(("time/", "tokens_per_s/", "gflops_per_s/"))}}
+def ppo_step_summary(records: list[dict], warmup: int) -> dict:
+    """A worker's steps (`warmup` warm-up steps first): the first step, compile (first step minus
+    the measured median; none without warm-up), peak RSS, mean token counts and the stats of every
+    time and tokens/s of the measured steps."""
+    measured, first = records[warmup:], records[0]["time/step"]
+    return {"warmup_steps": warmup, "measured_steps": len(measured), "first_step_s": first,
+            "compile_s": first - statistics.median(r["time/step"] for r in measured) if warmup else None,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "gen_tokens": measured[0]["gen_tokens"],
+            **{f"{k}_mean": statistics.mean(r[k] for r in measured)
+               for k in ("seq_tokens", "prompt_tokens", "padded_seq_len")},
+            "stats": {k: stats(r[k] for r in measured) for k in measured[0]
+                      if k.startswith(("time/", "tokens_per_s/"))}}
 
 
 def alternate(items, rnd: int) -> list:
@@ -202,14 +205,11 @@ def now() -> str:
 
 def run_record() -> dict:
     """What every benchmark JSON carries about its run, taken at measure time; `malloc_settings`:
-    whether it runs under train.py's (None: no ppo_jax to tell)."""
-    try:
-        from ppo_jax.trainer.host.memory import malloc_settings_active
-        malloc = malloc_settings_active()
-    except ImportError:
-        malloc = None
+    whether it runs under train.py's."""
+    from ppo_jax.trainer.host.memory import malloc_settings_active
+
     return {"date": now(), **git_state(), "cpu": cpu_info(), "load_average": os.getloadavg()[0],
-            "wall_s": process_wall_s(), "malloc_settings": malloc}
+            "wall_s": process_wall_s(), "malloc_settings": malloc_settings_active()}
 
 
 def command_line() -> str:
@@ -227,12 +227,6 @@ def measured_line(rec: dict) -> str:
             f"`{rec.get('commit') or 'unknown'}`{tree}; load average {rec['load_average']:.2f} at the end.")
 
 
-def write_json(path: Path, data: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1, default=str))
-    log(f"wrote {path}")
-
-
 def finish(data: dict, render, path: Path | None, show: bool = True) -> dict:
     """Add the run record and command line to a benchmark's figures, render its section under
     `measured_line` (`markdown`: what bench/report.py collects), print it, write the JSON."""
@@ -241,7 +235,9 @@ def finish(data: dict, render, path: Path | None, show: bool = True) -> dict:
     if show:
         print(data["markdown"], flush=True)
     if path:
-        write_json(path, data)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1, default=str))
+        log(f"wrote {path}")
     return data
 
 
@@ -293,14 +289,17 @@ def random_model(shape: str) -> Path:
     """Random bfloat16 weights of `SHAPES[shape]` with the shipped tokenizer, tied embeddings,
     written once under the cache folder ($PPO_JAX_CACHE, else .cache)."""
     from ppo_jax.models import load_tokenizer
+    from ppo_jax.models.hf_io import load_model_config
     from ppo_jax.models.smollm2 import default_cache_dir
     from ppo_jax.models.tiny_random import ensure_random_checkpoint, tiny_config
 
-    dims, cache = SHAPES[shape], default_cache_dir()
+    cache = default_cache_dir()
     tok = load_tokenizer(unpack_tokenizer(cache / "smollm2-tokenizer"))
     eos = int(tok.eos_token_id)
-    pad = eos if tok.pad_token_id is None else int(tok.pad_token_id)
-    cfg = tiny_config(len(tok), **dims, max_position_embeddings=8192, bos_token_id=tok.bos_token_id,
-                      eos_token_ids=(eos,), pad_token_id=pad, param_dtype="bfloat16", dtype="bfloat16")
-    name = "random-llama-" + "-".join(str(dims[k]) for k in SHAPE_KEYS[:-1])
-    return ensure_random_checkpoint(cache / name, tok, cfg, dtype="bfloat16")
+    fields = dict(vocab_size=len(tok), max_position_embeddings=8192, tie_word_embeddings=True,
+                  bos_token_id=tok.bos_token_id, eos_token_ids=(eos,),
+                  pad_token_id=eos if tok.pad_token_id is None else int(tok.pad_token_id),
+                  param_dtype="bfloat16", dtype="bfloat16")
+    cfg = (tiny_config(**fields) if SHAPES[shape] is None
+           else load_model_config(ROOT / "configs/model_shapes" / SHAPES[shape], **fields))
+    return ensure_random_checkpoint(cache / f"random-{shape}", tok, cfg, dtype="bfloat16")

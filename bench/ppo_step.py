@@ -6,7 +6,7 @@ Usage: python bench/ppo_step.py [--epochs 1 4] [--steps 3] [--warmup 1] [--round
     [--new-tokens 48] [--configs trl jax-shared jax-separate] [--json PATH]
     On a device machine (bench/gpu.sh): ppo_jax only, random weights of a shape (harness.SHAPES):
     --configs jax-shared jax-separate --random-shape smollm2 --dtype bfloat16
-Worker: python bench/ppo_step.py --worker jax --mode shared --epochs 4 [--model-dir DIR]
+Worker: python bench/ppo_step.py --worker jax --mode shared --epochs 4 --model-dir DIR
 """
 
 from __future__ import annotations
@@ -14,36 +14,24 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from harness import (ROOT, alternate, emit, finish, fmt, log, options, ppo_step_record, ppo_step_summary,
                      random_model, ratio, run_worker, spread, stats, table, under_malloc_settings)
 
 PROMPTS = ROOT / "configs/prompts/reviews.jsonl"
-CONFIGS = ("trl", "jax-shared", "jax-separate")
 LABELS = {"trl": "TRL 0.11 PPOTrainer (value head on actor)",
           "jax-shared": "ppo_jax, shared critic (equal work)",
           "jax-separate": "ppo_jax, separate critic (DeepSpeed-Chat layout, more work)"}
+CONFIGS = tuple(LABELS)
 KL_COEF, LR, VF_COEF, CLIP, MAX_GRAD_NORM, SEED = 0.05, 1e-5, 0.1, 0.2, 1.0, 0
 PHASES = ("generation", "scoring", "update", "whole step")
 TIMES = ("time/generation", "time/scoring", "time/update", "time/step")
 TRL_PYTHON = ROOT / ".venv-bench/bin/python"  # bench/setup_trl_env.sh
-
-
-def resolve_model_dir(model_dir: str | None, random_shape: str = "") -> Path:
-    """Random weights of the shape `random_shape` (harness.SHAPES), else `model_dir`, else the
-    converted SmolLM2-135M-Instruct."""
-    from ppo_jax.models.smollm2 import ensure_smollm2
-
-    if random_shape:
-        return random_model(random_shape)
-    return Path(model_dir or ensure_smollm2()).resolve()
 
 
 # --------------------------------------------------------------------------- ppo_jax worker
@@ -87,68 +75,35 @@ def step_record(trainer, args, i: int) -> dict:
     return rec
 
 
-def counted_flops(recorders: dict, records: list[dict], warmup: int) -> dict | None:
-    """Per phase, the FLOPs per measured step counted from the compiled functions
-    (ppo_jax/aot/flops.py); adds each record's `gflops_per_s/<phase>`. None (and a log line) if
-    counting fails."""
-    out = {"source": "jaxpr dot_general count (ppo_jax/aot/flops.py)"}
-    try:
-        for phase, rec in recorders.items():
-            counts = rec.per_call()
-            if len(counts) != len(records):
-                raise ValueError(f"{len(counts)} {phase} calls for {len(records)} steps")
-            for c, r in zip(counts, records):
-                r[f"gflops_per_s/{phase}"] = c["flops"] / r[f"time/{phase}"] / 1e9
-            xla = [c["xla_flops"] for c in counts[warmup:]]
-            out[phase] = {"flops": statistics.mean(c["flops"] for c in counts[warmup:]),
-                          "xla_flops": None if None in xla else statistics.mean(xla),
-                          "while_loops": max(c["loops"] for c in counts[warmup:])}
-    except Exception as e:  # noqa: BLE001 - a benchmark still reports its times
-        return log(f"FLOP count failed: {type(e).__name__}: {e}")
-    return out
-
-
 def run_jax_worker(args) -> dict:
-    """Time `warmup + steps` calls of `PPOTrainer.step()`, then count their FLOPs."""
+    """Time `warmup + steps` calls of `PPOTrainer.step()`."""
     from importlib.metadata import version
 
     import jax
 
-    from ppo_jax.aot.flops import SignatureRecorder
     from ppo_jax.models import count_params
     from ppo_jax.trainer.config import load_config
     from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
-    model_dir = resolve_model_dir(args.model_dir)
+    model_dir = Path(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="ppo_step_bench_") as out_dir:
         t0 = time.perf_counter()
         trainer = PPOTrainer(load_config(None, jax_overrides(model_dir, args.mode, args, out_dir)))
         load_s = time.perf_counter() - t0
-        rec = {"scoring": SignatureRecorder(trainer.jit.experience),
-               "update": SignatureRecorder(trainer.jit.update)}
-        trainer.jit = replace(trainer.jit, experience=rec["scoring"], update=rec["update"])
         records = [step_record(trainer, args, i) for i in range(args.warmup + args.steps)]
-        model_flops = counted_flops(rec, records, args.warmup)
     n_params = {k: 0 if trainer.state[k] is None else count_params(trainer.state[k].params)
                 for k in ("actor", "critic")}
-    warm, measured = records[:args.warmup], records[args.warmup:]
     dev = jax.devices()[0]
     try:
         peak_device = (dev.memory_stats() or {}).get("peak_bytes_in_use")
     except Exception:  # noqa: BLE001 - not every backend implements memory_stats (CPU)
         peak_device = None
     return {
-        "bench": "ppo_step", "impl": "ppo_jax", "mode": args.mode, "config": f"jax-{args.mode}",
-        "label": LABELS[f"jax-{args.mode}"], "epochs": args.epochs, "batch": args.batch,
+        **ppo_step_summary(records, args.warmup), "epochs": args.epochs, "batch": args.batch,
         "new_tokens": args.new_tokens, "dtype": args.dtype, "device": dev.platform,
-        "device_kind": dev.device_kind, "device_count": jax.device_count(),
-        "model": model_dir.name, "n_params": n_params["actor"], "n_params_critic": n_params["critic"],
-        "prompt_width": int(trainer.prompts.ids.shape[1]), "warmup_steps": len(warm),
-        "measured_steps": len(measured), "load_s": load_s, "first_step_s": records[0]["time/step"],
-        "compile_s": warm[0]["time/step"] - statistics.median(r["time/step"] for r in measured) if warm else None,
-        **ppo_step_summary(measured), "model_flops": model_flops,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "peak_device_bytes": peak_device,
+        "device_kind": dev.device_kind, "device_count": jax.device_count(), "model": model_dir.name,
+        "n_params": n_params["actor"], "n_params_critic": n_params["critic"],
+        "prompt_width": int(trainer.prompts.ids.shape[1]), "load_s": load_s, "peak_device_bytes": peak_device,
         "versions": {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": version("jaxlib")},
     }
 
@@ -200,7 +155,7 @@ def merge_rounds(results: list[dict]) -> list[dict]:
 
 
 def epoch_tables(rs: list[dict], batch: int) -> list[str]:
-    """One `ppo_epochs` value: phase times, ratios to TRL, FLOPs, columns."""
+    """One `ppo_epochs` value: phase times, ratios to TRL, columns."""
     out = ["Wall time per step, seconds; load, first step and compile (first step minus the median; "
            "TRL runs eagerly) apart:", "", table(
                ["configuration"] + [f"{n} s" for n in PHASES] + ["load s", "first step s", "compile s",
@@ -217,13 +172,6 @@ def epoch_tables(rs: list[dict], batch: int) -> list[str]:
         out += ["", "TRL time / ours time (above 1: ppo_jax is faster), of the medians"
                 + (" and per round (median (min–max) over the rounds)" if per_round else "") + ":", "",
                 table(["comparison"] + list(PHASES), rows + per_round)]
-    if flops := [[r["label"]] + [f"{r['model_flops'][k]['flops'] / 1e9:.3g}" for k in ("scoring", "update")]
-                 + [fmt(r["stats"].get(f"gflops_per_s/{k}", {}).get("median"), 1) for k in ("scoring", "update")]
-                 + [r["model_flops"]["source"].split(",")[0]] for r in rs if r.get("model_flops")]:
-        out += ["", "Model FLOPs per step, counted (ppo_jax: its jaxprs, LM head on response positions only; "
-                "TRL: FlopCounterMode on one extra untimed step, LM head everywhere); GFLOP/s = FLOPs / the "
-                "phase's median time:", "", table(["configuration", "scoring GFLOP / step", "update GFLOP / step",
-                                                   "scoring GFLOP/s", "update GFLOP/s", "counted by"], flops)]
     if cols := [[r["label"], fmt(r.get("seq_tokens_mean"), 1), fmt(r["padded_seq_len_mean"], 1),
                  fmt(batch * r["padded_seq_len_mean"], 0),
                  f"{batch * r['padded_seq_len_mean'] / r['seq_tokens_mean'] - 1:.1%}" if r.get("seq_tokens_mean")
@@ -256,12 +204,15 @@ def main() -> None:
     if args.worker == "jax":
         (args.epochs,) = args.epochs  # one value
         return emit(run_jax_worker(args))
-    model_dir, configs = resolve_model_dir(args.model_dir, args.random_shape), args.configs
+    from ppo_jax.models.smollm2 import ensure_smollm2
+    from ppo_jax.trainer.host.memory import malloc_env, malloc_settings_active
+
+    # random weights of a shape (harness.SHAPES), else --model-dir, else the converted SmolLM2-135M-Instruct
+    model_dir = random_model(args.random_shape) if args.random_shape else Path(args.model_dir or ensure_smollm2())
+    model_dir, configs = model_dir.resolve(), args.configs
     if "trl" in configs and not TRL_PYTHON.is_file():
         log(f"TRL environment not found ({TRL_PYTHON}); run bench/setup_trl_env.sh. Skipping the TRL rows.")
         configs.remove("trl")
-    from ppo_jax.trainer.host.memory import malloc_env, malloc_settings_active
-
     env = malloc_env() or dict(os.environ)  # both sides under the malloc settings train.py uses
     results = []
     with tempfile.TemporaryDirectory(prefix="ppo_step_prompts_") as tmp:
@@ -280,8 +231,8 @@ def main() -> None:
                             f"--dtype={args.dtype}"])
                     cmd += [*shared, f"--epochs={epochs}"]
                     if res := run_worker(cmd, env, f"{name}, {epochs} epoch(s), round {rnd + 1}/{args.rounds}"):
-                        results.append({**res, "config": name, "round": rnd, "command": " ".join(cmd),
-                                        "malloc_settings": malloc_settings_active(env)})
+                        results.append({**res, "config": name, "label": LABELS[name], "round": rnd,
+                                        "command": " ".join(cmd), "malloc_settings": malloc_settings_active(env)})
     finish({"bench": "ppo_step", "settings": {
         "model": model_dir.name, "batch": args.batch, "new_tokens": args.new_tokens, "epochs": args.epochs,
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,

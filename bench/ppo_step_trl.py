@@ -1,14 +1,13 @@
 """The TRL 0.11 side of bench/ppo_step.py (runs in .venv-bench): `PPOTrainer` with a value head
 on the actor and a frozen reference copy, the same prompt ids, batch, sampled token count
-(checked), VADER reward and PPO settings; FLOPs counted on one extra untimed step. Emits one
-`BENCH_JSON` line. Usage (run by ppo_step.py): --model-dir DIR --prompt-ids FILE.json [...]
+(checked), VADER reward and PPO settings; emits one `BENCH_JSON` line. Run by ppo_step.py:
+--model-dir DIR --prompt-ids FILE.json [...]
 """
 
 from __future__ import annotations
 
 import json
 import platform
-import resource
 import time
 import warnings
 from pathlib import Path
@@ -17,104 +16,21 @@ from harness import emit, log, options, ppo_step_record, ppo_step_summary  # std
 
 
 def load_tokenizer(model_dir: Path):
-    """The checkpoint's fast tokenizer, left padding (as TRL generates). transformers 5 writes
-    `tokenizer_class: TokenizersBackend` (4.x cannot resolve it) and `chat_template.jinja`."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """The checkpoint's tokenizer.json with its tokenizer_config.json's special tokens, left padding
+    (as TRL generates). Built directly: transformers 5, which wrote the checkpoint, names the class
+    `TokenizersBackend`, which 4.x cannot resolve; the prompts come tokenised (no chat template)."""
+    from transformers import PreTrainedTokenizerFast
 
-    try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-    except (ValueError, OSError, KeyError):
-        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-        special = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")
-                   if isinstance(cfg.get(k), str)}
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), **special)
-    template = model_dir / "chat_template.jinja"
-    if getattr(tok, "chat_template", None) is None and template.is_file():
-        tok.chat_template = template.read_text()
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    special = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+               if isinstance(cfg.get(k), str)}
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), **special)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
 
 
-def load_config(model_dir: Path):
-    """The HF config, a transformers-5 `rope_parameters` mapped back to `rope_theta` /
-    `rope_scaling` (4.x would silently use rope_theta=1e4)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    rope = json.loads((model_dir / "config.json").read_text()).get("rope_parameters")
-    if isinstance(rope, dict):
-        if "rope_theta" in rope:
-            cfg.rope_theta = float(rope["rope_theta"])
-        if rope.get("rope_type", "default") != "default":
-            cfg.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return cfg
-
-
-# --------------------------------------------------------------------------- FLOP count
-def flop_counter():
-    """torch's `FlopCounterMode`, also counting the CPU flash-attention kernels (transformers'
-    `sdpa` on the CPU) its table leaves out, by torch's own formulas; None without a counter."""
-    try:
-        import torch
-        from torch.utils import flop_counter as fc
-    except ImportError:
-        return None
-    extra, known, ops = {}, getattr(fc, "flop_registry", {}), torch.ops.aten
-    fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if fwd is not None and fwd not in known:
-        extra[fwd] = lambda q, k, v, *_, out_shape=None, **__: fc.sdpa_flop_count(q, k, v)
-    if bwd is not None and bwd not in known:
-        extra[bwd] = lambda g, q, k, v, *_, out_shape=None, **__: fc.sdpa_backward_flop_count(g, q, k, v)
-    return fc.FlopCounterMode(display=False, custom_mapping=extra)
-
-
-def count_split_flops(obj, marker: str, run) -> dict | None:
-    """Run `run()` under `flop_counter()`, its FLOPs split where `obj.<marker>` first returns
-    (TRL: `compute_advantages` ends scoring): `{"before", "after", "total"}`, or None."""
-    counter = flop_counter()
-    if counter is None:
-        return None
-    marks, method = [], getattr(obj, marker)
-
-    def marked(*args, **kwargs):
-        out = method(*args, **kwargs)
-        marks.append(counter.get_total_flops())
-        return out
-
-    setattr(obj, marker, marked)
-    try:
-        with counter:
-            run()
-    finally:
-        delattr(obj, marker)
-    if not marks:
-        raise RuntimeError(f"{marker} was never called")
-    total = counter.get_total_flops()
-    return {"before": marks[0], "after": total - marks[0], "total": total}
-
-
-def count_step_flops(ppo_trainer, queries, responses, scores, records: list[dict]) -> dict | None:
-    """`model_flops` of one `ppo_trainer.step(...)`; adds `gflops_per_s/<phase>` to each timed
-    record. None (and a log line) when it cannot count."""
-    try:
-        split = count_split_flops(ppo_trainer, "compute_advantages",
-                                  lambda: ppo_trainer.step(queries, responses, scores))
-    except Exception as e:  # noqa: BLE001 - the timings still stand
-        return log(f"[trl] FLOP count failed: {type(e).__name__}: {e}")
-    if split is None:
-        return log("[trl] no torch.utils.flop_counter: FLOPs not counted")
-    out = {"source": "torch FlopCounterMode, one extra untimed step on the rows of the first measured step",
-           "scoring": {"flops": split["before"]}, "update": {"flops": split["after"]}}
-    for r in records:
-        for phase in ("scoring", "update"):
-            r[f"gflops_per_s/{phase}"] = out[phase]["flops"] / r[f"time/{phase}"] / 1e9
-    return out
-
-
-# --------------------------------------------------------------------------- main
 def build_trainer(args):
     """(PPOTrainer, tokenizer, load seconds): the value-head actor and a frozen reference copy,
     dropout off (as in ppo_jax; TRL's value head defaults to 0.1)."""
@@ -123,10 +39,10 @@ def build_trainer(args):
     from trl import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
     t0 = time.perf_counter()
-    tok, hf_cfg = load_tokenizer(args.model_dir), load_config(args.model_dir)
+    tok = load_tokenizer(args.model_dir)
 
-    def value_head_model():
-        base = AutoModelForCausalLM.from_pretrained(args.model_dir, config=hf_cfg, torch_dtype=torch.float32)
+    def value_head_model():  # ppo_jax writes legacy `rope_theta` / `rope_scaling` beside `rope_parameters`
+        base = AutoModelForCausalLM.from_pretrained(args.model_dir, torch_dtype=torch.float32)
         return AutoModelForCausalLMWithValueHead.from_pretrained(base, summary_dropout_prob=0.0)
 
     config = PPOConfig(
@@ -200,18 +116,9 @@ def main() -> None:
         steps.append(rec := timed_step(ppo_trainer, *batch_queries(i), gen_kwargs, reward, args))
         log(f"[trl] step {i + 1} ({'warm-up' if i < args.warmup else 'measured'}): "
             + ", ".join(f"{k} {rec[f'time/{k}']:.2f} s" for k in ("generation", "scoring", "update")))
-    records = steps[args.warmup:]
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the timed steps'
-    # FLOPs: one more, untimed step on the rows of the first measured step, after the timings
-    _, queries = batch_queries(args.warmup)
-    responses = ppo_trainer.generate(queries, batch_size=args.batch, return_prompt=False, **gen_kwargs)
-    model_flops = count_step_flops(ppo_trainer, queries, responses, reward(responses), records)
-    emit({"bench": "ppo_step", "impl": "trl", "mode": "shared", "config": "trl",
-          "label": "TRL 0.11 PPOTrainer (value head on actor)", "epochs": args.epochs, "batch": args.batch,
-          "new_tokens": args.new_tokens, "dtype": "float32", "device": "cpu", "model": args.model_dir.name,
-          "n_params": n_params, "warmup_steps": args.warmup, "measured_steps": len(records),
-          "load_s": load_s, "first_step_s": steps[0]["time/step"], "compile_s": None,
-          **ppo_step_summary(records), "model_flops": model_flops, "peak_rss_mib": peak_rss_mib,
+    emit({**ppo_step_summary(steps, args.warmup), "compile_s": None, "epochs": args.epochs,
+          "batch": args.batch, "new_tokens": args.new_tokens, "dtype": "float32", "device": "cpu",
+          "model": args.model_dir.name, "n_params": n_params, "load_s": load_s,
           "versions": {"python": platform.python_version(), "torch": torch.__version__,
                        "transformers": transformers.__version__, "trl": trl.__version__,
                        "torch_threads": torch.get_num_threads()}})

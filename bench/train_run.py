@@ -1,8 +1,8 @@
 """Whole `train.py` runs measured from outside: wall time, peak RSS, page faults and CPU time of
-each run's process (`os.wait4`), beside the phase times, column widths and rewards of its
-metrics.jsonl; no peer. A variant (`--variant NAME SPEC`; default: `make train` itself) is one
-command line (leading `VAR=VALUE` words: environment); `--rounds N` interleaves the variants.
-This script does not re-execute under train.py's malloc settings (a variant may turn them off).
+each run's process (`os.wait4`), beside the phase times and rewards of its metrics.jsonl; no
+peer. A variant (`--variant NAME SPEC`; default: `make train` itself) is one command line
+(leading `VAR=VALUE` words: environment); `--rounds N` interleaves the variants. This script
+does not re-execute under train.py's malloc settings (a variant may turn them off).
 
 Usage: see `make bench-train`; .venv/bin/python bench/train_run.py [--variant NAME SPEC ...]
     [--rounds 1] [--title T] [--work-dir DIR] [--keep] [--python PY] [--json PATH]
@@ -45,8 +45,6 @@ def parse_spec(spec: str) -> tuple[dict[str, str], list[str]]:
 
 def summarize_metrics(rows: list[dict], window: int = WINDOW) -> dict:
     """Per-run figures from metrics.jsonl rows: `steps`, `first_step`, `median` (steps 2..N),
-    `per_step` ([step, prompt_width, response_width, time/step, time/update]), `width_pairs`,
-    `repeated_widths` (the median over steps whose width pair an earlier step had: no compile),
     `evals`, `eval_s`, the means over the first / last `window` steps of score and KL, `kl_max`."""
     steps = [r for r in rows if r.get("step", 0) > 0 and "time/step" in r]
     evals = [r for r in rows if "eval/reward_mean" in r]
@@ -59,17 +57,6 @@ def summarize_metrics(rows: list[dict], window: int = WINDOW) -> dict:
     if steps[0]["step"] == 1:  # with train.log_every > 1 step 1 is not logged
         out["first_step"] = {k: steps[0][k] for k in phases}
     out["median"] = {k: statistics.median(r[k] for r in steps[1:] or steps) for k in phases}
-    out["per_step"] = [[r["step"], r.get("prompt_width"), r.get("response_width"), r["time/step"],
-                        r.get("time/update")] for r in steps]
-    seen, repeated = set(), []
-    for r in steps:
-        pair = (r.get("prompt_width"), r.get("response_width"))
-        if pair in seen:
-            repeated.append(r)
-        seen.add(pair)
-    out["width_pairs"] = len(seen)
-    out["repeated_widths"] = {"n": len(repeated), **{
-        k: statistics.median(r[k] for r in repeated) for k in phases if repeated}}
     w = min(window, len(steps))
     for key, name in (("score_mean", "score"), ("kl", "kl")):
         if key in steps[0]:
@@ -86,9 +73,9 @@ def child_malloc_settings(env_extra: dict[str, str]) -> bool:
     return malloc_settings_active(env) or malloc_env(env) is not None
 
 
-def run_variant(name: str, spec: str, out_dir: Path, python: str) -> dict:
-    """Run `train.py` for one variant into `out_dir` and measure it."""
-    env_extra, args = parse_spec(spec)
+def run_variant(name: str, env_extra: dict[str, str], args: list[str], out_dir: Path, python: str) -> dict:
+    """Run `train.py` for one variant (`parse_spec`'s environment and arguments) into `out_dir`
+    and measure it."""
     cmd = [python, str(ROOT / "train.py"), *args, "--set", f"train.output_dir={out_dir}"]
     log_path = out_dir.parent / f"{out_dir.name}.log"
     print(f"[{name}] {' '.join(f'{k}={v}' for k, v in env_extra.items())} {shlex.join(cmd[1:])}", flush=True)
@@ -170,19 +157,6 @@ def markdown(data: dict) -> str:
                 table(["variant", "median step", "median update", "wall", "peak RSS", "minor faults",
                        "system CPU"], rows)]
     runs = [(v["name"], r) for v in variants for r in v["runs"]]
-    if any(r.get("width_pairs", 1) > 1 for _, r in runs):
-        rep = lambda x: "none" if not x or not x.get("n") else (  # noqa: E731
-            f"{fmt(x.get('time/step'))} / {fmt(x.get('time/update'))} ({x['n']})")
-        out += ["", "Column widths (prompt + response, trainer/stages/ppo/columns.py): a new width pair compiles, so "
-                "the median over steps whose pair an earlier step had is the cost without compilation:", "",
-                table(["run", "width pairs met", "widths per step (prompt + response)",
-                       "median step s, steps 2 to the last",
-                       "median step / update s, repeated widths only (steps)"],
-                      [[run_name(name, r), str(r.get("width_pairs", "n/a")),
-                        " ".join(f"{p:.0f}+{q:.0f}" for _, p, q, *_ in r.get("per_step", [])
-                                 if p is not None and q is not None) or "n/a",
-                        fmt(r.get("median", {}).get("time/step")), rep(r.get("repeated_widths"))]
-                       for name, r in runs])]
     held = lambda ev: " → ".join(f"{e[1]:.3f} (step {e[0]})"  # noqa: E731
                                  for e in (ev[:1] + ev[-1:] if len(ev) > 1 else ev)) or "none"
     if rows := [[run_name(name, r), f"{r['score_start']:.3f} → {r['score_end']:.3f}",
@@ -204,9 +178,10 @@ def main() -> None:
     slugs = ["".join(c if c.isalnum() else "_" for c in n) for n in names]
     if len(set(slugs)) != len(slugs):
         raise SystemExit(f"--variant names must differ (in their letters and digits): {names}")
+    parsed = {}
     for name, spec in variants:
         try:
-            parse_spec(spec)
+            parsed[name] = parse_spec(spec)
         except ValueError as err:
             raise SystemExit(f"variant {name!r}: {err}") from None
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="train_run_"))
@@ -216,18 +191,18 @@ def main() -> None:
     def save(complete: bool) -> None:
         finish({"bench": "train_run", "title": args.title, "complete": complete, "rounds": args.rounds,
                 "window": WINDOW, "variants": [
-                    {"name": n, "spec": s, "env": env, "args": argv, "malloc_settings": child_malloc_settings(env),
-                     "runs": runs[n], "merged": merge_runs(runs[n])}
-                    for n, s in variants if runs[n] for env, argv in [parse_spec(s)]]},
+                    {"name": n, "spec": s, "env": parsed[n][0], "args": parsed[n][1], "runs": runs[n],
+                     "malloc_settings": child_malloc_settings(parsed[n][0]), "merged": merge_runs(runs[n])}
+                    for n, s in variants if runs[n]]},
                markdown, args.json, show=complete)
 
     try:
         for rnd in range(args.rounds):
-            for (name, spec), slug in alternate(zip(variants, slugs), rnd):
+            for name, slug in alternate(zip(names, slugs), rnd):
                 out_dir = work / f"{slug}_round{rnd + 1}"
                 if out_dir.exists():
                     raise SystemExit(f"{out_dir} exists: give a fresh --work-dir")
-                runs[name].append(run := {**run_variant(name, spec, out_dir, args.python), "round": rnd + 1})
+                runs[name].append(run := {**run_variant(name, *parsed[name], out_dir, args.python), "round": rnd + 1})
                 log(f"[{name}] {run['wall_s'] / 60:.1f} min, {run['steps']} steps, median generation / "
                     f"scoring / update / step {_phases(run.get('median', {}))} s, peak RSS "
                     f"{run['max_rss_kib'] / 2**20:.2f} GiB")

@@ -9,15 +9,12 @@ the jaxpr and is counted; trace a program built with `model.remat=none` for mode
 without it.
 
 `count_flops(jitted, *args)` applies it to a jitted function's trace, XLA's cost analysis
-beside it; `SignatureRecorder` wraps a jitted function to count every call's FLOPs after the
-calls were timed (bench/ppo_step.py).
+beside it.
 """
 
 from __future__ import annotations
 
 import math
-
-import jax
 
 
 def dot_general_flops(eqn) -> int:
@@ -85,27 +82,3 @@ def count_flops(jitted, *args, with_xla: bool = True) -> dict:
     return {"flops": flops, "loops": loops,
             "xla_flops": xla_flops(traced.lower().compile()) if with_xla else None}
 
-
-class SignatureRecorder:
-    """Calls `fn`, recording each call's abstract arguments (`calls`: a signature key per call;
-    `specs[key]`); `per_call()`: `count_flops` of each call (one trace per signature), so a
-    benchmark counts the FLOPs of what it timed after the timing."""
-
-    def __init__(self, fn):
-        self.fn, self.calls, self.specs = fn, [], {}
-
-    def __call__(self, *args):
-        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-            if hasattr(x, "shape") and hasattr(x, "dtype") else x, args)
-        leaves, treedef = jax.tree.flatten(specs)
-        key = (treedef, tuple(leaves))
-        self.specs.setdefault(key, specs)
-        self.calls.append(key)
-        return self.fn(*args)
-
-    def per_call(self, with_xla: bool = True) -> list[dict]:
-        """`count_flops` of every recorded call, in call order."""
-        counts = {key: count_flops(self.fn, *specs, with_xla=with_xla)
-                  for key, specs in self.specs.items()}
-        return [counts[key] for key in self.calls]

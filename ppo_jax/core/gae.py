@@ -10,8 +10,8 @@ Three implementations of the same linear recurrence ``A_t = delta_t + c A_{t+1}`
 (``c = gamma lam``), selectable by ``method``; all agree to float rounding:
 
 - ``"chunked"`` (default): two small matmuls, within chunks of ``chunk`` steps and across
-  chunks; no sequential loop, no transposes. Fastest in ``bench/core.py`` (2-core CPU,
-  ``[256, 1024]``); expected to suit GPU/TPU too (matmul units, constant depth), not yet
+  chunks; no sequential loop, no transposes. Fastest on a 2-core CPU at ``[256, 1024]``
+  (docs/benchmarks.md, "GAE methods", commit ``1c4762a``); expected to suit GPU/TPU too (matmul units, constant depth), not yet
   measured there.
 - ``"scan"``: the reference form, a reverse ``jax.lax.scan`` over time (``unroll`` steps per
   loop iteration; on CPU ``unroll=1`` measured fastest). T sequential steps, so T loop

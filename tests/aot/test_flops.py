@@ -1,5 +1,5 @@
-"""The project's jaxpr FLOP count applied to jitted functions (`aot.flops.count_flops`,
-`SignatureRecorder`: what bench/ppo_step.py counts its timed steps with), XLA's count beside it."""
+"""The project's jaxpr FLOP count applied to jitted functions (`aot.flops.count_flops`), XLA's
+count beside it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ppo_jax.aot.flops import SignatureRecorder, count_flops
+from ppo_jax.aot.flops import count_flops
 
 
 def test_counted_flops_of_a_matmul_are_2mnk():
@@ -55,13 +55,3 @@ def test_while_loops_are_reported():
     c = count_flops(jax.jit(f), jnp.ones((4, 4)), with_xla=False)
     assert c == {"flops": 2 * 4 ** 3, "loops": 1, "xla_flops": None}
 
-
-def test_signature_recorder_counts_each_call_after_the_fact():
-    rec = SignatureRecorder(jax.jit(lambda x, y: x @ y))
-    a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
-    out = rec(a, b)
-    rec(jnp.ones((5, 3)), b)
-    rec(a, b)
-    assert out.shape == (2, 4) and float(out[0, 0]) == 3.0
-    assert [c["flops"] for c in rec.per_call(with_xla=False)] == [48, 120, 48]
-    assert len(rec.specs) == 2

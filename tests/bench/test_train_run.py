@@ -289,31 +289,3 @@ def test_temporary_run_directories_are_removed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (kept,) = tmp.iterdir()
     assert sorted(p.name for p in kept.iterdir() if p.is_dir()) == ["a_round1", "b_round1"]
-
-
-def test_repeated_width_steps_by_hand():
-    """Steps whose (prompt, response) width pair an earlier step had compiled nothing: their
-    median is given apart, and the section lists the widths of every step."""
-    widths = [(43, 30), (43, 20), (43, 30), (46, 40), (43, 20), (43, 30)]
-    times = [50.0, 30.0, 16.0, 35.0, 14.0, 18.0]
-    rows = [{"step": i, "prompt_width": p, "response_width": q, "time/step": t,
-             "time/update": t / 2} for i, ((p, q), t) in enumerate(zip(widths, times), start=1)]
-    out = train_run.summarize_metrics(rows)
-    assert out["width_pairs"] == 3
-    # repeated: step 3 (43+30), step 5 (43+20), step 6 (43+30) -> median of 16, 14, 18
-    assert out["repeated_widths"] == {"n": 3, "time/step": 16.0, "time/update": 8.0}
-    assert out["median"]["time/step"] == 18.0  # steps 2-6: 30, 16, 35, 14, 18
-    assert out["per_step"][3] == [4, 46, 40, 35.0, 17.5]
-    data = {"rounds": 1, "window": 5, "command": "c", "variants": [
-        {"name": "buckets", "spec": "--set data.prompt_buckets=4", "malloc_settings": True,
-         "runs": [{**_run(1, 300.0, 2**20, 1e6, 10.0, 18.0, 9.0), **out, "round": 1}]}]}
-    data["variants"][0]["merged"] = train_run.merge_runs(data["variants"][0]["runs"])
-    text = train_run.markdown(data)
-    assert ("| buckets | 3 | 43+30 43+20 43+30 46+40 43+20 43+30 | 18.0 | 16.0 / 8.00 (3) |"
-            in text)
-    constant = train_run.summarize_metrics([{**r, "prompt_width": 52, "response_width": 40}
-                                            for r in rows])
-    assert constant["width_pairs"] == 1 and constant["repeated_widths"]["n"] == 5
-    assert "Column widths" not in train_run.markdown(
-        {**data, "variants": [{**data["variants"][0], "runs": [
-            {**_run(1, 300.0, 2**20, 1e6, 10.0, 18.0, 9.0), **constant, "round": 1}]}]})
