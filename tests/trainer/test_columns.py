@@ -122,7 +122,7 @@ def test_early_stopping_responses_give_the_same_run_with_buckets_on_and_off(cach
     widths = [(int(h["prompt_width"]), int(h["response_width"])) for h in h_on]
     assert all(w in on.response_columns.widths for _, w in widths)
     assert all(p in on.prompt_columns.widths for p, _ in widths)
-    assert max(w for _, w in widths) < 8, widths  # the narrower shapes really ran
+    assert min(w for _, w in widths) < 8, widths  # a narrower shape ran (the draws say when)
     assert on._last_rollout.rollout.response_ids.shape[1] == widths[-1][1]
     assert on.jit.update._cache_size() == len(set(widths))  # one executable per width pair
     for step, (a, b) in enumerate(zip(h_off, h_on)):
