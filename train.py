@@ -37,7 +37,8 @@ one that reads (docs/reliability.md, "Resume").
 
 SIGTERM (or Ctrl-C) during training stops every process after the step in progress, saves it
 and exits 0 with "preempted at step N; resume with --resume" on stderr; a second Ctrl-C kills
-at once, unsaved. A checkpoint that cannot be written exits 1 naming the step and the cause.
+at once, unsaved. A checkpoint that cannot be written exits 1 naming the step and the cause; a
+step whose losses are not finite exits 1 naming the metrics, the step and the checkpoint kept.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
 
     try:
         history = trainer.train()
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, FloatingPointError) as e:  # a write failed; a non-finite step
         print(f"error: {e}", file=sys.stderr)
         return 1
     if trainer.preempted_at is not None:  # SIGTERM / SIGINT: saved, said so on stderr

@@ -6,18 +6,23 @@ Usage:
   python -m ppo_jax.evaluate --run runs/rlvr --actor runs/rlvr/actor_hf --json figures.json
   python -m ppo_jax.evaluate --run runs/rlvr --step 40 --set eval.num_prompts=256
 
-The trainer of the run's config.json is built as the run built it (`ppo_jax.saved_actor`:
+The trainer of the run's config is built as the run built it (`ppo_jax.saved_actor`:
 models, reference, reward and settings from the config, nothing written to the run), its actor
 taken from checkpoint `--step` (default the latest; 0 is the starting actor) or from `--actor`
-(an HF directory such as `<run>/actor_hf`, or a PEFT adapter on the run's `model.actor`), and
+(an HF directory such as `<run>/actor_hf`, or a PEFT adapter on the run's `model.actor`). The
+config is the one that step trained under (`saved_actor.run_config_at`: `config.json`, or after
+a resume with changed settings the `config.resume-<k>.json` of the steps after k; with
+`--actor`, that of the run's last step), as `python -m ppo_jax.generate` reads it, and
 the trainer's own evaluation runs once (`trainer.stages.ppo.evaluation`; PPO: `eval.*` with its fixed key
 `eval.seed`, so the figures of a checkpoint are the ones the run logged at that step):
 reward mean / std (VADER on the everyday config), KL to the reference, response length, the
 fraction that ended, a verifier's `accuracy` and, with `eval.samples_per_prompt` = k > 1,
 `pass@k`. SFT and reward-model runs give their held-out loss (and accuracy) from `--step`.
 
-`--set KEY=VALUE` changes the config first (e.g. `eval.num_prompts`, `eval.prompts`,
-`eval.seed`); a run logged with `eval.every: 0` is evaluated all the same. The figures are
+`--set KEY=VALUE` changes `eval.*` keys of the config first (e.g. `eval.num_prompts`,
+`eval.prompts`, `eval.seed`; any other key is refused, exit 2, since the run's model, reward
+and sampling settings are what is evaluated); a run logged with `eval.every: 0` is evaluated
+all the same. The figures are
 printed one per line; `--json` prints them as JSON, `--json PATH` writes them there. Bad input
 (no such run, step or actor; a run without held-out prompts) prints `error: ...` naming it and
 exits 2 before any model loads.
@@ -32,11 +37,10 @@ import sys
 import time
 from pathlib import Path
 
-from ppo_jax.trainer.checkpoint import finished_steps
 from ppo_jax.trainer.config import Config, ConfigError
 from ppo_jax.saved_actor import (
-    actor_dir_kind, build_trainer, check_step, read_run_config, restore_step, set_actor,
-    with_adapter,
+    actor_dir_kind, build_trainer, read_run_config, restore_step, run_config_path, set_actor,
+    step_or_latest, with_adapter,
 )
 
 
@@ -50,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     which.add_argument("--actor", help="an HF directory (<run>/actor_hf) or a PEFT adapter "
                        "directory (<run>/actor_adapter) to evaluate in the run's setting")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, as train.py's (repeatable)")
+                   help="override of an eval.* key, as train.py's (repeatable)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="the figures as JSON, on stdout or to PATH")
     args = p.parse_args(argv)
@@ -59,13 +63,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def eval_config(run: str, overrides: list[str]) -> Config:
-    """The run's config with `overrides`, its evaluation switched on (`eval.every` 0 -> 1).
+def eval_config(run: str, overrides: list[str], step: int | None = None) -> Config:
+    """The run's config of `step` (`saved_actor.read_run_config`; None: the run's last step)
+    with `overrides` (`eval.*` keys only), its evaluation switched on (`eval.every` 0 -> 1).
 
     Raises:
-      ConfigError: no run there, a bad override, or a PPO run without `eval.prompts`.
+      ConfigError: no run there, a bad override or one of another key, or a PPO run without
+        `eval.prompts`.
     """
-    cfg = read_run_config(run, overrides)
+    other = [o.split("=", 1)[0].strip() for o in overrides
+             if not o.split("=", 1)[0].strip().startswith("eval.")]
+    if other:
+        raise ConfigError(f"--set {', '.join(other)}: evaluate changes eval.* keys only (the "
+                          "run's own model, reward and sampling settings are evaluated)")
+    cfg = read_run_config(run, overrides, step=step)
     if cfg.stage != "ppo":
         return cfg
     if cfg.eval.prompts is None:
@@ -88,21 +99,6 @@ def check_actor(cfg: Config, actor: str) -> None:
     if cfg.stage != "ppo":
         raise ConfigError(f"--actor: the run's stage is {cfg.stage!r}; an actor goes into a ppo "
                           "run only (evaluate a checkpoint with --step)")
-
-
-def which_step(run: str, step) -> int:
-    """`--step` checked, or the run's latest checkpoint step.
-
-    Raises:
-      ConfigError: naming the step, or the run's checkpoint directory when it holds none.
-    """
-    if step is not None:
-        return check_step(run, step)
-    steps = finished_steps(Path(run) / "checkpoints")
-    if not steps:
-        raise ConfigError(f"--run {run!r}: no checkpoint under {Path(run) / 'checkpoints'}; "
-                          "give --step 0 (the starting actor) or --actor DIR")
-    return steps[-1]
 
 
 def evaluate(cfg: Config, run: str, *, step: int | None = None, actor: str | None = None) -> dict:
@@ -150,12 +146,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     try:
-        cfg = eval_config(args.run, args.overrides)
-        step = None
+        run_config_path(args.run)
+        step = None if args.actor is not None else step_or_latest(args.run, args.step)
+        cfg = eval_config(args.run, args.overrides, step)
         if args.actor is not None:
             check_actor(cfg, args.actor)
-        else:
-            step = which_step(args.run, args.step)
         figures = evaluate(cfg, args.run, step=step, actor=args.actor)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,14 +4,19 @@ Usage:
   python -m ppo_jax.generate runs/tiny/actor_hf --prompt "How was the film?"
   python -m ppo_jax.generate runs/lora/actor_adapter --prompts prompts.jsonl --json
   python -m ppo_jax.generate --run runs/tiny --step 2 --prompt "Hi" --greedy
+  python -m ppo_jax.generate --run runs/tiny --prompt "Hi"   # its latest checkpoint
   python -m ppo_jax.generate runs/tiny/actor_hf          # in a terminal: a read-answer loop
 
 The actor (`ppo_jax.saved_actor`): an HF directory (`<run>/actor_hf`), a PEFT adapter
 directory (`<run>/actor_adapter`, loaded on the run's `model.actor`, or on `--base`), or a
-checkpoint step of a run (`--run DIR --step N`; step 0 is the starting actor).
+checkpoint step of a run (`--run DIR --step N`; without `--step` the latest checkpoint, as
+`python -m ppo_jax.evaluate --run DIR`; step 0 is the starting actor).
 
-Settings come from the run's config.json (`--run DIR`, else the run directory the actor
-directory sits in, else the defaults of configs/default.yaml): the prompt template
+Settings come from the run's config that the actor trained under (`--run DIR`, else the run
+directory the actor directory sits in, else the defaults of configs/default.yaml):
+`config.json`, or after a resume with changed settings the `config.resume-<k>.json` of the
+steps after k (`saved_actor.run_config_at`; an exported actor: that of the run's last step). It
+gives the prompt template
 (`data.use_chat_template`, `system_prompt`, `response_prefix`, `max_prompt_length`,
 `truncation`), the stop tokens and `generation.*` (temperature, top_k, top_p,
 max_new_tokens, greedy). Flags override them; `--set KEY=VALUE` changes any config key. The
@@ -51,7 +56,7 @@ from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.data.prompts import PromptSet, left_pad, read_prompt_records, tokenize_prompts
 from ppo_jax.saved_actor import (
     actor_dir_kind, adapter_overrides, build_trainer, check_actor_stage, check_step, load_actor,
-    restore_step, run_config_path, run_of, trainer_actor,
+    read_run_config, restore_step, run_of, step_or_latest, trainer_actor,
 )
 from ppo_jax.trainer.loading.models import pad_token_id, stop_token_ids
 
@@ -73,9 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 description=__doc__.splitlines()[0])
     p.add_argument("actor", nargs="?", help="an HF directory (<run>/actor_hf) or a PEFT adapter "
                    "directory (<run>/actor_adapter)")
-    p.add_argument("--run", help="run directory: its config.json gives the settings; with --step "
-                   "its checkpoint is the actor")
-    p.add_argument("--step", type=int, help="checkpoint step of --run (0: the starting actor)")
+    p.add_argument("--run", help="run directory: its config gives the settings; without an actor "
+                   "directory its checkpoint of --step is the actor")
+    p.add_argument("--step", type=int, help="checkpoint step of --run (default: the latest; 0: "
+                   "the starting actor)")
     p.add_argument("--base", help="base model of an adapter (default: the run's model.actor, else "
                    "the adapter's base_model_name_or_path)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -112,8 +118,8 @@ def check_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--step needs --run DIR")
     if args.step is not None and args.actor:
         parser.error(f"give an actor directory ({args.actor}) or --run/--step, not both")
-    if args.step is None and not args.actor:
-        parser.error("no actor: give an actor directory or --run DIR --step N")
+    if args.run is None and not args.actor:
+        parser.error("no actor: give an actor directory or --run DIR [--step N]")
     if args.prompt and args.prompts:
         parser.error("give --prompt or --prompts, not both")
     if args.step is not None and args.step < 0:
@@ -121,9 +127,10 @@ def check_flags(parser: argparse.ArgumentParser, args) -> None:
 
 
 def run_settings(args) -> Config:
-    """The config whose settings apply: `--run`'s, else the actor directory's run, else the
-    defaults (an adapter's `model.lora` and base from its adapter_config.json); `--base` and
-    `--set` on top. Reads no model.
+    """The config whose settings apply: the one `--step` of `--run` trained under, or an
+    actor directory's run's (`--run`, else the run it sits in) of its last step
+    (`saved_actor.run_config_at`), else the defaults (an adapter's `model.lora` and base from
+    its adapter_config.json); `--base` and `--set` on top. Reads no model.
 
     Raises:
       ConfigError: a missing or malformed directory or override, naming it.
@@ -133,8 +140,8 @@ def run_settings(args) -> Config:
         raise ConfigError("--base goes with an adapter directory")
     run = args.run if args.run else (run_of(args.actor) if args.actor else None)
     base = [f"model.actor={args.base}"] if args.base else []
-    if run is not None:
-        return load_config(run_config_path(run, "--run"), base + args.overrides)
+    if run is not None:  # a step's config; an actor directory's: the run's last step's
+        return read_run_config(run, base + args.overrides, step=args.step)
     if kind == "adapter":
         return load_config(None, adapter_overrides(args.actor, args.base) + args.overrides)
     return load_config(None, args.overrides)
@@ -295,10 +302,11 @@ def main(argv=None, stdin=None) -> int:
     args = parse_args(argv)
     stdin = sys.stdin if stdin is None else stdin
     try:
+        if args.run is not None and not args.actor:  # a checkpoint: --step, else the latest
+            args.step = step_or_latest(args.run, args.step)
         cfg = run_settings(args)
         if args.step is not None:
             check_actor_stage(cfg, args.run)
-            check_step(args.run, args.step)
         texts = read_prompts(args, cfg)
         session = load_session(args, cfg)
         key = jax.random.PRNGKey(args.seed)

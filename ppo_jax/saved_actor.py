@@ -7,11 +7,17 @@ Three sources, each loaded by the trainer's own code so nothing drifts from what
 - a PEFT adapter directory (`<run>/actor_adapter` of a LoRA run): the run's `model.actor` with
   the adapter as `model.lora.adapter` (`lora_models.adapters_from`), as a LoRA run that starts
   from an adapter loads it;
-- a checkpoint step of a run directory: the stage's trainer built from the run's
-  `config.json` (its `_check_inputs` and `_build`, as `StageTrainer.__init__` runs them, but
+- a checkpoint step of a run directory: the stage's trainer built from the run's config of
+  that step (its `_check_inputs` and `_build`, as `StageTrainer.__init__` runs them, but
   without touching the run directory: no lock, no config or metrics written), its train state
   read from `checkpoints/<step>` (`checkpoint.Checkpointer.restore`). Step 0 is the starting
   actor, as the config builds it (the run's step-0 evaluation).
+
+The config of a step (`run_config_at`, for `--run/--step` and for an actor directory inside a
+run alike) is the one the step trained under: `config.json`, or after a resume with changed
+settings the newest `config.resume-<k>.json` with k < step (a resume from checkpoint k applies
+from step k + 1; `run_dir.config_of_step`). An exported actor (`actor_hf`, `actor_adapter`,
+written after the run's last step) reads the config of the run's newest checkpoint.
 
 Bad input (a missing directory, a directory that is no run or no model, a step with no
 checkpoint) raises `ConfigError` naming the flag and the path before any model loads.
@@ -34,7 +40,7 @@ from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.loading.lora import LoadedModel, adapters_from, base_dtype, lora_settings
 from ppo_jax.trainer.placement import Placement
-from ppo_jax.trainer.run_dir import config_in_effect
+from ppo_jax.trainer.run_dir import config_of_step
 from ppo_jax.trainer.loading.models import actor_kind, load_split, resolve_model_path
 
 RUN_CONFIG = "config.json"  # written by the trainer into `train.output_dir`
@@ -56,19 +62,31 @@ def run_config_path(run_dir: str | Path, key: str = "--run") -> Path:
     return run / RUN_CONFIG
 
 
+def run_config_at(run_dir: str | Path, step: Optional[int] = None, key: str = "--run") -> Path:
+    """The config file step `step` of the run trained under (`run_dir.config_of_step`:
+    `config.json`, or the newest `config.resume-<k>.json` with k < step); step None: the
+    actor the run exported (written after its last step, the newest checkpoint).
+
+    Raises:
+      ConfigError: see `run_config_path`.
+    """
+    first = run_config_path(run_dir, key)
+    if step is None:
+        steps = finished_steps(Path(run_dir) / "checkpoints")
+        step = steps[-1] if steps else sys.maxsize
+    return config_of_step(Path(run_dir), step) or first
+
+
 def read_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
                     key: str = "--run", step: Optional[int] = None) -> Config:
-    """The config the run trained under at checkpoint `step` (default: its newest): the
-    newest of its `config.json` and the `config.resume-<step>.json` files a resume with changed
-    settings wrote (`run_dir.config_in_effect`), with dotted `overrides` on top (`--set`, as
-    train.py's), validated as `load_config` does.
+    """The config the run's actor of checkpoint `step` trained under (`run_config_at`; None:
+    its exported actor's), with dotted `overrides` on top (`--set`, as train.py's), validated
+    as `load_config` does.
 
     Raises:
       ConfigError: see `run_config_path`, or a bad override (naming the key).
     """
-    first = run_config_path(run_dir, key)
-    in_effect = config_in_effect(Path(run_dir), sys.maxsize if step is None else step)
-    return load_config(in_effect or first, list(overrides))
+    return load_config(run_config_at(run_dir, step, key), list(overrides))
 
 
 def run_of(actor_dir: str | Path) -> Optional[Path]:
@@ -112,6 +130,25 @@ def check_step(run_dir: str | Path, step: int, key: str = "--step") -> int:
         raise ConfigError(f"{key} {step}: {Path(run_dir) / 'checkpoints'} holds {held} (0 is the "
                           "starting actor)")
     return step
+
+
+def step_or_latest(run_dir: str | Path, step: Optional[int], key: str = "--run") -> int:
+    """`step` of the run in `run_dir` checked (`check_step`), or when None the run's newest
+    checkpoint step.
+
+    Raises:
+      ConfigError: no run there (`run_config_path`); naming the step, or the run's checkpoint
+        directory when it holds none.
+    """
+    run_config_path(run_dir, key)
+    if step is not None:
+        return check_step(run_dir, step)
+    steps = finished_steps(Path(run_dir) / "checkpoints")
+    if not steps:
+        raise ConfigError(f"{key} {str(run_dir)!r}: no checkpoint under "
+                          f"{Path(run_dir) / 'checkpoints'}; give --step 0 (the starting actor) "
+                          "or an actor directory")
+    return steps[-1]
 
 
 def adapter_overrides(adapter_dir: str | Path, base: Optional[str]) -> list[str]:

@@ -20,7 +20,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GENERATED = ("runs/", "bench/results_raw/", ".venv/", ".venv-bench/", ".cache/")
 # Files a run writes into its output directory, named by the docs without a directory.
 RUN_OUTPUTS = {"metrics.jsonl", "metrics.superseded.jsonl", "samples.jsonl", "report.json",
-               "gpu.json", "config.json", "adapter_config.json", "config.resume-<step>.json"}
+               "gpu.json", "config.json", "adapter_config.json", "config.resume-<step>.json",
+               "samples.superseded.jsonl", "config.superseded.json", "config.resume-<k>.json",
+               "config.resume-<step>.superseded.json"}
 EXTENSIONS = (".py", ".md", ".yaml", ".yml", ".sh", ".jsonl", ".json", ".png", ".toml",
               ".txt", ".parquet", ".jinja", ".gguf")
 SKIP_DIRS = {".git", ".venv", ".venv-bench", ".cache", "runs", "__pycache__", ".ruff_cache",

@@ -134,7 +134,8 @@ def test_param_dtype_casts_the_weights_the_sampler_reads(lora_run, capsys):
 
 def test_generate_from_the_adapter_and_from_a_checkpoint_step(lora_run, capsys):
     ids, logp = sampler_answers(lora_run, *adapter_model(lora_run))
-    for source in ([str(lora_run / "actor_adapter")], ["--run", str(lora_run), "--step", "2"]):
+    for source in ([str(lora_run / "actor_adapter")], ["--run", str(lora_run), "--step", "2"],
+                   ["--run", str(lora_run)]):  # no --step: the latest checkpoint, 2
         got = answers(capsys, *source)
         assert [r["response_ids"] for r in got] == ids, source
         np.testing.assert_allclose([r["logprob"] for r in got], logp, rtol=1e-5)
@@ -233,8 +234,8 @@ def no_loading(monkeypatch):
     ("evaluate", ["--run", "{run}", "--step", "7"], "--step 7"),
     ("evaluate", ["--run", "{tmp}/nowhere"], "{tmp}/nowhere"),
     ("evaluate", ["--run", "{run}", "--actor", "{tmp}/nowhere"], "--actor"),
-    ("evaluate", ["--run", "{run}", "--actor", "{run}/actor_adapter", "--set",
-                  "model.lora.rank=0"], "model.lora.rank is 0"),
+    ("evaluate", ["--run", "{run}", "--set", "model.lora.rank=0"],
+     "--set model.lora.rank: evaluate changes eval.* keys only"),
     ("evaluate", ["--run", "{run}", "--set", "eval.prompts=null"], "eval.prompts"),
 ])
 def test_bad_input_exits_2_naming_it_before_any_model_loads(lora_run, tmp_path, capsys, no_loading,
@@ -248,6 +249,16 @@ def test_bad_input_exits_2_naming_it_before_any_model_loads(lora_run, tmp_path, 
         code = e.code
     assert code == 2
     assert named.format(**fill) in capsys.readouterr().err
+
+
+def test_evaluate_refuses_an_adapter_in_a_run_without_lora(lora_run):
+    from ppo_jax import evaluate
+    from ppo_jax.saved_actor import read_run_config
+    from ppo_jax.trainer.config import ConfigError
+
+    cfg = read_run_config(lora_run, ["model.lora.rank=0"])
+    with pytest.raises(ConfigError, match="model.lora.rank is 0"):
+        evaluate.check_actor(cfg, str(lora_run / "actor_adapter"))
 
 
 # --- a full (non-LoRA) run (slow), and RLVR's accuracy and pass@k ---------------------------

@@ -44,8 +44,8 @@ from ppo_jax.trainer.resume import (  # noqa: F401 (check_run_dir: its older hom
     check_run_dir, format_changes, plan_resume, restore_planned, resume_changes, supersede_later,
 )
 from ppo_jax.trainer.run_dir import (
-    CONFIG, SUPERSEDED, RunLock, check_writable, config_in_effect, supersede_metrics,
-    write_run_config,
+    CONFIG, METRICS, OLD_SAMPLES, SAMPLES, SUPERSEDED, RunLock, check_writable, config_in_effect,
+    plural, supersede_configs, supersede_rows, write_run_config,
 )
 
 
@@ -165,20 +165,39 @@ class StageTrainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", max_to_keep=self.cfg.train.max_to_keep)
         if self.resume_plan is not None:
             self._restore()
-            # rows past the restored step run again; at step 0 (no checkpoint) the step-0 record too
-            keep = self.step_count if self.step_count else -1
-            moved = supersede_metrics(self.out, keep) if self.process_index == 0 else 0
-            if moved:
-                print(f"--resume: {moved} logged rows not covered by the restored state (step "
-                      f"{self.step_count}) moved to {self.out / SUPERSEDED}; they run again")
+            if self.process_index == 0:
+                self._supersede_logged()
         trackers = (Trackers.open(self.cfg.train, to_dict(self.cfg), self.out)
                     if self.process_index == 0 and self.step_count < self.cfg.train.steps else None)
         self.writer = MetricsWriter(self.out, tensorboard=self.cfg.train.tensorboard,
                                     enabled=self.process_index == 0, trackers=trackers)
         if self.process_index == 0 and self.step_count < self.cfg.train.steps:
-            written = write_run_config(self.out, to_dict(self.cfg), self.step_count)
-            if written is not None and written.name != CONFIG:  # the first config.json is kept
-                print(f"--resume: the config of this start written to {written}")
+            self._write_config()
+
+    def _supersede_logged(self) -> None:
+        """Rows of metrics.jsonl and samples.jsonl past the restored step (at step 0, no
+        checkpoint: the step-0 rows too) run again: moved to their `.superseded.jsonl`, said."""
+        keep = self.step_count if self.step_count else -1
+        for name, aside in ((METRICS, SUPERSEDED), (SAMPLES, OLD_SAMPLES)):
+            moved = supersede_rows(self.out, keep, name, aside)
+            if moved:
+                print(f"--resume: {plural(moved, 'row')} of {name} not covered by the restored "
+                      f"state (step {self.step_count}) moved to {self.out / aside}; they run again")
+
+    def _write_config(self) -> None:
+        """Record this start's config (`run_dir.write_run_config`). Config files that do not
+        apply to it are moved aside first, kept (`run_dir.supersede_configs`): at step 0 (a new
+        run; no checkpoint) any left by a start that wrote no checkpoint, unless its config.json
+        says the same; on a resume, those of resumes from later checkpoints."""
+        config, step = to_dict(self.cfg), self.step_count
+        for old, new in supersede_configs(self.out, step if step else -1,
+                                          same=None if step else config):
+            why = (f"a resume from a later checkpoint than step {step}" if step else
+                   "left by an earlier start that wrote no checkpoint")
+            print(f"{old} ({why}) moved to {new.name} (kept); this run does not train under it")
+        written = write_run_config(self.out, config, step)
+        if written is not None and written.name != CONFIG:  # the first config.json is kept
+            print(f"--resume: the config of this start written to {written}")
 
     def save(self) -> None:
         """Write an orbax checkpoint of the current step (collective over processes).
@@ -253,10 +272,11 @@ class StageTrainer:
         bad = self._not_finite(metrics)
         if bad:
             last = self.checkpointer.latest_step()
+            kept = ("no checkpoint was written yet" if last is None else
+                    f"the last checkpoint, step {last}, is kept")
             raise FloatingPointError(
-                f"step {n}: {', '.join(bad)} not finite; stopped before saving (the last "
-                f"checkpoint, step {last}, is kept). Check learning rates, kl_coef and the "
-                "reward scale")
+                f"step {n}: {', '.join(bad)} not finite; stopped before saving ({kept}). Check "
+                "learning rates, kl_coef and the reward scale")
 
     def _run_one(self) -> dict:
         cfg = self.cfg.train

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 from ppo_jax.trainer.checkpoint import CheckpointReadError, check_files, finished_steps
 from ppo_jax.trainer.config import Config, ConfigError, load_config, to_dict
-from ppo_jax.trainer.run_dir import config_in_effect, logged_steps
+from ppo_jax.trainer.run_dir import config_in_effect, logged_steps, plural
 
 LATEST, AUTO = "latest", "auto"
 Resume = Union[None, bool, str, int, "ResumePlan"]
@@ -95,13 +95,14 @@ def check_run_dir(out: Path, key: str, resume: Resume) -> None:
         raise ConfigError(f"{key}={str(out)!r} is a file, not a directory")
     done, logged = finished_steps(out / "checkpoints"), logged_steps(out)
     if resume_mode(resume) is None and (done or logged):
-        held = f"checkpoints (steps {done})" if done else f"metrics of {len(logged)} steps"
+        held = (f"checkpoints (steps {done})" if done else
+                f"metrics of {plural(len(logged), 'step')}")
         raise ConfigError(
             f"{key}={str(out)!r} already holds {held}; pass --resume to continue that run, or "
             f"choose a new {key} (nothing was written)")
     if resume_mode(resume) is not None and not done and any(step > 0 for step in logged):
         raise ConfigError(
-            f"--resume: {key}={str(out)!r} holds metrics of {len(logged)} steps but no "
+            f"--resume: {key}={str(out)!r} holds metrics of {plural(len(logged), 'step')} but no "
             f"checkpoint to continue them from; choose a new {key} (nothing was written)")
 
 

@@ -6,15 +6,18 @@
   a second run into the same directory is refused instead of interleaving its metrics and
   checkpoints with the first (the OS drops the lock when the process dies, so a crashed run
   leaves nothing to clean up).
-- `logged_steps` / `supersede_metrics`: a run interrupted after its last checkpoint has logged
-  steps that a resume will run again; those rows move from `metrics.jsonl` to
-  `metrics.superseded.jsonl` (kept, not deleted) so the metrics hold each step once;
-  `supersede_checkpoints` moves the checkpoints after the step a resume continues from (an
-  earlier step asked for, or a damaged newest one) to `checkpoints.superseded/`, so they are
-  kept and the run can write those steps again.
+- `logged_steps` / `supersede_rows`: a run interrupted after its last checkpoint has logged
+  steps that a resume will run again; those rows move from `metrics.jsonl` and `samples.jsonl`
+  to `metrics.superseded.jsonl` and `samples.superseded.jsonl` (kept, not deleted) so the
+  logs hold each step once; `supersede_checkpoints` moves the checkpoints after the step a
+  resume continues from (an earlier step asked for, or a damaged newest one) to
+  `checkpoints.superseded/`, so they are kept and the run can write those steps again.
 - `config.json` is the config a run was started with and is never overwritten; a resume that
-  changes settings writes its own `config.resume-<step>.json` beside it (`write_run_config`),
-  and `config_in_effect` finds the one a checkpoint continues under.
+  changes settings writes its own `config.resume-<step>.json` beside it (`write_run_config`).
+  `config_in_effect` finds the one a checkpoint continues under, `config_of_step` the one a
+  step trained under. Config files that no longer apply (a resume's from a later checkpoint
+  when the run goes on from an earlier one; any left by a start that wrote no checkpoint,
+  when a new run starts there) are moved aside, kept (`supersede_configs`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from ppo_jax.trainer.config import ConfigError
 
 METRICS, SUPERSEDED, LOCK = "metrics.jsonl", "metrics.superseded.jsonl", ".lock"
+SAMPLES, OLD_SAMPLES = "samples.jsonl", "samples.superseded.jsonl"
 CONFIG, OLD_CHECKPOINTS = "config.json", "checkpoints.superseded"
 _RESUME_CONFIG = re.compile(r"^config\.resume-(\d+)(?:-(\d+))?\.json$")
 
@@ -96,23 +100,34 @@ def logged_steps(out: Path) -> list[int]:
     return [int(json.loads(line)["step"]) for line in _rows(out / METRICS)]
 
 
-def supersede_metrics(out: Path, step: int) -> int:
-    """Move the rows of steps after `step` to `metrics.superseded.jsonl`; returns how many.
+def supersede_rows(out: Path, step: int, name: str = METRICS, aside: str = SUPERSEDED) -> int:
+    """Move the rows of `<out>/<name>` (JSON lines with a "step") of steps after `step` to
+    `<out>/<aside>`; returns how many.
 
-    The kept rows are written to a temporary file that replaces `metrics.jsonl` atomically,
-    after the moved rows are appended to the superseded file, so no row is lost on a crash.
+    The kept rows are written to a temporary file that replaces `name` atomically, after the
+    moved rows are appended to `aside`, so no row is lost on a crash.
     """
-    rows = _rows(out / METRICS)
+    rows = _rows(out / name)
     later = [r for r in rows if int(json.loads(r)["step"]) > step]
     if not later:
         return 0
-    with open(out / SUPERSEDED, "a", encoding="utf-8") as f:
+    with open(out / aside, "a", encoding="utf-8") as f:
         f.write("".join(r + "\n" for r in later))
-    tmp = out / (METRICS + ".tmp")
+    tmp = out / (name + ".tmp")
     tmp.write_text("".join(r + "\n" for r in rows if int(json.loads(r)["step"]) <= step),
                    encoding="utf-8")
-    tmp.replace(out / METRICS)
+    tmp.replace(out / name)
     return len(later)
+
+
+def supersede_metrics(out: Path, step: int) -> int:
+    """`supersede_rows` of `metrics.jsonl` to `metrics.superseded.jsonl`."""
+    return supersede_rows(out, step)
+
+
+def plural(n: int, noun: str) -> str:
+    """"1 row", "2 rows"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def supersede_checkpoints(out: Path, step: int) -> list[Path]:
@@ -151,6 +166,40 @@ def config_in_effect(out: Path, step: int) -> Path | None:
     config files written at a step <= `step` (None when the run has none)."""
     files = [path for (at, _), path in run_configs(out) if at <= step]
     return files[-1] if files else None
+
+
+def config_of_step(out: Path, step: int) -> Path | None:
+    """The config step `step` of the run trained under: the newest config file written at a
+    checkpoint before `step` (a `config.resume-<k>.json` applies from step k + 1), i.e.
+    `config_in_effect(step - 1)`; step 0 (the starting model, evaluated before any update)
+    and step 1: the config of the start (None when the run has none)."""
+    return config_in_effect(out, max(step - 1, 0))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def supersede_configs(out: Path, step: int, same: dict | None = None) -> list[tuple[Path, Path]]:
+    """Move aside, kept, the run's config files written after checkpoint `step`
+    (`config.json` counts as written at 0, so `step` -1, a new start, moves every one): a run
+    going on from `step` trains those steps again under its own config. `same`: a
+    `config.json` that says this stays. Each goes to `<name>.superseded.json` (`-2`, `-3`,
+    ... when taken); returns the (old, new) paths."""
+    moved = []
+    for (at, _), path in run_configs(out):
+        if at <= step or (same is not None and path.name == CONFIG and _read_json(path) == same):
+            continue
+        target, n = path.with_name(f"{path.stem}.superseded.json"), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.stem}.superseded-{n}.json")
+        path.rename(target)
+        moved.append((path, target))
+    return moved
 
 
 def write_run_config(out: Path, config: dict, step: int) -> Path | None:

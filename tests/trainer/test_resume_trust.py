@@ -218,12 +218,21 @@ def test_a_truncated_newest_checkpoint_is_named_and_falls_back_on_request_bit_ex
     assert (copy / "checkpoints.superseded/4/state").is_dir()  # the damaged one, kept aside
     assert rows(copy) == rows(straight)  # step 4 run again, the same figures bit for bit
     assert rows(copy, "metrics.superseded.jsonl") == rows(straight)[3:]
+    assert rows(copy, "samples.jsonl") == rows(straight, "samples.jsonl")  # step 4's once
+    assert {r["step"] for r in rows(copy, "samples.superseded.jsonl")} == {4}
+    assert "1 row of metrics.jsonl not covered by the restored state (step 3)" in captured.out
     want, got = actor_weights(straight), actor_weights(copy)
     for name in want:
         np.testing.assert_array_equal(want[name], got[name])
 
 
 def test_resume_from_an_earlier_step_keeps_the_later_checkpoints_aside(straight, copy, capsys):
+    """The checkpoints, metrics, samples and configs of the steps after it are moved aside,
+    kept: a config.resume-3.json (an earlier resume from step 3 that changed settings) no
+    longer applies to the steps this run trains again."""
+    later = json.loads((copy / "config.json").read_text())
+    later["generation"]["top_k"] = 1
+    (copy / "config.resume-3.json").write_text(json.dumps(later))
     assert train.main(tiny(copy) + ["--resume", "2"]) == 0
     captured = capsys.readouterr()
     assert captured.err.splitlines()[0] == (f"--resume 2: resuming the run in {copy} from step 2 "
@@ -232,6 +241,14 @@ def test_resume_from_an_earlier_step_keeps_the_later_checkpoints_aside(straight,
     assert sorted(p.name for p in (copy / "checkpoints.superseded").iterdir()) == ["3", "4"]
     assert finished_steps(copy / "checkpoints") == [1, 2, 3, 4]  # written again
     assert rows(copy) == rows(straight)
+    assert rows(copy, "metrics.superseded.jsonl") == rows(straight)[2:]
+    assert rows(copy, "samples.jsonl") == rows(straight, "samples.jsonl")
+    assert {r["step"] for r in rows(copy, "samples.superseded.jsonl")} == {3, 4}
+    assert sorted(p.name for p in copy.glob("config*.json")) == \
+        ["config.json", "config.resume-2.json", "config.resume-3.superseded.json"]  # output_dir
+    assert f"{copy / 'config.resume-3.json'} (a resume from a later checkpoint" in captured.out
+    assert json.loads((copy / "config.resume-2.json").read_text())["generation"]["top_k"] == 0
+    assert config_in_effect(copy, 4) == copy / "config.resume-2.json"
 
 
 def test_a_damaged_metadata_file_is_named_before_loading_not_taken_for_other_settings(
@@ -265,6 +282,41 @@ def test_resume_auto_starts_on_an_empty_directory_and_resumes_a_run(copy, tmp_pa
     captured = capsys.readouterr()
     assert captured.err.splitlines()[0] == f"--resume auto: resuming the run in {copy} from step 4"
     assert "nothing to do: the run is at step 4" in captured.out
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume", "auto"]])
+def test_a_new_start_writes_its_config_json_and_moves_a_leftover_one_aside(tmp_path, capsys,
+                                                                            resume):
+    """A directory holding only the config.json of an attempt that crashed before its first
+    checkpoint: the new run's config is config.json, the leftover one is kept beside it, and
+    one line says so (without a word of --resume when none was given)."""
+    new = tmp_path / "new"
+    new.mkdir()
+    stale = {"left": "over"}
+    (new / "config.json").write_text(json.dumps(stale))
+    (new / "config.superseded.json").write_text("{}")  # taken: the next number
+    assert train.main(tiny(new, "train.steps=1") + resume) == 0
+    captured = capsys.readouterr()
+    assert sorted(p.name for p in new.glob("config*.json")) == \
+        ["config.json", "config.superseded-2.json", "config.superseded.json"]
+    assert json.loads((new / "config.superseded-2.json").read_text()) == stale
+    assert json.loads((new / "config.json").read_text())["train"]["steps"] == 1
+    said = [line for line in captured.out.splitlines() if "config.superseded-2.json" in line]
+    assert said == [f"{new / 'config.json'} (left by an earlier start that wrote no checkpoint) "
+                    "moved to config.superseded-2.json (kept); this run does not train under it"]
+    if not resume:
+        assert "--resume" not in captured.out + captured.err
+
+
+def test_a_new_start_keeps_a_leftover_config_json_that_says_the_same(tmp_path):
+    from ppo_jax.trainer.run_dir import supersede_configs
+
+    (tmp_path / "config.json").write_text(json.dumps({"x": 1}))
+    (tmp_path / "config.resume-2.json").write_text(json.dumps({"x": 2}))
+    assert supersede_configs(tmp_path, -1, same={"x": 1}) == \
+        [(tmp_path / "config.resume-2.json", tmp_path / "config.resume-2.superseded.json")]
+    assert (tmp_path / "config.json").is_file()
+    assert supersede_configs(tmp_path, 0) == []  # a resume from step 0 on: config.json applies
 
 
 def test_plain_resume_of_a_run_stopped_before_its_first_checkpoint_is_refused(tmp_path):

@@ -63,7 +63,7 @@ def test_bad_values_are_named_by_the_config(override, match):
     ("ppo.reward_shaping_kwargs.kl_coef=0", "reward_shaping_kwargs.kl_coef: the trainer passes"),
 ])
 def test_config_kwargs_may_not_shadow_the_trainers_own(override, match):
-    from ppo_jax.trainer.stages.ppo.trainer import check_names
+    from ppo_jax.trainer.stages.ppo.checks import check_names
 
     with pytest.raises(ConfigError, match=match):
         check_names(load_config(TINY, [override]))
@@ -93,7 +93,7 @@ def test_output_dir_problems_are_reported_before_loading(tmp_path):
     logged = tmp_path / "logged"
     logged.mkdir()
     (logged / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ConfigError, match="already holds metrics of 1 steps"):
+    with pytest.raises(ConfigError, match="already holds metrics of 1 step;"):
         PPOTrainer(load_config(TINY, [f"train.output_dir={logged}", PROMPTS]))
     with pytest.raises(ConfigError, match="no checkpoint to continue them from"):
         PPOTrainer(load_config(TINY, [f"train.output_dir={logged}", PROMPTS]), resume=True)
@@ -120,3 +120,24 @@ def test_a_run_that_goes_non_finite_stops_before_saving(tmp_path, monkeypatch):
     steps = [s for s in logged_steps(out) if s > 0]  # step 0: the held-out eval, no checkpoint
     assert steps and finished_steps(out / "checkpoints") == steps[:-1]  # the bad step: logged, not saved
     RunLock(out).release()  # the failed run let go of the directory
+
+
+def test_train_py_says_a_non_finite_stop_in_one_line(tmp_path, monkeypatch, capsys):
+    """No traceback: one `error:` line naming the metrics, the step and the checkpoint kept
+    (none yet: train.save_every=0 saves only the last step), exit 1."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    sets = [f"train.output_dir={out}", PROMPTS, "train.steps=4", "train.save_every=0",
+            "train.progress=false", "optim.actor_lr=1e30", "optim.critic_lr=1e30",
+            "optim.max_grad_norm=0", "eval.every=0"]
+    assert train.main(["--config", TINY, *sum((["--set", s] for s in sets), [])]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    bad = max(logged_steps(out))
+    assert err.startswith(f"error: step {bad}: ") and "loss" in err
+    assert "not finite; stopped before saving (no checkpoint was written yet)" in err

@@ -54,7 +54,7 @@ def read_prompt_records(path: str | Path, field: str = "prompt",
         records = read_rows(path, key, what="prompt", suffixes=PROMPT_SUFFIXES,
                             items="prompt strings or records")
         if path.suffix.lower() == ".parquet" and records and field not in records[0]:
-            raise ValueError(f"data.prompt_field={field!r}: no such column in {path} "
+            raise ValueError(f"{key}: data.prompt_field={field!r}: no such column in {path} "
                              f"(columns: {list(records[0])})")
         prompts = [_field(r, field, path, i, key) for i, r in enumerate(records)]
         rows = [extra_fields(r, field) for r in records]
@@ -90,7 +90,7 @@ def _field(record, field: str, path: Path, index: int, key: str) -> str:
         return _text(record, field, path, index, key)
     if isinstance(record, dict) and field in record:
         return _text(record[field], field, path, index, key)
-    raise ValueError(f"data.prompt_field={field!r}: record {index} of {path} has no such field")
+    raise ValueError(f"{key}: record {index} of {path} has no field data.prompt_field={field!r}")
 
 
 def _text(value, field: str, path: Path, index: int, key: str) -> str:
