@@ -1,8 +1,10 @@
 """Experiment trackers (W&B offline, MLflow on a file store) and the plain progress lines of a run
 whose output is not a terminal: a tiny run through a pipe writes the metrics of metrics.jsonl,
 its config and its sample tables to both, read back with each tracker's own formats; a tracker
-that raises is dropped with one warning and the run goes on; bad `train.loggers` exit 2 before
-anything loads."""
+that raises is dropped with one warning and the run goes on; a tracker server that refuses or
+never answers costs seconds, not minutes (MLflow dropped, W&B offline, each said once); bad
+`train.loggers`, a database MLflow store without SQL support and W&B's online mode without a key
+exit 2 before anything loads."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import json
 import math
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,6 +51,31 @@ def tracker_env(tmp: Path) -> dict:
            if not k.startswith(("WANDB_", "MLFLOW_")) and k != "NETRC"}
     return {**env, **QUIET, "WANDB_DIR": str(tmp), "NETRC": str(tmp / "no-netrc"),
             "PPO_JAX_CACHE": str(tmp / "cache")}
+
+
+def isolate_env(monkeypatch, tmp: Path, **extra: str) -> None:
+    """`tracker_env(tmp)` and `extra` for this test; what the trackers set for good (with
+    setdefault) is undone after it."""
+    for key in [k for k in os.environ if k.startswith(("WANDB_", "MLFLOW_"))] + [
+            "MLFLOW_ALLOW_FILE_STORE", *loggers.MLFLOW_BOUNDS]:
+        monkeypatch.setenv(key, "")  # recorded, so restored (or removed) after the test
+        monkeypatch.delenv(key)
+    for key, value in {**tracker_env(tmp), **extra}.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+def silent_server():
+    """http://127.0.0.1:PORT of a listening socket that never accepts or answers: the kernel
+    completes each TCP handshake, then nothing comes back."""
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as server:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def closed_port() -> str:
+    """http://127.0.0.1:PORT where nothing listens (connection refused)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        return f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +192,7 @@ def test_progress_in_a_pipe_is_one_plain_line_per_step(piped_run):
 
 
 def test_a_logger_that_raises_is_dropped_once_and_training_goes_on(tmp_path, monkeypatch, capsys):
-    for key in [k for k in os.environ if k.startswith(("WANDB_", "MLFLOW_"))]:
-        monkeypatch.delenv(key)
-    for key, value in {**tracker_env(tmp_path), "MLFLOW_ALLOW_FILE_STORE": "true"}.items():
-        monkeypatch.setenv(key, value)  # (the tracker would set the last one for good)
+    isolate_env(monkeypatch, tmp_path)
     calls = []
 
     def boom(self, step, scalars):
@@ -260,13 +286,71 @@ def test_mlflow_tracker_renames_what_mlflow_refuses(tmp_path, monkeypatch):
 
 def test_wandb_goes_offline_without_a_key_or_a_server(tmp_path):
     netrc = tmp_path / "netrc"
-    assert loggers.wandb_mode({"NETRC": str(netrc)}) == "offline"  # no key anywhere
-    assert loggers.wandb_mode({"WANDB_MODE": "disabled"}) == "disabled"  # W&B's own setting wins
-    closed = "http://127.0.0.1:9"  # the discard port: nothing listens
-    assert loggers.wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": closed}) == "offline"
+    assert loggers.wandb_mode({"NETRC": str(netrc)}) == (
+        "offline", "no W&B API key (WANDB_API_KEY, or `wandb login`)")
+    assert loggers.wandb_mode({"WANDB_MODE": "disabled"}) == ("disabled", None)  # W&B's own wins
+    closed = closed_port()
+    mode, why = loggers.wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": closed})
+    assert mode == "offline" and why.startswith(f"no W&B server: {closed}: ") and "refused" in why
     netrc.write_text("machine 127.0.0.1 login user password " + "k" * 40 + "\n")
     assert loggers.has_wandb_key({"NETRC": str(netrc)}, closed)
     assert not loggers.has_wandb_key({"NETRC": str(netrc)})  # a key for another host only
+
+
+@pytest.mark.parametrize("server", ["refused", "silent"])
+def test_an_mlflow_server_that_does_not_answer_is_dropped_in_seconds(
+        server, silent_server, tmp_path, monkeypatch, capsys):
+    url = closed_port() if server == "refused" else silent_server
+    isolate_env(monkeypatch, tmp_path, MLFLOW_HTTP_REQUEST_MAX_RETRIES="4")
+    train_cfg = SimpleNamespace(loggers=["mlflow"], project="p", run_name="r",
+                                mlflow_tracking_uri=url)
+    start = time.monotonic()
+    assert loggers.Trackers.open(train_cfg, {"a": 1}, tmp_path).live == []
+    assert time.monotonic() - start < 10  # MLflow's own waits: minutes (retries), or never
+    err = capsys.readouterr().err
+    assert err.count("warning: logger 'mlflow' dropped") == 1, err
+    assert f"no MLflow server: {url}" in err
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"  # bounded for the run's later calls
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "4"  # the user's own setting kept
+
+
+def test_a_wandb_server_that_never_answers_costs_seconds_and_is_said(
+        silent_server, tmp_path, monkeypatch, capsys):
+    isolate_env(monkeypatch, tmp_path, WANDB_API_KEY="k" * 40, WANDB_BASE_URL=silent_server)
+    start = time.monotonic()
+    trackers = loggers.Trackers.open(SimpleNamespace(project="p", run_name="r", loggers=["wandb"]),
+                                     {"a": 1}, tmp_path)
+    assert time.monotonic() - start < 15  # W&B's own wait: ~90 s, then offline silently
+    assert [t.name for t in trackers.live] == ["wandb"]
+    trackers.call("log_metrics", 1, {"x": 1.0})
+    trackers.call("close", False)
+    err = capsys.readouterr().err
+    assert err.count("warning: logger 'wandb' runs offline") == 1, err
+    assert f"no W&B server: {silent_server} did not answer within 3 s" in err
+    (run_dir,) = (tmp_path / "wandb").glob("*run-*")  # no half-made online run beside it
+    assert run_dir.name.startswith("offline-run-") and str(run_dir) in err
+
+
+def test_tracker_settings_they_would_refuse_are_refused_at_load_time(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # mlflow-skinny alone: no SQL stores
+                        lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    for key in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    sqlite = ["train.loggers=[mlflow]", "train.mlflow_tracking_uri=sqlite:///runs.db"]
+    with pytest.raises(ConfigError, match=re.escape(
+            "train.mlflow_tracking_uri='sqlite:///runs.db': a database store")) as e:
+        load_config(ROOT / "configs/tiny.yaml", sqlite)
+    assert "pip install mlflow (the full package)" in str(e.value)
+    load_config(ROOT / "configs/tiny.yaml", sqlite[1:])  # no mlflow tracker: nothing to refuse
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(ConfigError, match="WANDB_MODE=online: W&B has no API key"):
+        load_config(ROOT / "configs/tiny.yaml", ["train.loggers=[wandb]"])
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    load_config(ROOT / "configs/tiny.yaml", ["train.loggers=[wandb]"])
 
 
 @pytest.mark.parametrize("value, says", [

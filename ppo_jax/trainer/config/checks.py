@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import typing
 from typing import Literal
 
@@ -16,6 +17,9 @@ from ppo_jax.models.config import LORA_TARGETS
 from ppo_jax.trainer.config.help import leaves
 from ppo_jax.trainer.config.schema import (
     Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
+)
+from ppo_jax.trainer.tracking.loggers import (
+    DATABASE_MODULES, WANDB_HOST, database_uri, has_wandb_key,
 )
 
 
@@ -156,6 +160,7 @@ def _validate_optim_train(o: OptimConfig, t: TrainConfig) -> None:
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)!r} must be >= 0")
     check_loggers(t.loggers)  # known names, their packages installed (nothing imported)
+    check_tracker_setup(t)
 
 
 def _validate_loss_terms(p: PPOConfig) -> None:
@@ -283,3 +288,27 @@ def check_loggers(names, key: str = "train.loggers") -> None:
                               f"not installed: pip install {package}")
     if len(set(names)) < len(names):
         raise ConfigError(f"{key}={names!r}: a name given twice")
+
+
+def check_tracker_setup(t: TrainConfig, environ=os.environ) -> None:
+    """What a named tracker could only refuse at start: an MLflow database store (sqlite, ...)
+    that the installed client cannot open (mlflow-skinny has no SQL stores), and W&B's online
+    mode (`WANDB_MODE=online`) without an API key, which W&B itself refuses.
+
+    Raises:
+      ConfigError: naming the key or variable and what to install or set.
+    """
+    uri, key = t.mlflow_tracking_uri, "train.mlflow_tracking_uri"
+    if not uri:
+        uri, key = environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI"
+    if ("mlflow" in t.loggers and uri and database_uri(uri)
+            and not all(importlib.util.find_spec(m) for m in DATABASE_MODULES)):
+        raise ConfigError(f"{key}={uri!r}: a database store, which the installed MLflow client "
+                          "(mlflow-skinny) cannot open: pip install mlflow (the full package) "
+                          "for database stores, or use file:DIR or http://HOST:PORT")
+    host = environ.get("WANDB_BASE_URL") or WANDB_HOST
+    if ("wandb" in t.loggers and environ.get("WANDB_MODE") == "online"
+            and not has_wandb_key(environ, host)):
+        raise ConfigError(f"train.loggers={list(t.loggers)!r} with WANDB_MODE=online: W&B has no "
+                          f"API key for {host}: set WANDB_API_KEY or run `wandb login` (or unset "
+                          "WANDB_MODE: without a key the run's W&B logs stay offline)")

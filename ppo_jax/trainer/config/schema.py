@@ -346,7 +346,8 @@ class TrainConfig:
     run_name: Optional[str] = opt(None, "the run's name in W&B and MLflow; null: the name of "
                                   "train.output_dir")
     mlflow_tracking_uri: Optional[str] = opt(
-        None, "where MLflow writes (file:DIR, sqlite:///FILE, http://HOST:PORT); null: "
+        None, "where MLflow writes (file:DIR, sqlite:///FILE with the full mlflow package, "
+        "http://HOST:PORT); null: "
         "MLFLOW_TRACKING_URI, else file:<train.output_dir>/mlruns")
 
 
