@@ -98,7 +98,7 @@ def test_remax_baseline_is_the_greedy_response_score(tmp_path, monkeypatch):
     (["model.critic=somewhere"], "model.critic needs a critic"),
 ])
 def test_settings_that_need_a_critic_are_refused_with_a_critic_free_estimator(sets, match):
-    from ppo_jax.trainer.stages.ppo.trainer import check_names
+    from ppo_jax.trainer.stages.ppo.checks import check_names
 
     with pytest.raises(ConfigError, match=match):
         check_names(load_config(TINY, ["ppo.advantage_estimator=grpo", *sets]))

@@ -112,12 +112,11 @@ def test_shared_critic_runs_checkpoints_resumes_and_exports(tmp_path, monkeypatc
 
 
 def test_shared_critic_with_a_critic_path_is_rejected(tmp_path):
+    """Refused when the config loads, before any model (the check lives in the config's)."""
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.loading.models import build_models
 
-    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.shared_critic=true", f"model.critic={tmp_path}"])
-    with pytest.raises(ConfigError, match="model.critic"):
-        build_models(cfg)
+    with pytest.raises(ConfigError, match="model.critic=.* cannot be used with model.shared_critic"):
+        load_config(ROOT / "configs/tiny.yaml", ["model.shared_critic=true", f"model.critic={tmp_path}"])
 
 
 def test_bfloat16_frozen_models_offloaded_to_host_between_phases(tmp_path, monkeypatch):
@@ -219,7 +218,7 @@ def test_prompt_ids_outside_the_model_vocabulary_are_rejected(tmp_path, monkeypa
 def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at_start():
     from ppo_jax.core import register_advantage_estimator, register_policy_loss, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo.trainer import check_names
+    from ppo_jax.trainer.stages.ppo.checks import check_names
 
     @register_policy_loss("no_normalizer")
     def no_normalizer(logprobs, old_logprobs, advantages, mask):
@@ -250,7 +249,7 @@ def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at
 def test_registered_functions_with_wrong_outputs_or_names_are_rejected_at_start():
     from ppo_jax.core import register_policy_loss, register_reward_shaping, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo.trainer import check_names
+    from ppo_jax.trainer.stages.ppo.checks import check_names
 
     @register_policy_loss("scalar_loss_test")
     def scalar_loss(batch, **unused):  # the pre-issue-11 form: a scalar, not [B, T]
