@@ -35,18 +35,18 @@ import numpy as np
 from ppo_jax.trainer.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.host.memory import release_host_memory
-from ppo_jax.trainer.tracking.loggers import Trackers
-from ppo_jax.trainer.tracking.metrics import MetricsWriter
 from ppo_jax.trainer.placement import Placement
 from ppo_jax.trainer.preemption import StopSignals
-from ppo_jax.trainer.tracking.progress import progress_bar
-from ppo_jax.trainer.resume import (  # noqa: F401 (check_run_dir: its older home)
-    check_run_dir, format_changes, plan_resume, restore_planned, resume_changes, supersede_later,
+from ppo_jax.trainer.resume import (
+    format_changes, plan_resume, restore_planned, resume_changes, supersede_later,
 )
 from ppo_jax.trainer.run_dir import (
     CONFIG, METRICS, OLD_SAMPLES, SAMPLES, SUPERSEDED, RunLock, check_writable, config_in_effect,
     plural, supersede_configs, supersede_rows, write_run_config,
 )
+from ppo_jax.trainer.tracking.loggers import Trackers
+from ppo_jax.trainer.tracking.metrics import MetricsWriter
+from ppo_jax.trainer.tracking.progress import progress_bar
 
 
 class StageTrainer:

@@ -120,11 +120,6 @@ def supersede_rows(out: Path, step: int, name: str = METRICS, aside: str = SUPER
     return len(later)
 
 
-def supersede_metrics(out: Path, step: int) -> int:
-    """`supersede_rows` of `metrics.jsonl` to `metrics.superseded.jsonl`."""
-    return supersede_rows(out, step)
-
-
 def plural(n: int, noun: str) -> str:
     """"1 row", "2 rows"."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ppo_jax.trainer.config import ConfigError, load_config
-from ppo_jax.trainer.run_dir import RunLock, logged_steps, supersede_metrics
+from ppo_jax.trainer.run_dir import RunLock, logged_steps, supersede_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -27,11 +27,11 @@ def test_a_second_writer_is_refused_until_the_first_releases(tmp_path):
 def test_resume_moves_metrics_past_the_checkpoint_aside(tmp_path):
     rows = [{"step": s, "kl": 0.1 * s} for s in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert supersede_metrics(tmp_path, 3) == 2
+    assert supersede_rows(tmp_path, 3) == 2
     assert logged_steps(tmp_path) == [1, 2, 3]
     moved = [json.loads(x)["step"] for x in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
     assert moved == [4, 5]
-    assert supersede_metrics(tmp_path, 3) == 0
+    assert supersede_rows(tmp_path, 3) == 0
 
 
 @pytest.mark.parametrize("override,match", [
