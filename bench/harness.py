@@ -101,9 +101,9 @@ def compare(ref_blocks: list[list[float]], ours_blocks: list[list[float]]) -> di
 
 def ppo_step_record(times: dict, gen_tokens: int, prompt_tokens: int, epochs: int, **extra) -> dict:
     """One PPO step's phase times, token counts and tokens/s, counted alike on both sides:
-    generation: new tokens; scoring, step: real prompt + response tokens; update: epochs x those."""
+    generation: new tokens; experience, step: real prompt + response tokens; update: epochs x those."""
     seq = prompt_tokens + gen_tokens
-    rates = {"generation": gen_tokens, "scoring": seq, "update": epochs * seq, "step": seq}
+    rates = {"generation": gen_tokens, "experience": seq, "update": epochs * seq, "step": seq}
     return {**times, "gen_tokens": gen_tokens, "seq_tokens": seq, "prompt_tokens": prompt_tokens,
             **extra, **{f"tokens_per_s/{k}": n / times[f"time/{k}"] for k, n in rates.items()}}
 

@@ -1,4 +1,4 @@
-"""PPO step, per phase (generation, scoring, update), ppo_jax's `PPOTrainer.step()` against TRL
+"""PPO step, per phase (generation, experience, update), ppo_jax's `PPOTrainer.step()` against TRL
 0.11's `PPOTrainer` (bench/ppo_step_trl.py in .venv-bench): same model, prompts, batch and PPO
 settings, float32 on the CPU; every configuration a fresh worker process, in interleaved rounds.
 
@@ -29,8 +29,8 @@ LABELS = {"trl": "TRL 0.11 PPOTrainer (value head on actor)",
           "jax-separate": "ppo_jax, separate critic (DeepSpeed-Chat layout, more work)"}
 CONFIGS = tuple(LABELS)
 KL_COEF, LR, VF_COEF, CLIP, MAX_GRAD_NORM, SEED = 0.05, 1e-5, 0.1, 0.2, 1.0, 0
-PHASES = ("generation", "scoring", "update", "whole step")
-TIMES = ("time/generation", "time/scoring", "time/update", "time/step")
+PHASES = ("generation", "experience", "update", "whole step")
+TIMES = ("time/generation", "time/experience", "time/update", "time/step")
 TRL_PYTHON = ROOT / ".venv-bench/bin/python"  # bench/setup_trl_env.sh
 
 

@@ -56,7 +56,7 @@ def build_trainer(args):
 
 
 def timed_step(ppo_trainer, rows, queries, gen_kwargs: dict, reward, args) -> dict:
-    """One timed PPO step: generate, reward, `ppo_trainer.step()`; its phase record (scoring:
+    """One timed PPO step: generate, reward, `ppo_trainer.step()`; its phase record (experience:
     the reward and `step()`'s forward pass, rewards and advantages; update: the rest)."""
     t0 = time.perf_counter()
     responses = ppo_trainer.generate(queries, batch_size=args.batch, return_prompt=False, **gen_kwargs)
@@ -71,7 +71,7 @@ def timed_step(ppo_trainer, rows, queries, gen_kwargs: dict, reward, args) -> di
     timing = {k: float(v) for k, v in out.items() if k.startswith("time/ppo/")}
     in_step = sum(timing[f"time/ppo/{k}"] for k in ("forward_pass", "compute_rewards", "compute_advantages"))
     return ppo_step_record(
-        {"time/generation": t1 - t0, "time/reward": t2 - t1, "time/scoring": (t2 - t1) + in_step,
+        {"time/generation": t1 - t0, "time/reward": t2 - t1, "time/experience": (t2 - t1) + in_step,
          "time/update": (t3 - t2) - in_step, "time/step_call": t3 - t2, "time/step": t3 - t0, **timing},
         sum(lengths), sum(len(r) for r in rows), args.epochs,
         padded_seq_len=max(len(r) for r in rows) + args.new_tokens)
@@ -115,7 +115,7 @@ def main() -> None:
     for i in range(args.warmup + args.steps):
         steps.append(rec := timed_step(ppo_trainer, *batch_queries(i), gen_kwargs, reward, args))
         log(f"[trl] step {i + 1} ({'warm-up' if i < args.warmup else 'measured'}): "
-            + ", ".join(f"{k} {rec[f'time/{k}']:.2f} s" for k in ("generation", "scoring", "update")))
+            + ", ".join(f"{k} {rec[f'time/{k}']:.2f} s" for k in ("generation", "experience", "update")))
     emit({**ppo_step_summary(steps, args.warmup), "compile_s": None, "epochs": args.epochs,
           "batch": args.batch, "new_tokens": args.new_tokens, "dtype": "float32", "device": "cpu",
           "model": args.model_dir.name, "n_params": n_params, "load_s": load_s,

@@ -25,7 +25,7 @@ from harness import ROOT, alternate, finish, fmt, log, options, ratio, spread, s
 from ppo_jax.trainer.host.memory import malloc_env, malloc_settings_active
 from ppo_jax.trainer.tracking.metrics import read_metrics
 
-PHASES = ("time/generation", "time/scoring", "time/update", "time/step")
+PHASES = ("time/generation", "time/experience", "time/update", "time/step")
 USAGE = ("wall_s", "max_rss_kib", "minor_faults", "major_faults", "user_s", "system_s")
 WINDOW = 5  # steps averaged at each end of a run
 
@@ -147,7 +147,7 @@ def markdown(data: dict) -> str:
            + ("" if data.get("complete", True) else " **Incomplete: the measurement stopped before its last "
                                                      "run.**"),
            "", table(["variant", "environment, train.py arguments", "steps", "wall, minutes", "step 1 s",
-                      "median generation / scoring / update / step s", "peak RSS GiB", "minor faults (M)",
+                      "median generation / experience / update / step s", "peak RSS GiB", "minor faults (M)",
                       "major faults", "user CPU s", "system CPU s", "malloc settings"], rows)]
     if len(variants) > 1 and (rows := round_ratio_rows(data)):
         first = variants[0]["name"]
@@ -204,7 +204,7 @@ def main() -> None:
                     raise SystemExit(f"{out_dir} exists: give a fresh --work-dir")
                 runs[name].append(run := {**run_variant(name, *parsed[name], out_dir, args.python), "round": rnd + 1})
                 log(f"[{name}] {run['wall_s'] / 60:.1f} min, {run['steps']} steps, median generation / "
-                    f"scoring / update / step {_phases(run.get('median', {}))} s, peak RSS "
+                    f"experience / update / step {_phases(run.get('median', {}))} s, peak RSS "
                     f"{run['max_rss_kib'] / 2**20:.2f} GiB")
                 save(complete=False)
                 if not args.keep and args.work_dir is None:  # checkpoints: GBs per run

@@ -49,7 +49,6 @@ import jax
 import numpy as np
 
 from ppo_jax.models.functional import Model
-from ppo_jax.models.lora import join
 from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, generate
 from ppo_jax.rollout.weights import cast_floats
 from ppo_jax.trainer.config import Config, ConfigError, load_config
@@ -59,6 +58,7 @@ from ppo_jax.saved_actor import (
     read_run_config, restore_step, run_of, step_or_latest, trainer_actor,
 )
 from ppo_jax.trainer.loading.models import pad_token_id, stop_token_ids
+from ppo_jax.trainer.state import full_params
 
 
 @dataclass
@@ -195,7 +195,7 @@ def load_session(args, cfg: Config) -> Session:
         model_cfg = trainer.models.actor.cfg if cfg.stage == "ppo" else trainer.model.cfg
     else:
         loaded, tok_dir = load_actor(cfg, args.actor)  # an adapter's base is `frozen`
-        actor, model_cfg = Model(loaded.graphdef, join(loaded.frozen, loaded.params)), loaded.cfg
+        actor, model_cfg = Model(loaded.graphdef, full_params(loaded.frozen, loaded.params)), loaded.cfg
         tokenizer = load_tokenizer(tok_dir)
     if args.param_dtype is not None:
         actor = Model(actor.graphdef, cast_floats(actor.params, args.param_dtype))

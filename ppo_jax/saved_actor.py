@@ -34,14 +34,14 @@ from typing import Optional, Sequence
 import jax
 
 from ppo_jax.models.functional import Model
-from ppo_jax.models.lora import join
 from ppo_jax.models.peft_io import CONFIG_FILE as ADAPTER_CONFIG
 from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.loading.lora import LoadedModel, adapters_from, base_dtype, lora_settings
+from ppo_jax.trainer.loading.models import actor_kind, load_split, resolve_model_path
 from ppo_jax.trainer.placement import Placement
 from ppo_jax.trainer.run_dir import config_of_step
-from ppo_jax.trainer.loading.models import actor_kind, load_split, resolve_model_path
+from ppo_jax.trainer.state import full_params
 
 RUN_CONFIG = "config.json"  # written by the trainer into `train.output_dir`
 ACTOR_STAGES = ("ppo", "sft")  # stages whose trained model is an actor (a causal LM)
@@ -320,7 +320,7 @@ def set_actor(trainer, source: str | Path) -> None:
     loaded, _ = load_actor(trainer.cfg, source, kind=actor_kind(trainer.cfg), lora=True,
                            sharding_fn=trainer.place.sharding_fn)
     def shapes(frozen, params):
-        tree = join(frozen, params)
+        tree = full_params(frozen, params)
         return jax.tree.structure(tree), [x.shape for x in jax.tree.leaves(tree)]
 
     if shapes(loaded.frozen, loaded.params) != shapes(trainer.frozen["actor"],

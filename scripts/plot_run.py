@@ -3,7 +3,7 @@
 Panels against the PPO step: reward (the training batch's mean score, dashed, and the held-out
 `eval/reward_mean`, solid, where the run evaluated), held-out reward against wall-clock minutes
 (steps plus evaluations), KL to the reference (summed over the response), entropy per token,
-response length, and seconds per step by phase (generation, scoring, update).
+response length, and seconds per step by phase (generation, experience, update).
 
 `--metric eval/accuracy` draws another held-out figure in place of `eval/reward_mean` (the
 training batch's `reward/accuracy` beside it when the runs log it).

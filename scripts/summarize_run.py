@@ -45,7 +45,8 @@ def summarize_training(rows: list[dict], window: int) -> None:
             print(f"  {key:18s} start {mean(first, key):8.3f}   end {mean(last, key):8.3f}")
     print(f"  {'max kl':18s} {max(r['kl'] for r in rows):8.3f}")
     steady = rows[1:] or rows  # step 1 holds the compilation
-    for key in ("time/generation", "time/scoring", "time/update", "time/step"):
+    # time/scoring: runs before time/experience was its name (docs/history.md)
+    for key in ("time/generation", "time/experience", "time/scoring", "time/update", "time/step"):
         if key in rows[0]:
             print(f"  {key:18s} median {statistics.median(r[key] for r in steady):6.1f} s "
                   f"(step 1: {rows[0][key]:.1f} s)")

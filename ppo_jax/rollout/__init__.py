@@ -11,8 +11,8 @@ PPO's experience.
   scheduler.py        the engine's host scheduler (slots, pages, preemption)
   page_pool.py        a replica's free pages, with reference counts
   weights.py          the rollout copy of the actor's weights (dtype, layout)
-  scoring.py          forward passes over prompt + response: log-probs, values, reward-model
+  forward.py          forward passes over prompt + response: log-probs, values, reward-model
                       scores
-  experience.py       `make_experience`: the scoring passes and the PPO math on one rollout
+  experience.py       `make_experience`: the forward passes and the PPO math on one rollout
                       (KL-shaped rewards, advantages, returns)
 """

@@ -1,4 +1,4 @@
-"""Experience making: the scoring passes of the four models and the PPO math on one rollout.
+"""Experience making: the forward passes of the four models and the PPO math on one rollout.
 
 `make_experience` is one pure function (jit it with the settings static): actor log-probs
 (old), reference log-probs, critic values and (optionally) reward-model scores, each computed in
@@ -34,9 +34,9 @@ from ppo_jax.core import (
     update_kl_controller,
 )
 from ppo_jax.models.functional import Model
-from ppo_jax.rollout.scoring import (
+from ppo_jax.rollout.forward import (
     Rollout,
-    ScoringSettings,
+    ForwardSettings,
     rollout_logprobs,
     rollout_logprobs_and_values,
     rollout_scores,
@@ -63,9 +63,9 @@ class PPOModels:
 @dataclass(frozen=True)
 class ExperienceSettings:
     """Static settings of experience making (hashable, so it can be a static jit argument):
-    the scoring passes' (`scoring`) and the PPO math's."""
+    the forward passes' (`forward`) and the PPO math's."""
 
-    scoring: ScoringSettings = field(default_factory=ScoringSettings)
+    forward: ForwardSettings = field(default_factory=ForwardSettings)
     kl_estimator: str = "kl"
     reward_clip: Optional[float] = None
     score_scale: float = 1.0
@@ -125,7 +125,7 @@ def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]
     return {f"{name}_mean": mean, f"{name}_std": jnp.sqrt(var)}
 
 
-def scoring_passes(models: PPOModels, rollout: Rollout, scores, *,
+def forward_passes(models: PPOModels, rollout: Rollout, scores, *,
                    settings: ExperienceSettings):
     """The forward passes of experience making, each in micro-batch chunks.
 
@@ -133,12 +133,12 @@ def scoring_passes(models: PPOModels, rollout: Rollout, scores, *,
       models: `PPOModels`; without a critic (and no shared critic) the values are zeros.
       rollout: the prompts and responses.
       scores: `[B]` from a reward function, or None to read `models.reward`
-        (`scoring.rollout_scores`, normalised when `settings.scoring.score_normalizer` is set).
+        (`forward.rollout_scores`, normalised when `settings.forward.score_normalizer` is set).
 
     Returns:
       `(logprobs, entropy, values, ref_logprobs [B, N], scores [B])`, float32.
     """
-    s = settings.scoring
+    s = settings.forward
     if settings.shared_critic:
         logprobs, entropy, values = rollout_logprobs_and_values(models.actor, rollout, s)
     else:
@@ -198,7 +198,7 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
     """
     s = settings
     mask = rollout.response_mask.astype(jnp.int32)
-    logprobs, entropy, values, ref_logprobs, scores = scoring_passes(models, rollout, scores,
+    logprobs, entropy, values, ref_logprobs, scores = forward_passes(models, rollout, scores,
                                                                      settings=s)
     raw_scores = scores.astype(jnp.float32)
     overlong = overlong_penalty(mask.sum(axis=1), max_length=s.max_response_length or mask.shape[1],

@@ -7,7 +7,8 @@ Files here (what every stage shares):
   run_dir.py      who may write the run directory, what a resume keeps
   resume.py       `--resume [auto|STEP]`: which checkpoint, under which config
   preemption.py   SIGTERM / SIGINT: stop at the next step boundary, saved
-  state.py        `TrainState`: params + optimiser state of one trained model
+  state.py        `TrainState` (trained params + optimiser state of one model), and the
+                  one place trained and frozen (LoRA base) params are split and joined
   optim.py        AdamW with warmup / cosine schedules, clipping, backbone learning rates
   accumulate.py   exact gradient accumulation over micro-batches
   placement.py    the device mesh: shardings of states, frozen params and batches

@@ -50,8 +50,8 @@ class Placement:
         return cls(make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices), abstract)
 
     @property
-    def rows(self) -> NamedSharding:
-        """Leading (batch) dim over ("data", "fsdp")."""
+    def by_row(self) -> NamedSharding:
+        """The sharding of a batch: its leading (row) dim over ("data", "fsdp")."""
         return batch_sharding(self.mesh)
 
     @property
@@ -112,14 +112,14 @@ class Placement:
     # --- batches ---------------------------------------------------------------------------
     def row_range(self, global_rows: int) -> tuple[int, int]:
         """This process's rows `[lo, hi)` of a batch of `global_rows` (all when abstract)."""
-        return (0, global_rows) if self.abstract else row_range(self.rows, global_rows)
+        return (0, global_rows) if self.abstract else row_range(self.by_row, global_rows)
 
     def put_rows(self, local: np.ndarray, global_shape: Sequence[int]) -> jax.Array:
         """This process's rows -> the global batch-sharded array."""
         if self.abstract:
             return jax.ShapeDtypeStruct(tuple(global_shape), np.asarray(local).dtype,
-                                        sharding=self.rows)
-        return put_rows(local, self.rows, global_shape)
+                                        sharding=self.by_row)
+        return put_rows(local, self.by_row, global_shape)
 
     # --- host offload of frozen params -----------------------------------------------------
     def can_offload(self) -> bool:

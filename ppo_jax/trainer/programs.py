@@ -46,7 +46,7 @@ class Program:
 
 def batch_shape(place: Placement, shape: Sequence[int], dtype) -> jax.ShapeDtypeStruct:
     """An abstract batch array: dim 0 split over ("data", "fsdp") as every batch of a run."""
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=place.rows)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=place.by_row)
 
 
 def out_shapes(fn, args: tuple, shardings) -> Any:

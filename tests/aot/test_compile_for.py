@@ -45,7 +45,7 @@ def test_tiny_config_compiles_for_v5e8_and_fits(tiny_v5e8):
     assert KEYS <= set(report) and report["fits"] is True
     assert (report["topology"], report["chips"], report["chip_kind"]) == ("v5e-8", 8, "v5e")
     assert set(report["programs"]) == {"sampler", "experience", "update", "eval_sampler",
-                                       "eval_scoring"}
+                                       "eval_forward"}
     for name, row in report["programs"].items():
         assert PROGRAM_KEYS <= set(row), name
         assert row["fits"] and 0 < row["peak_bytes"] <= report["hbm_bytes_per_chip"]

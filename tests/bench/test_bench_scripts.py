@@ -117,10 +117,10 @@ def _result(config, t_gen, t_score, t_upd, tokens=400):
     return {"config": config, "label": config, "epochs": 1, "peak_rss_mib": 1000.0,
             "compile_s": None if config == "trl" else 1.0,
             "load_s": 1.0, "first_step_s": 2.0,
-            "stats": {"time/generation": st(t_gen), "time/scoring": st(t_score),
+            "stats": {"time/generation": st(t_gen), "time/experience": st(t_score),
                       "time/update": st(t_upd), "time/step": st(t_step),
                       "tokens_per_s/generation": st(384 / t_gen),
-                      "tokens_per_s/scoring": st(tokens / t_score),
+                      "tokens_per_s/experience": st(tokens / t_score),
                       "tokens_per_s/update": st(tokens / t_upd),
                       "tokens_per_s/step": st(tokens / t_step)}}
 
@@ -131,7 +131,7 @@ def test_ppo_step_markdown_ratios():
             "results": [_result("jax-shared", 1.0, 1.0, 2.0), _result("trl", 2.0, 3.0, 8.0)]}
     text = ppo_step.markdown(data)
     ratios = text.split("TRL time / ours time")[1]
-    # generation x2, scoring x3, update x4, step 13/4
+    # generation x2, experience x3, update x4, step 13/4
     assert "| jax-shared | ×2.00 | ×3.00 | ×4.00 | ×3.25 |" in ratios
     assert "tok/s" not in text and "tokens/s" not in text  # the time ratios say it
     assert text.index("| trl |") < text.index("| jax-shared |")  # TRL row first
@@ -176,7 +176,7 @@ def test_ppo_step_markdown_reports_per_round_ratio_spread():
     text = ppo_step.markdown(data)
     assert "in each of 3 interleaved rounds" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("| jax-shared, per round (3 rounds) |"))
-    # generation: x2.00 (x1.00-x3.00); scoring and update equal every round
+    # generation: x2.00 (x1.00-x3.00); experience and update equal every round
     assert row.split(" | ")[1:4] == ["×2.00 (×1.00–×3.00)", "×1.00 (×1.00–×1.00)", "×1.00 (×1.00–×1.00)"]
     assert "| jax-separate, per round" not in text
     one = ppo_step.markdown({**data, "settings": {**settings, "rounds": 1},
@@ -425,11 +425,11 @@ def test_ppo_step_section_puts_first_step_beside_the_steady_median_and_counts_co
 def test_ppo_step_record_counts_real_tokens_alike_on_both_sides():
     """bench/harness.py `ppo_step_record`, shared by ppo_step.py and ppo_step_trl.py: 8 rows x 4
     new tokens, 100 real prompt tokens, 2 epochs; tokens/s of each phase by hand."""
-    times = {"time/generation": 2.0, "time/scoring": 3.3, "time/update": 6.6, "time/step": 11.0}
+    times = {"time/generation": 2.0, "time/experience": 3.3, "time/update": 6.6, "time/step": 11.0}
     r = harness.ppo_step_record(times, 32, 100, 2, padded_seq_len=20)
     assert (r["seq_tokens"], r["prompt_tokens"], r["padded_seq_len"]) == (132, 100, 20)
     assert r["tokens_per_s/generation"] == 16.0 and r["tokens_per_s/step"] == 12.0
-    assert r["tokens_per_s/scoring"] == pytest.approx(40.0)
+    assert r["tokens_per_s/experience"] == pytest.approx(40.0)
     assert r["tokens_per_s/update"] == pytest.approx(40.0)  # 2 epochs x 132 tokens / 6.6 s
     s = harness.ppo_step_summary([{**r, "time/step": 20.0}, r, {**r, "time/step": 13.0, "seq_tokens": 134}], 1)
     assert s["seq_tokens_mean"] == 133 and s["stats"]["time/step"]["median"] == 12.0

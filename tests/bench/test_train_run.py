@@ -41,15 +41,15 @@ def test_summarize_metrics_by_hand():
              (3.0, 2.0, 11.0, 16.0)]
     for i, (g, s, u, t) in enumerate(times, start=1):
         rows.append({"step": i, "score_mean": 0.1 * i, "kl": [0.0, 2.0, 1.0, 4.0][i - 1],
-                     "time/generation": g, "time/scoring": s, "time/update": u, "time/step": t})
+                     "time/generation": g, "time/experience": s, "time/update": u, "time/step": t})
     rows.append({"step": 4, "eval/reward_mean": 0.5, "time/eval": 4.0})
     out = train_run.summarize_metrics(rows, window=2)
     assert out["steps"] == 4
     assert out["evals"] == [[0, 0.2], [4, 0.5]] and out["eval_s"] == 14.0
-    assert out["first_step"] == {"time/generation": 9.0, "time/scoring": 8.0,
+    assert out["first_step"] == {"time/generation": 9.0, "time/experience": 8.0,
                                  "time/update": 30.0, "time/step": 47.0}
     # steps 2..4: medians of (2, 4, 3), (3, 1, 2), (10, 12, 11), (15, 17, 16)
-    assert out["median"] == {"time/generation": 3.0, "time/scoring": 2.0, "time/update": 11.0,
+    assert out["median"] == {"time/generation": 3.0, "time/experience": 2.0, "time/update": 11.0,
                              "time/step": 16.0}
     assert out["score_start"] == pytest.approx(0.15) and out["score_end"] == pytest.approx(0.35)
     assert out["kl_start"] == 1.0 and out["kl_end"] == 2.5 and out["kl_max"] == 4.0
@@ -130,7 +130,7 @@ def _run(rnd, wall, rss, minflt, sys_s, step, update, evals=()):
     return {"round": rnd, "wall_s": wall, "max_rss_kib": rss, "minor_faults": minflt,
             "major_faults": 0, "user_s": 2 * wall, "system_s": sys_s, "steps": 5,
             "first_step": {"time/step": 60.0},
-            "median": {"time/generation": 5.0, "time/scoring": 6.0, "time/update": update,
+            "median": {"time/generation": 5.0, "time/experience": 6.0, "time/update": update,
                        "time/step": step},
             "evals": list(evals), "eval_s": 20.0 if evals else 0.0,
             "score_start": 0.3, "score_end": 0.7, "kl_start": 0.5, "kl_end": 5.0, "kl_max": 7.0}

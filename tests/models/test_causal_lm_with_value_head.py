@@ -9,7 +9,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from ppo_jax.models import CausalLMWithValueHead, load_model, save_pretrained, split_model
-from ppo_jax.rollout.scoring import critic_values, policy_logprobs_and_values
+from ppo_jax.rollout.forward import critic_values, policy_logprobs_and_values
 
 
 def test_it_loads_as_the_causal_lm_with_a_zero_value_head(tiny_checkpoint):

@@ -1,7 +1,7 @@
 """The chunked log-prob head on a vocabulary split over `tensor` (8 CPU devices, mesh 2x1x4):
 with `vocab_shards` = the tensor size every device slices its own columns (no all-gather of the
 head, forward or backward) and the values and gradients equal the full-logits path's; without
-it, XLA gathers the whole head on every device (why `scoring.head_logprobs` passes it).
+it, XLA gathers the whole head on every device (why `forward.head_logprobs` passes it).
 
 Runs in a subprocess: the device count is fixed when jax starts.
 """

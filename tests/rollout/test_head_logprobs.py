@@ -1,4 +1,4 @@
-"""The scoring passes with `logprob_chunk_size > 0` (the LM head in vocabulary blocks) against
+"""The forward passes with `logprob_chunk_size > 0` (the LM head in vocabulary blocks) against
 the full-logits path on tiny random Llamas: tied and untied heads, float32 and bfloat16
 compute, values and gradients w.r.t. every param, and the shared-critic pass."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from ppo_jax.models import init_model, split_model
 from ppo_jax.models.tiny_random import tiny_config
-from ppo_jax.rollout.scoring import policy_logprobs, policy_logprobs_and_values
+from ppo_jax.rollout.forward import policy_logprobs, policy_logprobs_and_values
 
 VOCAB, CHUNK, B, P, N = 203, 48, 2, 4, 5  # 203 = 4 blocks of 48 + a block of 11
 

@@ -10,7 +10,7 @@ import pytest
 
 from ppo_jax.models import load_model, split_model
 from ppo_jax.rollout.sampler import ended_rows, filter_logits, generate
-from ppo_jax.rollout.scoring import policy_logprobs
+from ppo_jax.rollout.forward import policy_logprobs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -109,7 +109,7 @@ def _run(tmp_path, name, *sets, steps=3):
 
 @pytest.mark.slow  # default-run budget (15 min on 2 cores)
 def test_early_stopping_responses_give_the_same_run_with_buckets_on_and_off(cache, tmp_path):
-    """Responses that stop early: scoring and the update run on fewer columns (the logged
+    """Responses that stop early: experience making and the update run on fewer columns (the logged
     widths, the arrays kept for the samples, one compiled update per width pair), and every
     metric and param equals the full-width run (seq-mean-token-sum with its constant
     max_new_tokens, the missing-EOS penalty and reward whitening on)."""

@@ -206,12 +206,12 @@ def test_help_config_lists_every_key_with_type_default_and_help(capsys):
     assert "model.actor: str = 'smollm2'" in out and "tiny.yaml: 'tiny-random'" in out
 
 
-def test_logprob_chunk_size_reaches_the_scoring_and_update_settings():
+def test_logprob_chunk_size_reaches_the_experience_and_update_settings():
     from ppo_jax.trainer.stages.ppo.settings import settings_for
 
     assert load_config(None).model.logprob_chunk_size == 0  # full logits unless asked
     settings = settings_for(load_config(None, ["model.logprob_chunk_size=4096"]))
-    assert settings.experience.scoring.logprob_chunk_size == 4096
+    assert settings.experience.forward.logprob_chunk_size == 4096
     assert settings.update.logprob_chunk_size == 4096
 
 

@@ -24,14 +24,14 @@ def test_each_setting_is_the_config_value_of_the_same_name():
     s = settings_for(cfg, stop_token_ids=(2, 7), pad_token_id=3)
     assert (s.experience.gamma, s.experience.lam, s.update.cliprange) == (0.9, 0.7, 0.3)
     assert s.experience.advantage_kwargs == (("method", "scan"),)  # hashable: a static argument
-    assert s.experience.scoring.temperature == s.update.temperature == s.sampling.temperature == 0.8
-    assert s.experience.scoring.logprob_chunk_size == s.update.logprob_chunk_size == 16
-    assert s.experience.scoring.micro_batch_size == s.update.micro_batch_size == cfg.ppo.micro_batch_size
+    assert s.experience.forward.temperature == s.update.temperature == s.sampling.temperature == 0.8
+    assert s.experience.forward.logprob_chunk_size == s.update.logprob_chunk_size == 16
+    assert s.experience.forward.micro_batch_size == s.update.micro_batch_size == cfg.ppo.micro_batch_size
     assert s.update.max_response_length == cfg.generation.max_new_tokens
     assert (s.sampling.stop_token_ids, s.sampling.pad_token_id) == ((2, 7), 3)
     ev = s.eval
     assert (ev.sampling.temperature, ev.sampling.greedy, ev.sampling.max_new_tokens) == (0.5, True, 6)
-    assert ev.scoring.temperature == 0.5 and ev.sampling.top_p == s.sampling.top_p
+    assert ev.forward.temperature == 0.5 and ev.sampling.top_p == s.sampling.top_p
     hash(s)  # every part is a static jit argument
 
 
@@ -69,7 +69,7 @@ def test_every_field_named_after_a_config_key_carries_its_value():
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"{k}={v}" for k, v in CHANGED]
                       + ["generation.engine=paged", "ppo.batch_size=8"])
     s = settings_for(cfg)
-    parts = [s.sampling, s.experience, s.experience.scoring, s.update, engine_settings(cfg)]
+    parts = [s.sampling, s.experience, s.experience.forward, s.update, engine_settings(cfg)]
     want = {k.split(".")[1]: v for k, v in CHANGED}
     want["max_response_length"] = want["max_new_tokens"]
     seen = set()
@@ -81,15 +81,15 @@ def test_every_field_named_after_a_config_key_carries_its_value():
     assert seen == set(want), sorted(set(want) - seen)
 
 
-@pytest.mark.parametrize("cls", ["UpdateSettings", "ExperienceSettings", "ScoringSettings",
+@pytest.mark.parametrize("cls", ["UpdateSettings", "ExperienceSettings", "ForwardSettings",
                                  "SamplingSettings", "EngineSettings"])
 def test_the_settings_defaults_are_the_configs(cls):
     """A settings dataclass made with its defaults is the default run's (configs/default.yaml)
     in every field named after a config key."""
-    from ppo_jax.rollout import engine, experience, sampler, scoring
+    from ppo_jax.rollout import engine, experience, forward, sampler
     from ppo_jax.trainer.stages.ppo import update
 
-    module = {"UpdateSettings": update, "ExperienceSettings": experience, "ScoringSettings": scoring,
+    module = {"UpdateSettings": update, "ExperienceSettings": experience, "ForwardSettings": forward,
               "SamplingSettings": sampler, "EngineSettings": engine}[cls]
     cfg = load_config(None)
     sections = {"ppo": cfg.ppo, "generation": cfg.generation, "model": cfg.model}

@@ -44,7 +44,7 @@ def test_tiny_run_writes_finite_metrics(run_dir):
     for r in records:
         for key in ("pg_loss", "vf_loss", "kl", "score_mean", "entropy", "clipfrac", "approxkl",
                     "advantages_mean", "returns_std", "response_length", "time/generation",
-                    "time/scoring", "time/update", "tokens_per_s/step", "non_score_reward"):
+                    "time/experience", "time/update", "tokens_per_s/step", "non_score_reward"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), key
     for r in records:  # `entropy`: mean per-response sum; the update's token mean has its own name
         assert r["entropy"] == pytest.approx(r["entropy_per_token"] * r["response_length"], rel=1e-4)

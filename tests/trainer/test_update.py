@@ -15,7 +15,7 @@ from ppo_jax.core.registry import unregister
 from ppo_jax.models import load_model, split_model
 from ppo_jax.models import Model
 from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
-from ppo_jax.rollout.scoring import Rollout, ScoringSettings
+from ppo_jax.rollout.forward import Rollout, ForwardSettings
 from ppo_jax.trainer.optim import make_optimizer
 from ppo_jax.trainer.state import TrainState
 from ppo_jax.trainer.stages.ppo.update import UpdateSettings, ppo_update
@@ -56,7 +56,7 @@ def rollout(seed=0):
     return tuple(jnp.asarray(x) for x in (q, qm, r, rm))
 
 
-def experience(models, settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=2)),
+def experience(models, settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=2)),
                scores=None):
     ag, ap, cg, cp = models
     q, qm, r, rm = rollout()
@@ -155,7 +155,7 @@ def test_missing_eos_penalty_and_score_scale(models):
     ag, ap, cg, cp = models
     q, qm, r, rm = rollout()
     kl = init_kl_controller("fixed", 0.0)
-    settings = ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4), score_scale=2.0,
+    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=4), score_scale=2.0,
                                   missing_eos_penalty=1.0)
     ended = jnp.asarray([True, False, True, False])
     exp, _, stats = make_experience(
@@ -177,11 +177,11 @@ def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_acto
     exp_s, _, stats_s = make_experience(
         PPOModels(Model(sg, shared), Model(ag, ap)),
         Rollout(q, qm, r, rm), kl, scores, ended,
-        settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4), shared_critic=True))
+        settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=4), shared_critic=True))
     exp, _, _ = make_experience(
         models_of(ag, ap, ap, cg, cp, None, None),
         Rollout(q, qm, r, rm), kl, scores, ended,
-        settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4)))
+        settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=4)))
     # zero value heads on both sides: same values (0), same advantages
     np.testing.assert_allclose(exp_s.advantages, exp.advantages, atol=1e-6)
     assert float(stats_s["values_mean"]) == 0.0
@@ -274,7 +274,7 @@ def test_a_registered_reward_shaping_replaces_the_kl_penalty(models):
         ag, ap, cg, cp = models
         q, qm, r, rm = rollout()
         kl = init_kl_controller("fixed", 5.0)  # ignored by this shaping
-        settings = ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4),
+        settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=4),
                                       reward_shaping="score_only_test",
                                       reward_shaping_kwargs=(("bonus", 1.0),))
         ref = jax.tree.map(lambda x: x * 1.01, ap)
@@ -302,7 +302,7 @@ def test_chunked_logprobs_give_the_same_experience_and_update(models):
     with an entropy bonus, equal the full-logits path's to float32 rounding."""
     exp, _, stats = experience(models)
     exp_c, _, stats_c = experience(models, ExperienceSettings(
-        scoring=ScoringSettings(micro_batch_size=2, logprob_chunk_size=CHUNK)))
+        forward=ForwardSettings(micro_batch_size=2, logprob_chunk_size=CHUNK)))
     _assert_trees_close(exp_c, exp)
     _assert_trees_close(stats_c, stats)
     kw = dict(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, entropy_coef=0.05)
@@ -327,7 +327,7 @@ def test_chunked_logprobs_in_the_shared_critic_update(models, shared_model):
         exp, _, _ = make_experience(
             PPOModels(Model(sg, shared), Model(ag, ap)),
             Rollout(q, qm, r, rm), kl, jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
-            settings=ExperienceSettings(shared_critic=True, scoring=ScoringSettings(
+            settings=ExperienceSettings(shared_critic=True, forward=ForwardSettings(
                 micro_batch_size=2, logprob_chunk_size=chunk)))
         settings = UpdateSettings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=2,
                                   shared_critic=True, vf_coef=0.5, entropy_coef=0.05,
@@ -364,7 +364,7 @@ def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
     q, qm, r, rm = full
     cut = (q[:, -p_used:], qm[:, -p_used:], r[:, :n_used], rm[:, :n_used])
     kl = init_kl_controller("fixed", 0.1)
-    settings = ExperienceSettings(scoring=ScoringSettings(micro_batch_size=2), missing_eos_penalty=0.5,
+    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=2), missing_eos_penalty=0.5,
                                   whiten_rewards=True, gamma=0.9, lam=0.8)
     scores, ended = jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.asarray([True, False, False, True])
 
@@ -406,7 +406,7 @@ def test_the_sampler_log_probs_are_kept_and_their_mismatch_logged(models):
     exp2, _, stats2 = make_experience(
         models_of(ag, ap, ap, cg, cp), Rollout(*rollout()), init_kl_controller("fixed", 0.1),
         jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
-        settings=ExperienceSettings(scoring=ScoringSettings(micro_batch_size=4)),
+        settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=4)),
         rollout_logprobs=sampled)
     np.testing.assert_array_equal(exp2.rollout_logprobs, sampled)
     d = np.asarray(exp2.logprobs - sampled, np.float64)[np.asarray(exp.response_mask) > 0]

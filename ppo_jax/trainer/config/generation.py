@@ -26,7 +26,7 @@ class GenerationConfig:
                                     "tokenizer's EOS", factory=list)
     ignore_eos: bool = opt(False, "never stop: every response is max_new_tokens long "
                            "(benchmarks)")
-    response_buckets: int = opt(4, "scoring and the update run on the batch's longest response, "
+    response_buckets: int = opt(4, "experience making and the update run on the batch's longest response, "
                                 "rounded up to one of this many evenly spaced widths up to "
                                 "max_new_tokens (trainer.stages.ppo.columns); 1 = always max_new_tokens")
     samples_per_prompt: int = opt(1, "responses per prompt (GRPO / RLOO groups): a PPO batch "

@@ -91,7 +91,7 @@ class ModelsConfig:
                              "jax.checkpoint_policies name")
     offload_frozen: bool = opt(False, "keep the reference / reward-model params in host memory "
                                "between the phases that use them")
-    logprob_chunk_size: int = opt(0, "log-probs and entropies (PPO scoring, update, eval; the SFT "
+    logprob_chunk_size: int = opt(0, "log-probs and entropies (PPO experience, update, eval; the SFT "
                                   "loss) from the "
                                   "LM head in blocks of this many vocabulary columns (per "
                                   "mesh.tensor shard), forward and backward, never forming the "

@@ -21,13 +21,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ppo_jax.models import abstract_model
-from ppo_jax.models import load_model_config
+from ppo_jax.models import abstract_model, load_model_config
 from ppo_jax.models.config import lora_target_names
-from ppo_jax.models.lora import (
-    LoraSettings, adapter_params, fresh_adapter, is_adapter, join, split_params,
-)
+from ppo_jax.models.lora import LoraSettings, adapter_params, fresh_adapter, is_adapter
 from ppo_jax.trainer.config import ConfigError
+from ppo_jax.trainer.state import full_params, split_trainable
 
 TRAINED_HEADS = ("value_head", "score")  # a value / score head trains with the adapters
 
@@ -58,7 +56,8 @@ def base_dtype(cfg, load_kwargs: dict) -> dict:
 
 
 def is_trained(path: str) -> bool:
-    """With LoRA: adapters and value / score heads train; the rest is the frozen base."""
+    """The trainable filter of a LoRA model (`trainer.state`): adapters and value / score heads
+    train; the rest is the frozen base. Without LoRA every leaf trains (no split)."""
     return is_adapter(path) or path.split("/", 1)[0] in TRAINED_HEADS
 
 
@@ -67,7 +66,7 @@ def split_trained(model: LoadedModel) -> LoadedModel:
     without adapters is returned as it is."""
     if not model.cfg.lora_rank:
         return model
-    trained, frozen = split_params(model.params, is_trained)
+    trained, frozen = split_trainable(model.params, is_trained)
     return LoadedModel(model.graphdef, trained, model.cfg, frozen)
 
 
@@ -92,7 +91,7 @@ def reference_model(actor: LoadedModel, from_adapter: bool) -> LoadedModel:
     start = adapter_params(actor.params)
     if not isinstance(jax.tree.leaves(start)[0], jax.ShapeDtypeStruct):
         start = jax.tree.map(jax.numpy.copy, start)
-    return LoadedModel(graphdef, join(actor.frozen, start), actor.cfg)
+    return LoadedModel(graphdef, full_params(actor.frozen, start), actor.cfg)
 
 
 def critic_on_base(actor: LoadedModel, *, seed: int, init: str,
@@ -123,35 +122,36 @@ def critic_on_base(actor: LoadedModel, *, seed: int, init: str,
     return split_trained(LoadedModel(graphdef, params, actor.cfg))
 
 
-def policy_models(cfg, load: Callable, trained: dict, frozen: dict, *, actor_kind: str,
-                  with_critic: bool, critic_from_actor: bool, from_adapter: bool,
+def policy_models(cfg, load: Callable, trained_load: dict, frozen_load: dict, *,
+                  actor_kind: str, with_critic: bool, critic_from_actor: bool, from_adapter: bool,
                   place: Callable):
     """`(actor, reference, critic)` of a PPO run, each a `LoadedModel`: the actor of
     `actor_kind`, the critic None unless `with_critic`.
 
     `load(key, kind, load_kwargs, lora)` loads the model of config key `key` ("model.actor",
-    "model.reference", "model.critic"); `trained` / `frozen` are the load kwargs of trained and
-    frozen models. Without LoRA: three loads, as ever. With LoRA (`model.lora.rank > 0`) the
-    actor has adapters on a base in `frozen_param_dtype`; the reference is that base
-    (`reference_model`) unless `model.reference` names another checkpoint; with
-    `model.lora.critic` the critic has adapters too, on the actor's base when it starts from
-    the actor (`critic_from_actor`; `critic_on_base`, new arrays put by `place`), else on its
-    own.
+    "model.reference", "model.critic"); `trained_load` / `frozen_load` are the load kwargs of
+    trained and frozen models. Without LoRA: three loads, as ever. With LoRA
+    (`model.lora.rank > 0`) the actor has adapters on a base in `frozen_param_dtype`; the
+    reference is that base (`reference_model`) unless `model.reference` names another
+    checkpoint; with `model.lora.critic` the critic has adapters too, on the actor's base when
+    it starts from the actor (`critic_from_actor`; `critic_on_base`, new arrays put by
+    `place`), else on its own.
     """
     m, lora = cfg.model, lora_settings(cfg)
-    actor = load("model.actor", actor_kind, base_dtype(cfg, trained) if lora else trained, lora)
+    actor_load = base_dtype(cfg, trained_load) if lora else trained_load
+    actor = load("model.actor", actor_kind, actor_load, lora)
     if lora and not m.reference:
         reference = reference_model(actor, from_adapter)
     else:
-        reference = load("model.reference", "causal_lm", frozen, None)
+        reference = load("model.reference", "causal_lm", frozen_load, None)
     if not with_critic:
         return actor, reference, None
     if lora and m.lora.critic and critic_from_actor:
         return actor, reference, critic_on_base(actor, seed=cfg.train.seed + 1, init=lora.init,
                                                 place=place)
     critic_lora = lora if m.lora.critic else None
-    critic = load("model.critic", "value", base_dtype(cfg, trained) if critic_lora else trained,
-                  critic_lora)
+    critic_load = base_dtype(cfg, trained_load) if critic_lora else trained_load
+    critic = load("model.critic", "value", critic_load, critic_lora)
     return actor, reference, critic
 
 

@@ -77,7 +77,7 @@ def model_shape_config(source: str, key: str, **overrides):
 def load_split(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0,
                sharding_fn=None, **kwargs) -> LoadedModel:
     """`load_model` as a `LoadedModel`, split into trained and frozen params when it has
-    adapters (`kwargs` `lora`, `adapters`: `lora_models.split_trained`)."""
+    adapters (`kwargs` `lora`, `adapters`: `loading.lora.split_trained`)."""
     model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed,
                             sharding_fn=sharding_fn, **kwargs)
     graphdef, params = split_model(model)
@@ -130,9 +130,10 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
         normalizer = score_normalizer(rm_path) if cfg.reward.normalize else None
     if m.critic and not m.shared_critic:
         check_same_vocabulary(critic_path, "model.critic", tokenizer, actor_path)
-    trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
-    frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
-                  sharding_fn=sharding_fn)
+    trained_load = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
+                        sharding_fn=sharding_fn)
+    frozen_load = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
+                       sharding_fn=sharding_fn)
     check_targets(cfg, actor_path, "model.actor")
     if m.lora.critic and critic_path != actor_path:
         check_targets(cfg, critic_path, "model.critic")
@@ -144,10 +145,10 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
                           adapters=adapters if key == "model.actor" else None)
 
     actor, reference, critic = policy_models(
-        cfg, load, trained, frozen, actor_kind=actor_kind(cfg), with_critic=needs_critic(cfg),
+        cfg, load, trained_load, frozen_load, actor_kind=actor_kind(cfg), with_critic=needs_critic(cfg),
         critic_from_actor=critic_path == actor_path,
         from_adapter=adapters is not None, place=_placer(sharding_fn))
-    reward = load_split(rm_path, "reward", **frozen) if cfg.reward.kind == "model" else None
+    reward = load_split(rm_path, "reward", **frozen_load) if cfg.reward.kind == "model" else None
     if reference.cfg.vocab_size != actor.cfg.vocab_size:
         raise ConfigError(f"model.reference vocab_size {reference.cfg.vocab_size} != actor "
                           f"vocab_size {actor.cfg.vocab_size}")
@@ -187,9 +188,10 @@ def abstract_models(cfg: Config, sharding_fn=None) -> Models:
       FileNotFoundError / ValueError / ConfigError: as `model_shape_config` and `build_models`.
     """
     m = cfg.model
-    trained = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn)
-    frozen = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
-                  sharding_fn=sharding_fn)
+    trained_load = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
+                        sharding_fn=sharding_fn)
+    frozen_load = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
+                       sharding_fn=sharding_fn)
     by_model = cfg.reward.kind == "model"
     sources = {"model.actor": m.actor, "model.reference": m.reference or m.actor,
                "model.critic": m.critic or (m.reward_model if by_model else m.actor)}
@@ -199,10 +201,10 @@ def abstract_models(cfg: Config, sharding_fn=None) -> Models:
                               **(lora.config_fields() if lora else {}))
 
     actor, reference, critic = policy_models(
-        cfg, load, trained, frozen, actor_kind=actor_kind(cfg), with_critic=needs_critic(cfg),
+        cfg, load, trained_load, frozen_load, actor_kind=actor_kind(cfg), with_critic=needs_critic(cfg),
         critic_from_actor=not (m.critic or by_model),
         from_adapter=bool(m.lora.adapter), place=_abstract_placer(sharding_fn))
-    reward = (abstract_split(m.reward_model, "model.reward_model", "reward", **frozen)
+    reward = (abstract_split(m.reward_model, "model.reward_model", "reward", **frozen_load)
               if by_model else None)
     for key, other in (("model.reference", reference), ("model.critic", critic),
                        ("model.reward_model", reward)):

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import masked_sum, nll_loss, shift_for_next_token
-from ppo_jax.rollout.scoring import head_logprobs
+from ppo_jax.rollout.forward import head_logprobs
 from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
 from ppo_jax.trainer.data.text import read_records, sft_examples, tokenize_sft
 
@@ -25,7 +25,7 @@ def sft_logprobs(graphdef, params, batch: dict, *, chunk_size: int = 0, mesh=Non
     mask is the response (loss) mask of the targets, zero on weight-0 (padding) rows.
 
     `chunk_size` (`model.logprob_chunk_size`, static) > 0: the LM head and log-softmax in blocks
-    of that many vocabulary columns (`rollout.scoring.head_logprobs`), so no `[B, L, V]` float32
+    of that many vocabulary columns (`rollout.forward.head_logprobs`), so no `[B, L, V]` float32
     logits are formed, forward or backward; 0: the full logits. Same values and gradients to
     float32 rounding.
     """

@@ -18,17 +18,17 @@ import numpy as np
 import optax
 
 from ppo_jax.trainer.accumulate import accumulate_gradients
-from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data.order import DataOrder
-from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
-from ppo_jax.trainer.programs import Program, batch_shape
-from ppo_jax.models.lora import join
+from ppo_jax.trainer.data.text import split_holdout
 from ppo_jax.trainer.loading.lora import adapters_from, check_targets, lora_settings
 from ppo_jax.trainer.loading.models import (
     LoadedModel, abstract_split, load_split, pad_token_id, resolve_model_path,
 )
-from ppo_jax.trainer.data.text import split_holdout
+from ppo_jax.trainer.loop import StageTrainer
+from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
+from ppo_jax.trainer.programs import Program, batch_shape
+from ppo_jax.trainer.state import TrainState, full_params, over_trained
 
 
 def rows_of(batch: dict, idx) -> dict:
@@ -46,6 +46,26 @@ def pad_rows(batch: dict, rows: int) -> dict:
     return out
 
 
+def supervised_update(state: TrainState, frozen: dict, batch: dict, *, graphdef, tx, loss,
+                      denominator, micro_batch_size: int, mesh, backbone_frozen: bool):
+    """One optimiser step of the SFT or reward-model stage on `batch` (a row-first dict of
+    `[B, L]` / `[B]` arrays): gradients of `loss(graphdef, params, micro, n)` summed over
+    micro-batches of `micro_batch_size` rows, `n = denominator(batch)` the whole batch's
+    normaliser, so the sum is the full-batch gradient. `frozen`: the LoRA base ({} without),
+    joined in the forward pass, never differentiated; `backbone_frozen` (`backbone_lr_scale`
+    0): no gradient through the backbone at all. Returns `(state, stats)` with `grad_norm`."""
+    n = denominator(batch)
+
+    def micro_loss(params, micro):
+        params = stop_backbone_gradient(params) if backbone_frozen else params
+        return loss(graphdef, params, micro, n)
+
+    grads, stats = accumulate_gradients(over_trained(micro_loss, frozen), state.params, batch,
+                                        micro_batch_size=micro_batch_size, mesh=mesh)
+    stats["grad_norm"] = optax.global_norm(grads)
+    return state.apply_gradients(grads, tx), stats
+
+
 class SupervisedTrainer(StageTrainer):
     """Shared machinery of the SFT and reward-model stages (see the module docstring)."""
 
@@ -53,7 +73,8 @@ class SupervisedTrainer(StageTrainer):
     model_kind = ""  # "causal_lm" | "reward"
 
     @property
-    def settings(self):
+    def section_cfg(self):
+        """This stage's config section (`cfg.sft` or `cfg.reward_model`)."""
         return getattr(self.cfg, self.section)
 
     def _check_inputs(self) -> None:
@@ -70,7 +91,7 @@ class SupervisedTrainer(StageTrainer):
         self.train_data, self.eval_data = self.load_data(self.tokenizer)
 
     def _build(self) -> None:
-        cfg, place, sec = self.cfg, self.place, self.settings
+        cfg, place, sec = self.cfg, self.place, self.section_cfg
         place.check_batch(f"{self.section}.batch_size", sec.batch_size)
         model = self.abstract_model() if self.is_abstract else self.load_model()
         if not self.is_abstract:
@@ -119,7 +140,7 @@ class SupervisedTrainer(StageTrainer):
     def programs(self) -> list:
         """The update and the held-out evaluation (`trainer.programs`) on a batch of
         `batch_size` rows of `max_length` tokens (the widest a batch can be)."""
-        sec, place = self.settings, self.place
+        sec, place = self.section_cfg, self.place
         batch = {k: batch_shape(place, (sec.batch_size, sec.max_length) if per_token
                                 else (sec.batch_size,), dtype)
                  for k, (dtype, per_token) in self.batch_fields().items()}
@@ -139,42 +160,33 @@ class SupervisedTrainer(StageTrainer):
 
     def _check_context(self, context: int) -> None:
         """Rows no wider than the model's context (a learned position table has no more)."""
-        width = self.settings.max_length if self.is_abstract else max(
+        width = self.section_cfg.max_length if self.is_abstract else max(
             ids.shape[1] for data in (self.train_data, self.eval_data)
             for key, ids in data.items() if key.endswith("ids"))
         if width > context:
-            raise ConfigError(f"{self.section}.max_length={self.settings.max_length}: rows of "
+            raise ConfigError(f"{self.section}.max_length={self.section_cfg.max_length}: rows of "
                               f"{width} tokens exceed the model context {context} "
                               "(max_position_embeddings); lower it")
 
     def _jit(self) -> None:
-        place, sec = self.place, self.settings
-        graphdef, mesh, tx = self.model.graphdef, place.constraint_mesh, self.tx
-
-        frozen = sec.backbone_lr_scale == 0  # no backbone gradient at all, not just no update
-
-        def update(state, base, batch):  # base: a LoRA model's frozen params ({} without)
-            n = self.denominator(batch)
-
-            def loss(p, m):
-                p = stop_backbone_gradient(p) if frozen else p
-                return self.loss(graphdef, join(base, p), m, n)
-
-            grads, stats = accumulate_gradients(loss, state.params, batch,
-                                                micro_batch_size=sec.micro_batch_size, mesh=mesh)
-            stats["grad_norm"] = optax.global_norm(grads)
-            return state.apply_gradients(grads, tx), stats
-
-        state_sh, rows, rep = place.shardings(self.state["model"]), place.rows, place.replicated
+        place, sec = self.place, self.section_cfg
+        graphdef = self.model.graphdef
+        state_sh, by_row, rep = place.shardings(self.state["model"]), place.by_row, place.replicated
         base_sh = place.shardings(self.frozen)
-        self._update = jax.jit(update, in_shardings=(state_sh, base_sh, rows),
+        update = partial(supervised_update, graphdef=graphdef, tx=self.tx, loss=self.loss,
+                         denominator=self.denominator, micro_batch_size=sec.micro_batch_size,
+                         mesh=place.constraint_mesh,
+                         # no backbone gradient at all, not just no update
+                         backbone_frozen=sec.backbone_lr_scale == 0)
+        self._update = jax.jit(update, in_shardings=(state_sh, base_sh, by_row),
                                out_shardings=(state_sh, rep), donate_argnums=0)
         self._eval = jax.jit(partial(self.eval_sums, graphdef),
-                             in_shardings=(join(base_sh, state_sh.params), rows), out_shardings=rep)
+                             in_shardings=(full_params(base_sh, state_sh.params), by_row),
+                             out_shardings=rep)
 
     def params(self):
         """The model's whole params: the trained ones and (LoRA) the frozen base."""
-        return join(self.frozen, self.state["model"].params)
+        return full_params(self.frozen, self.state["model"].params)
 
     def _put(self, batch: dict) -> dict:
         """A global batch (every process holds all rows on the host) -> device arrays."""
@@ -184,7 +196,7 @@ class SupervisedTrainer(StageTrainer):
     def step(self) -> dict:
         """One optimiser step on the next `batch_size` rows; returns its metrics (floats)."""
         t0 = time.perf_counter()
-        batch = self._put(rows_of(self.train_data, self.prompt_order.next_indices(self.settings.batch_size)))
+        batch = self._put(rows_of(self.train_data, self.prompt_order.next_indices(self.section_cfg.batch_size)))
         state, stats = self._update(self.state["model"], self.frozen, batch)
         stats = {k: float(v) for k, v in jax.device_get(stats).items()}
         self.state = {"model": state}
@@ -198,7 +210,7 @@ class SupervisedTrainer(StageTrainer):
         """Metrics of the current model on `data` (default: the held-out split), computed in
         chunks of `batch_size` rows (the last padded with weight-0 rows) and summed exactly."""
         data = self.eval_data if data is None else data
-        n, size = len(data["weight"]), self.settings.batch_size
+        n, size = len(data["weight"]), self.section_cfg.batch_size
         sums: dict = {}
         for lo in range(0, n, size):
             chunk = self._put(pad_rows(rows_of(data, slice(lo, lo + size)), size))
@@ -208,7 +220,7 @@ class SupervisedTrainer(StageTrainer):
         return self.finish_eval(sums) if sums else {}
 
     def periodic_metrics(self, step: int) -> dict:
-        every, last = self.settings.eval_every, step == self.cfg.train.steps
+        every, last = self.section_cfg.eval_every, step == self.cfg.train.steps
         if not len(self.eval_data["weight"]) or not (last or (every and step % every == 0)):
             return {}
         return {f"eval/{k}": v for k, v in self.evaluate().items()}
@@ -220,7 +232,7 @@ class SupervisedTrainer(StageTrainer):
     def load_data(self, tokenizer) -> tuple[dict, dict]:
         """(train, eval) row dicts: `<section>.data`, and `<section>.eval_data` or a seeded
         `<section>.eval_fraction` of the data held out."""
-        sec, key = self.settings, self.section
+        sec, key = self.section_cfg, self.section
         data = self.tokenize_file(sec.data, f"{key}.data", tokenizer)
         if sec.eval_data:
             return data, self.tokenize_file(sec.eval_data, f"{key}.eval_data", tokenizer)
@@ -231,7 +243,7 @@ class SupervisedTrainer(StageTrainer):
         """Tokenisation settings of both stages: PPO's prompt template, lengths and
         `data.truncation`, the tokenizer's EOS after each response, right padding with its pad
         id."""
-        d, sec = self.cfg.data, self.settings
+        d, sec = self.cfg.data, self.section_cfg
         return dict(max_prompt_length=d.max_prompt_length, max_length=sec.max_length,
                     use_chat_template=d.use_chat_template, system_prompt=d.system_prompt,
                     eos_id=tokenizer.eos_token_id, pad_id=self.pad_id,

@@ -15,11 +15,11 @@ import optax
 
 from ppo_jax.core import init_kl_controller
 from ppo_jax.models.functional import Model
-from ppo_jax.models.lora import join
 from ppo_jax.rollout.experience import PPOModels
 from ppo_jax.trainer.config import Config
 from ppo_jax.trainer.loading.models import prompt_set
 from ppo_jax.trainer.optim import optimizer_from_config
+from ppo_jax.trainer.state import full_params
 from ppo_jax.trainer.stages.ppo.evaluation import (
     EvalSettings, Evaluator, eval_batch, eval_rows_multiple,
 )
@@ -87,12 +87,12 @@ def build_params(cfg: Config, place, models) -> PPOParams:
 def join_models(models, frozen: dict, actor_params, critic_params=None, ref_params=None,
                 reward_params=None) -> PPOModels:
     """The run's `models` (their graphs) as one `PPOModels` value around the given params,
-    each trained model's joined with its `frozen` base (`models.lora.join`); the reward model
+    each trained model's joined with its `frozen` base (`trainer.state.full_params`); the reward model
     only when the run has one, the critic only when `critic_params` is given."""
     critic = (None if critic_params is None
-              else Model(models.critic.graphdef, join(frozen["critic"], critic_params)))
+              else Model(models.critic.graphdef, full_params(frozen["critic"], critic_params)))
     reward = None if models.reward is None else Model(models.reward.graphdef, reward_params)
-    return PPOModels(Model(models.actor.graphdef, join(frozen["actor"], actor_params)),
+    return PPOModels(Model(models.actor.graphdef, full_params(frozen["actor"], actor_params)),
                      Model(models.reference.graphdef, ref_params), critic, reward)
 
 

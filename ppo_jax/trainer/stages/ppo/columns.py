@@ -108,7 +108,7 @@ def _narrow(ids: jax.Array, mask: jax.Array, width: int) -> tuple[jax.Array, jax
 class ResponseColumns:
     """Cut sampled responses to the batch's longest response, rounded up to a bucket.
 
-    `ResponseColumns(max_new_tokens, buckets, rows, replicated)`: `rows` / `replicated` are
+    `ResponseColumns(max_new_tokens, buckets, by_row, replicated)`: `by_row` / `replicated` are
     the run's batch and replicated shardings. `cols(ids, mask) -> (ids, mask, width)` with
     `ids`, `mask` `[B, N]` int32 (mask 1 on a prefix of each row: up to and including the stop
     token) returns `[B, width]` int32 views of the same rows. The longest response is a jitted
@@ -116,13 +116,14 @@ class ResponseColumns:
     every process reads the same global value and cuts to the same width.
     """
 
-    def __init__(self, max_new_tokens: int, buckets: int, rows=None, replicated=None):
+    def __init__(self, max_new_tokens: int, buckets: int, by_row=None, replicated=None):
         self.widths = bucket_widths(0, max_new_tokens, buckets)
-        kw = {} if rows is None else {"in_shardings": rows, "out_shardings": replicated}
+        kw = {} if by_row is None else {"in_shardings": by_row, "out_shardings": replicated}
         self._longest = jax.jit(_longest, **kw)
-        kw = {} if rows is None else {"in_shardings": (rows, rows), "out_shardings": (rows, rows)}
+        kw = {} if by_row is None else {"in_shardings": (by_row, by_row),
+                                        "out_shardings": (by_row, by_row)}
         self._narrow = jax.jit(_narrow, static_argnums=2, **kw)
-        kw = {} if rows is None else {"in_shardings": rows, "out_shardings": rows}
+        kw = {} if by_row is None else {"in_shardings": by_row, "out_shardings": by_row}
         self._narrow_one = jax.jit(lambda x, width: x[:, :width], static_argnums=1, **kw)
 
     def width(self, mask: jax.Array) -> int:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from ppo_jax.models.functional import Model
 from ppo_jax.rollout.experience import PPOModels
-from ppo_jax.rollout.scoring import Rollout
+from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.config import Config
 from ppo_jax.trainer.programs import Program, batch_shape, out_shapes
 from ppo_jax.trainer.stages.ppo.samplers import EngineSampler, rollout_shardings
@@ -49,7 +49,7 @@ def step_programs(jit: Jitted, models: PPOModels, state: dict, frozen: dict, *, 
     baseline = batch_shape(place, (size,), jnp.float32) if remax else None
     logprobs = batch_shape(place, (size, new), jnp.float32)
     exp_args = (models, state["kl"], rollout, scores, ids(size), baseline, logprobs)
-    exp = out_shapes(lambda *a: jit.experience(*a).experience, exp_args, place.rows)
+    exp = out_shapes(lambda *a: jit.experience(*a).experience, exp_args, place.by_row)
     out, rollout_actor = _rollout_programs(jit.rollout_copy, models.actor, model_shardings.actor,
                                            place, rollout_layout)
     sample_args = (rollout_actor, q, qm, gen_key)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ppo_jax.core import group_rows, informative_groups, select_groups
 from ppo_jax.models.functional import Model
-from ppo_jax.rollout.scoring import Rollout
+from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.data.prompts import PromptSet
 from ppo_jax.trainer.stages.ppo.columns import ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import PromptBatch, Sampled, group_ids, prompt_rows

@@ -34,7 +34,7 @@ from ppo_jax.core import masked_mean, sequence_kl
 from ppo_jax.parallel.host import local_rows
 from ppo_jax.rollout.experience import PPOModels
 from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, sample
-from ppo_jax.rollout.scoring import Rollout, ScoringSettings, rollout_logprobs, rollout_scores
+from ppo_jax.rollout.forward import Rollout, ForwardSettings, rollout_logprobs, rollout_scores
 from ppo_jax.trainer.data.prompts import PromptSet
 from ppo_jax.trainer.programs import Program, batch_shape
 from ppo_jax.trainer.rewards.functions import score_texts
@@ -43,11 +43,11 @@ from ppo_jax.trainer.rewards.functions import score_texts
 @dataclass(frozen=True)
 class EvalSettings:
     """Static settings of an evaluation pass (hashable: a static jit argument): its sampling
-    (`eval.*` temperature, greedy and length) and its scoring (the log-prob temperature is the
+    (`eval.*` temperature, greedy and length) and its forward passes (the log-prob temperature is the
     sampling temperature; `micro_batch_size` rows per forward pass)."""
 
     sampling: SamplingSettings
-    scoring: ScoringSettings
+    forward: ForwardSettings
 
 
 @dataclass
@@ -137,9 +137,9 @@ def eval_stats(models: PPOModels, rollout: Rollout, scores, valid, *, settings: 
       `(eval_summary(...) dict, scores [B] float32)`.
 
     Raises:
-      ValueError: B is not a multiple of `settings.scoring.micro_batch_size`.
+      ValueError: B is not a multiple of `settings.forward.micro_batch_size`.
     """
-    s = settings.scoring
+    s = settings.forward
     if scores is None:
         scores = rollout_scores(models.reward, rollout, s)
     scores = scores.astype(jnp.float32)
@@ -157,7 +157,7 @@ class Evaluator:
 
     Args:
       batch: `eval_batch(...)`; B must be a multiple of the mesh's batch shards and of
-        `settings.scoring.micro_batch_size`.
+        `settings.forward.micro_batch_size`.
       settings: `EvalSettings`.
       place: the run's `Placement`.
       shardings: `PPOModels` of the shardings of the actor, reference and reward model params
@@ -171,7 +171,7 @@ class Evaluator:
                  seed: int, reward_fn: Optional[Callable], decode: Callable):
         self.batch, self.place, self.reward_fn, self.decode = batch, place, reward_fn, decode
         self.settings = settings
-        rows, rep = place.rows, place.replicated
+        by_row, rep = place.by_row, place.replicated
         size, width = batch.ids.shape
         self.lo, self.hi = place.row_range(size)
         self.q = place.put_rows(batch.ids[self.lo:self.hi], (size, width))
@@ -185,10 +185,10 @@ class Evaluator:
         def stats(models, q, qm, r, rm, scores, valid):
             return eval_stats(models, Rollout(q, qm, r, rm), scores, valid, settings=settings)
 
-        self._sample = jax.jit(sample_responses, in_shardings=(shardings.actor, rows, rows, rep),
-                               out_shardings=(rows, rows))
-        self._stats = jax.jit(stats, in_shardings=(shardings,) + (rows,) * 6,
-                              out_shardings=(rep, rows))
+        self._sample = jax.jit(sample_responses, in_shardings=(shardings.actor, by_row, by_row, rep),
+                               out_shardings=(by_row, by_row))
+        self._stats = jax.jit(stats, in_shardings=(shardings,) + (by_row,) * 6,
+                              out_shardings=(rep, by_row))
 
     def inputs(self) -> tuple:
         """The eval prompts, validity mask and key this evaluator holds on the devices."""
@@ -196,14 +196,14 @@ class Evaluator:
 
     def programs(self, models: PPOModels, *, per_step: float) -> list:
         """Its two jitted calls with abstract arguments (`trainer.programs.Program`): the eval
-        sampler and the scoring, responses `settings.sampling.max_new_tokens` long."""
+        sampler and the forward passes, responses `settings.sampling.max_new_tokens` long."""
         size, new = self.batch.ids.shape[0], self.settings.sampling.max_new_tokens
         resp = batch_shape(self.place, (size, new), jnp.int32)
         scores = None if self.reward_fn is None else batch_shape(self.place, (size,), jnp.float32)
         note = f"every {round(1 / per_step)} steps" if per_step else ""
         return [Program("eval_sampler", self._sample, (models.actor, self.q, self.qm, self.key),
                         per_step, note, while_trips=new - 1),
-                Program("eval_scoring", self._stats, (models, self.q, self.qm, resp, resp, scores,
+                Program("eval_forward", self._stats, (models, self.q, self.qm, resp, resp, scores,
                                                       self.valid), per_step, note)]
 
     def __call__(self, models: PPOModels, num_samples: int = 0):

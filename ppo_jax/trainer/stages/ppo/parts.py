@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from ppo_jax.rollout.experience import Experience
-from ppo_jax.rollout.scoring import Rollout
+from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.data.order import DataOrder
 from ppo_jax.trainer.data.prompts import PromptSet
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns
@@ -103,7 +103,7 @@ class Sampled:
 
 @dataclass
 class Scored:
-    """The scoring part: the experience, the updated KL controller, the experience stats and
+    """The experience part: the experience, the updated KL controller, the experience stats and
     token counts (host values), the decoded responses (reward function only), when it ended."""
 
     experience: Experience
@@ -141,7 +141,7 @@ class LastRollout:
 def step_metrics(t0: float, sampled: Sampled, scored: Scored, learned: Learned,
                  data_position: int) -> dict:
     """The step's metrics (floats) from its three parts: the experience stats, the update's
-    means (`_mean_stats`), phase times (`time/generation`, `time/scoring`, `time/update`,
+    means (`_mean_stats`), phase times (`time/generation`, `time/experience`, `time/update`,
     `time/step`, seconds from `t0`), token rates, the data position and the column widths."""
     t_gen, t_score, t_update = sampled.end, scored.end, learned.end
     gen_tokens = float(scored.tokens["response"])
@@ -150,7 +150,7 @@ def step_metrics(t0: float, sampled: Sampled, scored: Scored, learned: Learned,
     metrics.update(_mean_stats(learned.stats))
     metrics.update(sampled.engine_stats or {})
     metrics.update({
-        "time/generation": t_gen - t0, "time/scoring": t_score - t_gen,
+        "time/generation": t_gen - t0, "time/experience": t_score - t_gen,
         "time/update": t_update - t_score, "time/step": t_update - t0,
         "tokens_per_s/generation": gen_tokens / max(t_gen - t0, 1e-9),
         "tokens_per_s/step": total_tokens / max(t_update - t0, 1e-9),

@@ -71,9 +71,9 @@ def make_sampler(sampling: SamplingSettings, engine: Optional[EngineSettings], a
     batch layout of `place`, or an `EngineSampler`."""
     if engine is not None:
         return EngineSampler(sampling, engine, model_cfg)
-    rows, rep = place.rows, place.replicated
-    return jax.jit(partial(sample, settings=sampling), in_shardings=(actor_sh, rows, rows, rep),
-                   out_shardings=(rows, rows, rows))
+    by_row, rep = place.by_row, place.replicated
+    return jax.jit(partial(sample, settings=sampling), in_shardings=(actor_sh, by_row, by_row, rep),
+                   out_shardings=(by_row, by_row, by_row))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The static settings of a PPO run, built once from its config: sampling, experience making
-(with its scoring passes), the update and the held-out evaluation.
+(with its forward passes), the update and the held-out evaluation.
 
 Each layer takes its own frozen settings dataclass (`rollout.sampler.SamplingSettings`,
-`rollout.scoring.ScoringSettings`, `rollout.experience.ExperienceSettings`,
+`rollout.forward.ForwardSettings`, `rollout.experience.ExperienceSettings`,
 `trainer.stages.ppo.update.UpdateSettings`, `trainer.stages.ppo.evaluation.EvalSettings`,
 `rollout.engine.EngineSettings`). Every field is written out below from its config key, so a
 grep for a key (`cliprange`) finds where it reaches the step; what the config does not hold
@@ -20,7 +20,7 @@ from typing import Optional
 from ppo_jax.rollout.engine import EngineSettings
 from ppo_jax.rollout.experience import ExperienceSettings
 from ppo_jax.rollout.sampler import SamplingSettings
-from ppo_jax.rollout.scoring import ScoringSettings
+from ppo_jax.rollout.forward import ForwardSettings
 from ppo_jax.trainer.config import Config, static_kwargs
 from ppo_jax.trainer.stages.ppo.evaluation import EvalSettings
 from ppo_jax.trainer.stages.ppo.update import UpdateSettings
@@ -36,10 +36,10 @@ class PPOSettings:
     eval: EvalSettings
 
 
-def scoring_settings(cfg: Config, *, mesh=None, score_normalizer=None,
-                     reward_eos_id: Optional[int] = None) -> ScoringSettings:
-    """The scoring passes' settings (experience making; the evaluation at its own temperature)."""
-    return ScoringSettings(temperature=cfg.generation.temperature,
+def forward_settings(cfg: Config, *, mesh=None, score_normalizer=None,
+                     reward_eos_id: Optional[int] = None) -> ForwardSettings:
+    """The forward passes' settings (experience making; the evaluation at its own temperature)."""
+    return ForwardSettings(temperature=cfg.generation.temperature,
                            micro_batch_size=cfg.ppo.micro_batch_size,
                            logprob_chunk_size=cfg.model.logprob_chunk_size, mesh=mesh,
                            score_normalizer=score_normalizer, reward_eos_id=reward_eos_id)
@@ -57,12 +57,12 @@ def sampling_settings(cfg: Config, *, stop_token_ids: tuple[int, ...], pad_token
         samples_per_prompt=g.samples_per_prompt if g.share_prompt_prefill else 1, mesh=mesh)
 
 
-def experience_settings(cfg: Config, scoring: ScoringSettings, *,
+def experience_settings(cfg: Config, forward: ForwardSettings, *,
                         shared_critic: bool) -> ExperienceSettings:
     """Experience making's settings (`ppo.*`: KL estimator, reward shaping, advantages)."""
     p = cfg.ppo
     return ExperienceSettings(
-        scoring=scoring, kl_estimator=p.kl_estimator, reward_clip=p.reward_clip,
+        forward=forward, kl_estimator=p.kl_estimator, reward_clip=p.reward_clip,
         score_scale=p.score_scale, missing_eos_penalty=p.missing_eos_penalty,
         whiten_rewards=p.whiten_rewards, whiten_advantages=p.whiten_advantages,
         advantage_estimator=p.advantage_estimator, gamma=p.gamma, lam=p.lam,
@@ -114,7 +114,7 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
         `generation.ignore_eos` samples with no stop token.
     """
     e = cfg.eval
-    scoring = scoring_settings(cfg, mesh=mesh, score_normalizer=score_normalizer,
+    forward = forward_settings(cfg, mesh=mesh, score_normalizer=score_normalizer,
                                reward_eos_id=reward_eos_id)
     sampling = sampling_settings(cfg, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,
                                  mesh=mesh)
@@ -124,6 +124,6 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
         samples_per_prompt=e.samples_per_prompt if cfg.generation.share_prompt_prefill else 1)
     return PPOSettings(
         sampling=sampling,
-        experience=experience_settings(cfg, scoring, shared_critic=shared_critic),
+        experience=experience_settings(cfg, forward, shared_critic=shared_critic),
         update=update_settings(cfg, shared_critic=shared_critic, mesh=mesh),
-        eval=EvalSettings(eval_sampling, dataclasses.replace(scoring, temperature=e.temperature)))
+        eval=EvalSettings(eval_sampling, dataclasses.replace(forward, temperature=e.temperature)))

@@ -24,7 +24,7 @@ import optax
 from ppo_jax.models.functional import Model
 from ppo_jax.rollout.experience import Experience, ExperienceSettings, PPOModels, make_experience
 from ppo_jax.rollout.sampler import ended_rows
-from ppo_jax.rollout.scoring import Rollout, ScoringSettings, rollout_scores
+from ppo_jax.rollout.forward import Rollout, ForwardSettings, rollout_scores
 from ppo_jax.trainer.stages.ppo.update import UpdateSettings, ppo_update
 
 
@@ -44,10 +44,10 @@ def split_keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return tuple(jax.random.split(key, 3))
 
 
-def reward_model_scores(reward: Model, rollout: Rollout, *, scoring: ScoringSettings) -> jax.Array:
-    """The reward model's `[B]` float32 scores of `rollout` (`rollout.scoring.rollout_scores`;
-    prompts `[B, P]`, responses `[B, N]`), normalised as `scoring` says."""
-    return rollout_scores(reward, rollout, scoring)
+def reward_model_scores(reward: Model, rollout: Rollout, *, forward: ForwardSettings) -> jax.Array:
+    """The reward model's `[B]` float32 scores of `rollout` (`rollout.forward.rollout_scores`;
+    prompts `[B, P]`, responses `[B, N]`), normalised as `forward` says."""
+    return rollout_scores(reward, rollout, forward)
 
 
 def experience_step(models: PPOModels, kl_state, rollout: Rollout, scores, group_ids,

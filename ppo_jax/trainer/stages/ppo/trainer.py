@@ -21,9 +21,8 @@ import jax
 
 from ppo_jax.core import get_advantage_estimator, informative_groups, needs_greedy_baseline
 from ppo_jax.models.functional import Model
-from ppo_jax.models.lora import join
 from ppo_jax.rollout.experience import PPOModels
-from ppo_jax.rollout.scoring import Rollout
+from ppo_jax.rollout.forward import Rollout
 from ppo_jax.rollout.weights import resolve_layout
 from ppo_jax.trainer.config import eval_enabled
 from ppo_jax.trainer.data.order import DataOrder
@@ -39,6 +38,7 @@ from ppo_jax.trainer.stages.ppo import (
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import Learned, LastRollout, PromptBatch, Sampled, Scored
 from ppo_jax.trainer.stages.ppo.settings import settings_for
+from ppo_jax.trainer.state import full_params
 
 
 class PPOTrainer(StageTrainer):
@@ -105,7 +105,7 @@ class PPOTrainer(StageTrainer):
         self.prompt_order = DataOrder(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
         self.rollout_layout = resolve_layout(cfg.generation.rollout_layout, cfg.generation.engine)
         self.response_columns = ResponseColumns(cfg.generation.max_new_tokens,
-                                                cfg.generation.response_buckets, place.rows,
+                                                cfg.generation.response_buckets, place.by_row,
                                                 place.replicated)
         self.jit = self._build_programs()
         self.evaluator = (build.build_evaluator(
@@ -132,19 +132,19 @@ class PPOTrainer(StageTrainer):
     def _build_programs(self) -> steps.Jitted:
         """The step's programs (`stages.ppo.steps`) bound to this run's settings, graphs and
         optimisers, jitted with explicit layouts: params by the rules (by tree-map over
-        `PPOModels` and the train states), batches by rows, the rest replicated. Experience
+        `PPOModels` and the train states), batches by by_row, the rest replicated. Experience
         making and the update compile once per (prompt, response) bucket width."""
         cfg, st, place, m = self.cfg, self.settings, self.place, self.models
-        rows, rep = place.rows, place.replicated
+        by_row, rep = place.by_row, place.replicated
         models_sh = self._model_shardings()
         actor = self.ppo_models(self.state["actor"].params).actor  # LoRA: base and adapters
         greedy = needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator))
         sampling = samplers.rollout_samplers(cfg, st.sampling, place, actor, models_sh.actor,
                                              self.rollout_layout, m.actor.cfg, greedy=greedy)
-        rollout_sh = Rollout(rows, rows, rows, rows)
+        rollout_sh = Rollout(by_row, by_row, by_row, by_row)
         state_sh = (place.shardings(self.state["actor"]), place.shardings(self.state["critic"]))
         frozen_sh = place.shardings(self.frozen)
-        jit_update = partial(jax.jit, in_shardings=(*state_sh, frozen_sh, rows, rep),
+        jit_update = partial(jax.jit, in_shardings=(*state_sh, frozen_sh, by_row, rep),
                              out_shardings=(*state_sh, rep), donate_argnums=(0, 1))
         update = partial(steps.update_step, actor_graphdef=m.actor.graphdef,
                          critic_graphdef=None if m.critic is None else m.critic.graphdef,
@@ -156,13 +156,13 @@ class PPOTrainer(StageTrainer):
             rollout_copy=sampling.rollout_copy, sample=sampling.sample,
             sample_greedy=sampling.sample_greedy,
             reward_model_scores=jax.jit(
-                partial(steps.reward_model_scores, scoring=st.experience.scoring),
-                in_shardings=(models_sh.reward, rollout_sh), out_shardings=rows),
+                partial(steps.reward_model_scores, forward=st.experience.forward),
+                in_shardings=(models_sh.reward, rollout_sh), out_shardings=by_row),
             experience=jax.jit(
                 partial(steps.experience_step, settings=st.experience,
                         stop_token_ids=self.stop_ids),
-                in_shardings=(models_sh, rep, rollout_sh, rows, rows, rows, rows),
-                out_shardings=steps.ExperienceOut(rows, rep, rep, rep)),
+                in_shardings=(models_sh, rep, rollout_sh, by_row, by_row, by_row, by_row),
+                out_shardings=steps.ExperienceOut(by_row, rep, rep, rep)),
             update=jit_update(partial(update, settings=st.update)),
             # ppo.critic_warmup_steps: the update with the actor left out (compiled when used)
             update_critic_only=jit_update(
@@ -171,7 +171,7 @@ class PPOTrainer(StageTrainer):
                                          samples_per_prompt=n), out_shardings=rep)
                          if dynamic_sampling else None),
             select=(jax.jit(partial(dynamic.select_rollout, keep=groups, n=n),
-                            out_shardings=(rows, rows, rep, rep)) if dynamic_sampling else None))
+                            out_shardings=(by_row, by_row, rep, rep)) if dynamic_sampling else None))
 
     def rollout_actor(self) -> Model:
         """The actor the sampler runs: the trained params, or their rollout copy (cast to
@@ -362,7 +362,7 @@ class PPOTrainer(StageTrainer):
         `actor_adapter/` beside it); collective."""
         out_dir = Path(out_dir or self.out / "actor_hf")
         actor = self.models.actor
-        params = join(self.frozen["actor"], self.state["actor"].params)
+        params = full_params(self.frozen["actor"], self.state["actor"].params)
         if actor.cfg.lora_rank:
             self.write_adapter(self.state["actor"].params, actor.cfg,
                                out_dir.parent / "actor_adapter", "causal_lm",

@@ -39,11 +39,11 @@ from ppo_jax.core import (
     reduce_loss,
     rollout_correction_weights,
 )
-from ppo_jax.models.lora import join
 from ppo_jax.parallel import shard_rows_tree
 from ppo_jax.rollout.experience import Experience
-from ppo_jax.rollout.scoring import critic_values, policy_logprobs, policy_logprobs_and_values
+from ppo_jax.rollout.forward import critic_values, policy_logprobs, policy_logprobs_and_values
 from ppo_jax.trainer.accumulate import accumulate_gradients
+from ppo_jax.trainer.state import over_trained
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class UpdateSettings:
     mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
     train_actor: bool = True  # False: critic-only update (ppo.critic_warmup_steps)
     # vocabulary columns per block of the log-prob / entropy head, forward and backward
-    # (scoring.head_logprobs); 0: the full [B, N, V] logits
+    # (forward.head_logprobs); 0: the full [B, N, V] logits
     logprob_chunk_size: int = 0
     # the longest response the sampler may give (generation.max_new_tokens): seq-mean-token-sum's
     # constant T; None: the experience's response width (as ExperienceSettings' field). Pinned so
@@ -147,7 +147,8 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
     """`(actor_loss, critic_loss, joint_loss)`, each `fn(params, (m, group_ids), norms) ->
     (loss, stats)` on one micro-batch `m` with the whole minibatch's `norms`. `params` are the
     trained params; `frozen["actor" | "critic"]` the frozen rest of each model (a LoRA
-    model's base; `{}` or None: none), joined to them in the forward pass, never differentiated.
+    model's base; `{}` or None: none), joined to them in the forward pass
+    (`trainer.state.over_trained`), never differentiated.
 
     Raises:
       ValueError: an unknown policy / value loss name or rollout correction; a bad cap.
@@ -159,7 +160,6 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
 
     def actor_loss(params, mb, norms):
         m, g = mb
-        params = join(actor_base, params)
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
                                             temperature=s.temperature, with_entropy=True,
@@ -168,7 +168,6 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
 
     def critic_loss(params, mb, norms):
         m, g = mb
-        params = join(critic_base, params)
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         values = critic_values(critic_graphdef, params, *rollout)
         return value_objective(loss_inputs(m, g, values=values), norms, s)
@@ -176,7 +175,6 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
     def joint_loss(params, mb, norms):
         """pg_loss + vf_coef * vf_loss of the shared policy/value model (TRL 0.11)."""
         m, g = mb
-        params = join(actor_base, params)
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy, values = policy_logprobs_and_values(
             actor_graphdef, params, *rollout, temperature=s.temperature,
@@ -186,7 +184,8 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
         vf, v_stats = value_objective(batch, norms, s)
         return pg + s.vf_coef * vf, {**p_stats, **v_stats}
 
-    return actor_loss, critic_loss, joint_loss
+    return (over_trained(actor_loss, actor_base), over_trained(critic_loss, critic_base),
+            over_trained(joint_loss, actor_base))
 
 
 def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphdef, critic_graphdef,

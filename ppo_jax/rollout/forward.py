@@ -28,7 +28,7 @@ from ppo_jax.parallel.rules import vocab_shards
 
 @struct.dataclass
 class Rollout:
-    """Prompts and sampled responses, the input of every scoring pass: `query_ids`,
+    """Prompts and sampled responses, the input of every forward pass: `query_ids`,
     `query_mask` `[B, P]` int32 (left-padded prompts), `response_ids`, `response_mask` `[B, N]`
     int32 (mask 1 up to and including the stop token)."""
 
@@ -42,7 +42,7 @@ class Rollout:
 
 
 @dataclass(frozen=True)
-class ScoringSettings:
+class ForwardSettings:
     """Static settings of the forward passes that score a rollout (hashable: a static jit
     argument). Shared by experience making and the held-out evaluation."""
 
@@ -197,11 +197,11 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
     return logprobs, entropy, model.values_from_hidden(h)
 
 
-def _chunked(fn, rollout: Rollout, s: ScoringSettings):
+def _chunked(fn, rollout: Rollout, s: ForwardSettings):
     return map_in_chunks(fn, s.micro_batch_size, *rollout.arrays(), mesh=s.mesh)
 
 
-def rollout_logprobs(model: Model, rollout: Rollout, s: ScoringSettings, *,
+def rollout_logprobs(model: Model, rollout: Rollout, s: ForwardSettings, *,
                      with_entropy: bool = False):
     """`policy_logprobs` of a CausalLM (actor or reference) over a rollout, in micro-batch
     chunks: logprobs `[B, N]` float32, or `(logprobs, entropy)`."""
@@ -210,7 +210,7 @@ def rollout_logprobs(model: Model, rollout: Rollout, s: ScoringSettings, *,
         logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh), rollout, s)
 
 
-def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ScoringSettings):
+def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ForwardSettings):
     """`policy_logprobs_and_values` of the shared policy / value model, in micro-batch chunks:
     `(logprobs, entropy, values)`, each `[B, N]` float32."""
     return _chunked(lambda *r: policy_logprobs_and_values(
@@ -218,12 +218,12 @@ def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ScoringSettin
         logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh), rollout, s)
 
 
-def rollout_values(critic: Model, rollout: Rollout, s: ScoringSettings) -> jax.Array:
+def rollout_values(critic: Model, rollout: Rollout, s: ForwardSettings) -> jax.Array:
     """`critic_values` over a rollout, in micro-batch chunks: `[B, N]` float32."""
     return _chunked(lambda *r: critic_values(critic.graphdef, critic.params, *r), rollout, s)
 
 
-def rollout_scores(reward: Model, rollout: Rollout, s: ScoringSettings) -> jax.Array:
+def rollout_scores(reward: Model, rollout: Rollout, s: ForwardSettings) -> jax.Array:
     """The reward model's scores `[B]` float32 of a rollout (`reward_model_scores`, in
     micro-batch chunks), normalised by `s.score_normalizer` when set: `(score - mean) / std`
     with the mean / std measured when the reward model was trained (OpenRLHF's
