@@ -9,6 +9,7 @@ or on their ``[B]`` rows, is NaN-safe on masked slots, and validates shapes and 
 time (``ValueError`` naming the argument). Imports only jax / chex / numpy.
 """
 
+from ppo_jax.core.actions import action_order, compact_actions, expand_actions
 from ppo_jax.core.aggregation import (
     LOSS_AGGREGATIONS,
     Normalizers,
@@ -84,6 +85,7 @@ __all__ = [
     "Normalizers",
     "ROLLOUT_CORRECTIONS",
     "Registry",
+    "action_order",
     "aggregate",
     "bradley_terry_loss",
     "check_aggregation",
@@ -91,10 +93,12 @@ __all__ = [
     "check_rollout_correction",
     "chunked_logprobs_and_entropy",
     "clipped_value_loss",
+    "compact_actions",
     "compute_gae",
     "compute_rewards",
     "compute_rewards_from_kl",
     "entropy_from_logits",
+    "expand_actions",
     "full_kl",
     "get_advantage_estimator",
     "get_policy_loss",

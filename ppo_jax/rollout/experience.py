@@ -24,6 +24,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from ppo_jax.core import (
+    action_order,
+    compact_actions,
+    expand_actions,
     get_advantage_estimator,
     get_reward_shaping,
     masked_mean,
@@ -105,7 +108,7 @@ class Experience:
     query_ids: jax.Array  # [B, P] int32
     query_mask: jax.Array  # [B, P] int32
     response_ids: jax.Array  # [B, N] int32
-    response_mask: jax.Array  # [B, N] int32
+    response_mask: jax.Array  # [B, N] int32, 1 on every response token (attention)
     logprobs: jax.Array  # [B, N] float32, actor at rollout time
     ref_logprobs: jax.Array  # [B, N] float32
     values: jax.Array  # [B, N] float32, critic at rollout time
@@ -117,6 +120,9 @@ class Experience:
     # [B, N] float32, the log-probs the sampler drew the tokens with (the rollout engine's);
     # equal to `logprobs` when the sampler gives none (then no rollout correction applies)
     rollout_logprobs: jax.Array
+    # [B, N] int32, 1 on the tokens the actor sampled: the losses' mask. A multi-turn response's
+    # observation tokens are 0 here, 1 in response_mask (core.actions); single-turn: equal
+    action_mask: jax.Array
 
 
 def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
@@ -166,9 +172,30 @@ def _advantages(values, rewards, mask, scores, group_ids, baseline_scores, s: Ex
     return advantages, returns, group_ids
 
 
+def _shaped_returns(raw_scores, ended, logprobs, ref_logprobs, values, actions, kl_coef,
+                    group_ids, baseline_scores, s: ExperienceSettings, *, compact: bool):
+    """`(rewards, non_score, scores, advantages, returns, group_ids)` of the registered reward
+    shaping and advantage estimator over the action tokens `actions` `[B, N]`. With `compact`
+    (a multi-turn rollout) both run on each row's action tokens moved to the front
+    (`core.compact_actions`: gamma and lambda step over actions only) and the per-token results
+    go back in place, 0 on observations."""
+    order = action_order(actions) if compact else None
+    pack = (lambda x: compact_actions(x, order)) if compact else (lambda x: x)
+    unpack = (lambda x: expand_actions(x, order)) if compact else (lambda x: x)
+    mask = pack(actions)
+    shaping = get_reward_shaping(s.reward_shaping)
+    rewards, non_score, scores = shaping(raw_scores, ended, pack(logprobs), pack(ref_logprobs),
+                                         mask, **s.shaping_kwargs(kl_coef))
+    advantages, returns, group_ids = _advantages(pack(values), rewards, mask, scores, group_ids,
+                                                 baseline_scores, s)
+    return (unpack(rewards), unpack(non_score), scores, unpack(advantages), unpack(returns),
+            group_ids)
+
+
 def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended, *,
                     settings: ExperienceSettings, group_ids=None, baseline_scores=None,
-                    rollout_logprobs=None) -> tuple[Experience, Any, dict[str, jax.Array]]:
+                    rollout_logprobs=None,
+                    action_mask=None) -> tuple[Experience, Any, dict[str, jax.Array]]:
     """Score a rollout and compute rewards, advantages and returns.
 
     Args:
@@ -187,6 +214,12 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         (full distribution, sampling temperature); stored in the experience, and the stats gain
         `core.rollout_mismatch(logprobs, rollout_logprobs, mask)` (`mismatch/*`). None: the
         experience's `rollout_logprobs` are its `logprobs` (no mismatch, no `mismatch/*` stats).
+      action_mask: `[B, N]` 0/1, 1 on the tokens the actor sampled, 0 on a multi-turn
+        response's observation tokens (`core.actions`): rewards, KL, entropy, advantages and
+        every stat are over these tokens, gamma and lambda step over them only (verl), and the
+        update's losses take them as their mask. None: every response token (single-turn,
+        exactly as without the argument). `response_length` stays the whole response;
+        `action_length` is added.
 
     Returns:
       `(experience, new_kl_state, stats)`. The KL controller is updated with this batch's KL
@@ -197,17 +230,16 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         reward shaping; `rollout_logprobs` not a float array of the responses' shape.
     """
     s = settings
-    mask = rollout.response_mask.astype(jnp.int32)
+    length = rollout.response_mask.astype(jnp.int32)
+    mask = length if action_mask is None else action_mask.astype(jnp.int32) * length
     logprobs, entropy, values, ref_logprobs, scores = forward_passes(models, rollout, scores,
                                                                      settings=s)
     raw_scores = scores.astype(jnp.float32)
-    overlong = overlong_penalty(mask.sum(axis=1), max_length=s.max_response_length or mask.shape[1],
+    overlong = overlong_penalty(length.sum(axis=1), max_length=s.max_response_length or mask.shape[1],
                                 buffer=s.overlong_buffer, penalty_factor=s.overlong_penalty_factor)
-    shaping = get_reward_shaping(s.reward_shaping)
-    rewards, non_score, scores = shaping(raw_scores + overlong, ended, logprobs, ref_logprobs,
-                                         mask, **s.shaping_kwargs(kl_state.value))
-    advantages, returns, group_ids = _advantages(values, rewards, mask, scores, group_ids,
-                                                 baseline_scores, s)
+    rewards, non_score, scores, advantages, returns, group_ids = _shaped_returns(
+        raw_scores + overlong, ended, logprobs, ref_logprobs, values, mask, kl_state.value,
+        group_ids, baseline_scores, s, compact=action_mask is not None)
     mean_kl = jnp.mean(sequence_kl(logprobs, ref_logprobs, mask))
     new_kl_state = update_kl_controller(kl_state, mean_kl, mask.shape[0])
     valid = mask > 0
@@ -219,7 +251,9 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         "kl_coef": kl_state.value,
         "entropy": jnp.mean(jnp.sum(jnp.where(valid, entropy, 0.0), axis=1)),
         "entropy_per_token": masked_mean(entropy, mask),
-        "response_length": jnp.mean(jnp.sum(mask, axis=1).astype(jnp.float32)),
+        "response_length": jnp.mean(jnp.sum(length, axis=1).astype(jnp.float32)),
+        **({"action_length": jnp.mean(jnp.sum(mask, axis=1).astype(jnp.float32))}
+           if action_mask is not None else {}),
         "ended_fraction": jnp.mean(ended.astype(jnp.float32)),
         **({"overlong_penalty": jnp.mean(overlong)} if s.overlong_buffer else {}),
         **_row_stats("advantages", advantages, mask),
@@ -233,8 +267,8 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         rollout_logprobs = rollout_logprobs.astype(jnp.float32)
     exp = Experience(
         query_ids=rollout.query_ids, query_mask=rollout.query_mask,
-        response_ids=rollout.response_ids, response_mask=mask, logprobs=logprobs,
+        response_ids=rollout.response_ids, response_mask=length, logprobs=logprobs,
         ref_logprobs=ref_logprobs, values=values, scores=scores, rewards=rewards,
         advantages=advantages, returns=returns, group_ids=group_ids,
-        rollout_logprobs=rollout_logprobs)
+        rollout_logprobs=rollout_logprobs, action_mask=mask)
     return exp, new_kl_state, stats

@@ -103,7 +103,8 @@ def test_token_means_across_micro_batches_are_sums_over_total_tokens(models):
         exp, _, _ = experience(models)
         mask = jnp.asarray([[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], jnp.int32)
         adv = jnp.asarray([[1.0, 9, 9, 9, 9], [0.0, 0, 0, 9, 9]])
-        two = jax.tree.map(lambda x: x[:2], exp).replace(response_mask=mask, advantages=adv)
+        two = jax.tree.map(lambda x: x[:2], exp).replace(response_mask=mask, action_mask=mask,
+                                                          advantages=adv)
         settings = UpdateSettings(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1,
                                   policy_loss="per_token_advantage")
         ag, ap, cg, cp = models

@@ -103,9 +103,10 @@ class UpdateSettings:
 
 def loss_inputs(m: Experience, group_ids: jax.Array, **new) -> LossInputs:
     """The `LossInputs` of micro-batch `m` plus this pass's outputs `new` (logprobs, entropy,
-    values), masked slots zeroed (`core.masked_inputs`)."""
+    values), masked slots zeroed (`core.masked_inputs`). The mask is the action mask: a
+    multi-turn response's observation tokens are in no loss and no normaliser."""
     return masked_inputs(LossInputs(
-        mask=m.response_mask, old_logprobs=m.logprobs, ref_logprobs=m.ref_logprobs,
+        mask=m.action_mask, old_logprobs=m.logprobs, ref_logprobs=m.ref_logprobs,
         advantages=m.advantages, old_values=m.values, returns=m.returns, group_ids=group_ids,
         rollout_logprobs=m.rollout_logprobs, **new))
 
@@ -233,7 +234,7 @@ def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphde
     def minibatch_step(carry, idx):
         a_state, c_state = carry
         mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], data), s.mesh)
-        norms = loss_normalizers(mb[0].response_mask, s.max_response_length)
+        norms = loss_normalizers(mb[0].action_mask, s.max_response_length)
         a_stats = {}
         if s.train_actor:
             a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
