@@ -235,8 +235,10 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
     logprobs, entropy, values, ref_logprobs, scores = forward_passes(models, rollout, scores,
                                                                      settings=s)
     raw_scores = scores.astype(jnp.float32)
-    overlong = overlong_penalty(length.sum(axis=1), max_length=s.max_response_length or mask.shape[1],
-                                buffer=s.overlong_buffer, penalty_factor=s.overlong_penalty_factor)
+    overlong = overlong_penalty(length.sum(axis=1),
+                                max_length=s.max_response_length or mask.shape[1],
+                                buffer=s.overlong_buffer,
+                                penalty_factor=s.overlong_penalty_factor)
     rewards, non_score, scores, advantages, returns, group_ids = _shaped_returns(
         raw_scores + overlong, ended, logprobs, ref_logprobs, values, mask, kl_state.value,
         group_ids, baseline_scores, s, compact=action_mask is not None)
