@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ppo_jax.trainer.config.checks import validate
 from ppo_jax.trainer.config.help import describe, leaves, type_name
 from ppo_jax.trainer.config.schema import (
-    SMOLLM2, STAGES, Config, ConfigError, DataConfig, DistributedConfig, EvalConfig,
+    SMOLLM2, STAGES, Config, ConfigError, DataConfig, DistributedConfig, EnvConfig, EvalConfig,
     GenerationConfig, MeshConfig, ModelsConfig, OptimConfig, PPOConfig, RewardConfig, Stage,
     SupervisedConfig, TrainConfig, opt, section,
 )
@@ -37,9 +37,9 @@ from ppo_jax.trainer.config.schema import (
 _leaves = leaves  # the name tests and older callers use
 
 __all__ = [
-    "SMOLLM2", "STAGES", "Config", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
-    "GenerationConfig", "MeshConfig", "ModelsConfig", "OptimConfig", "PPOConfig", "RewardConfig",
-    "Stage", "SupervisedConfig", "TrainConfig", "describe", "eval_enabled", "leaves",
+    "SMOLLM2", "STAGES", "Config", "ConfigError", "DataConfig", "DistributedConfig", "EnvConfig",
+    "EvalConfig", "GenerationConfig", "MeshConfig", "ModelsConfig", "OptimConfig", "PPOConfig",
+    "RewardConfig", "Stage", "SupervisedConfig", "TrainConfig", "describe", "eval_enabled", "leaves",
     "load_config", "opt", "section", "static_kwargs", "to_dict", "type_name", "validate",
 ]
 

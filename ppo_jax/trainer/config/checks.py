@@ -82,6 +82,7 @@ def validate(cfg: Config) -> None:
     if p.critic_warmup_steps and cfg.model.shared_critic:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")
+    _validate_env(cfg)
     _validate_stage(cfg)
     _validate_lora(cfg)
     _validate_eval(cfg.eval)
@@ -106,6 +107,30 @@ def _validate_reward(cfg: Config) -> None:
         raise ConfigError("reward.normalize=true applies to reward.kind='model' scores only")
     if cfg.reward.eos_at_end and cfg.reward.kind != "model":
         raise ConfigError("reward.eos_at_end=true applies to reward.kind='model' only")
+
+
+def _validate_env(cfg: Config) -> None:
+    """Multi-turn episodes (`env.*`): sizes, and the features they do not combine with yet."""
+    e = cfg.env
+    if not isinstance(e.kwargs, dict):
+        raise ConfigError(f"env.kwargs={e.kwargs!r} must be a mapping")
+    _positive("env.max_turns", e.max_turns)
+    _positive("env.max_observation_tokens", e.max_observation_tokens)
+    _positive("env.timeout_s", e.timeout_s)
+    if e.stop_strings is not None and not all(isinstance(x, str) and x for x in e.stop_strings):
+        raise ConfigError(f"env.stop_strings={e.stop_strings!r} must be non-empty strings")
+    if e.name is None or cfg.stage != "ppo":
+        return
+    if cfg.generation.engine != "static":
+        raise ConfigError(f"env.name={e.name!r} runs on generation.engine=static (it is "
+                          f"{cfg.generation.engine!r}): the paged engine does not yet hand a "
+                          "waiting sequence to its environment")
+    if cfg.ppo.dynamic_sampling:
+        raise ConfigError(f"env.name={e.name!r} cannot be used with ppo.dynamic_sampling=true "
+                          "yet: its rounds sample single responses")
+    if cfg.reward.kind != "function":
+        raise ConfigError(f"env.name={e.name!r}: the environment gives the reward; "
+                          f"reward.kind={cfg.reward.kind!r} must stay 'function'")
 
 
 def _validate_ppo(p: PPOConfig) -> None:

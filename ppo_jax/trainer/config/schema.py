@@ -30,6 +30,7 @@ from ppo_jax.core.rollout_correction import RolloutCorrection
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
 from ppo_jax.trainer.config.fields import ConfigError, opt, section  # noqa: F401 (re-exported)
+from ppo_jax.trainer.config.environment import EnvConfig
 from ppo_jax.trainer.config.generation import GenerationConfig
 from ppo_jax.trainer.data.prompts import Truncation
 from ppo_jax.trainer.optim import Schedule
@@ -362,6 +363,8 @@ class Config:
     ppo: PPOConfig = section(PPOConfig)
     optim: OptimConfig = section(OptimConfig)
     reward: RewardConfig = section(RewardConfig)
+    env: EnvConfig = section(EnvConfig, "Multi-turn episodes with an environment (ppo; "
+                             "docs/environments.md)")
     sft: SupervisedConfig = section(SupervisedConfig, "Stage 1, stage=sft: prompt / response "
                                     "rows (backbone_lr_scale must stay 1)")
     reward_model: SupervisedConfig = section(SupervisedConfig, "Stage 2, stage=reward_model: "
