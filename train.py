@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the newest earlier one that can, saying so")
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import a module first, e.g. one that registers a policy loss, "
-                             "advantage estimator or reward function (repeatable)")
+                             "advantage estimator, reward function or environment (repeatable)")
     parser.add_argument("--compile-for", metavar="TOPOLOGY",
                         help="compile the run for a TPU slice (v5e-8, v5p-128, v6e-256, v4-8, "
                              "v5p:4x4x4) or GPUs (h100-8, h200-8; see docs/scaling.md) without "

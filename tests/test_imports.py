@@ -31,9 +31,9 @@ LAYERS = [
     *[(f"ppo_jax.trainer.{room}", ("ppo_jax.trainer.stages",))
       for room in ("config", "data", "rewards", "loading", "tracking", "host", "loop", "checkpoint",
                    "run_dir", "resume", "preemption", "state", "optim", "accumulate", "placement",
-                   "programs")],
+                   "programs", "environments")],
     *[(f"ppo_jax.trainer.{room}", ("ppo_jax.trainer.loading", "ppo_jax.trainer.loop"))
-      for room in ("config", "data", "rewards", "tracking", "host")],
+      for room in ("config", "data", "rewards", "tracking", "host", "environments")],
     *[(f"ppo_jax.trainer.stages.{stage}", ("ppo_jax.trainer.stages.ppo",))
       for stage in ("sft", "reward_model", "supervised")],
 ]

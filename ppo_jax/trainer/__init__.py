@@ -18,6 +18,8 @@ Rooms:
   config/         the typed config: schema, cross-field checks, `--help-config`
   data/           prompt sets (PPO), reasoning tasks, SFT rows, preference pairs, packing
   rewards/        reward functions on decoded text (registry) and answer verifiers
+  environments/   multi-turn environments (registry): tools (a safe calculator), retries with
+                  feedback, tool-call parsing, the fault wall around a step
   loading/        building the models of a run (HF / GGUF / PEFT, LoRA wiring)
   tracking/       metrics.jsonl, TensorBoard, W&B / MLflow, the progress line
   host/           process environment, host memory, multi-host start-up

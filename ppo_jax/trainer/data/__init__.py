@@ -4,6 +4,7 @@
                   all for a run: `trainer.loading.models.build_prompts`)
   order.py        `DataOrder`: the resumable, seeded order a run reads any data set in
   tasks.py        reasoning-gym's procedural tasks as prompt sets (`data.prompts: task`)
+  arithmetic.py   synthetic multiplication problems, train / held-out disjoint by construction
   records.py      reading row files (.jsonl / .json / .txt / .parquet), shared field checks
   sft.py          stage 1's demonstrations (TRL `SFTTrainer` formats)
   preference.py   stage 2's preference pairs (TRL `RewardTrainer` formats)

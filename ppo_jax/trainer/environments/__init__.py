@@ -1,0 +1,39 @@
+"""Environments of multi-turn rollouts: the policy writes a turn, the environment answers
+(a tool's result, feedback, or the final score), host-side Python, no JAX (docs/environments.md).
+
+  base.py               the interface (`Environment.reset(row)` / `.step(state, text)` ->
+                        `StepResult`), the registry (`register_environment`,
+                        `get_environment`), and the fault wall: `run_step` / `run_reset` turn
+                        an exception, a timeout or a malformed return into an
+                        `EpisodeFailure`; observation truncation
+  tool_calls.py         tool calls in a turn: the Hermes `<tool_call>{json}</tool_call>` and
+                        the small-model `<calc>expr</calc>` formats, their stop strings
+  calculator.py         a safe, bounded arithmetic evaluator (an `ast` whitelist, no eval)
+  calculator_env.py     "calculator": arithmetic problems with a calculator tool; `final_number`
+  reasoning_gym_env.py  "reasoning_gym_retry": a reasoning-gym problem with feedback and
+                        `max_attempts` tries
+
+Importing this package registers the built-in environments; a fork registers its own with
+`@register_environment("name")` in a module that `train.py --import MODULE` imports. The
+rollout driver (turn limit, token budgets, masks) is not here: it calls these.
+"""
+
+from ppo_jax.trainer.environments.base import (
+    ENVIRONMENTS, TRUNCATION_MARKER, Environment, EpisodeFailure, StepResult, environment_names,
+    get_environment, register_environment, run_reset, run_step, step_problem,
+    truncate_observation, truncate_tokens,
+)
+from ppo_jax.trainer.environments.calculator import CalculatorError, CalculatorLimits, calculate
+from ppo_jax.trainer.environments.calculator_env import CalculatorEnv, final_number
+from ppo_jax.trainer.environments.reasoning_gym_env import RetryEnv
+from ppo_jax.trainer.environments.tool_calls import (
+    ALL_STOP_STRINGS, FORMATS, STOP_STRINGS, MalformedCall, ToolCall, parse_tool_call,
+)
+
+__all__ = [
+    "ALL_STOP_STRINGS", "ENVIRONMENTS", "FORMATS", "STOP_STRINGS", "TRUNCATION_MARKER",
+    "CalculatorEnv", "CalculatorError", "CalculatorLimits", "Environment", "EpisodeFailure",
+    "MalformedCall", "RetryEnv", "StepResult", "ToolCall", "calculate", "environment_names",
+    "final_number", "get_environment", "parse_tool_call", "register_environment", "run_reset",
+    "run_step", "step_problem", "truncate_observation", "truncate_tokens",
+]

@@ -1,0 +1,291 @@
+"""The environment interface of multi-turn rollouts, its registry, and the fault wall around it.
+
+An episode is a conversation between the policy and an environment:
+
+    state, prompt = env.reset(row)                  # the first observation: the prompt
+    while True:
+        text = <the policy's turn, sampled after the conversation so far>
+        result = run_step(env, state, text, timeout_s=...)   # env.step in a worker thread
+        if isinstance(result, EpisodeFailure) or result.done: break
+        state = result.state                        # result.observation: the next user turn
+
+The shape is the one of verl's agent loop (`ToolAgentLoop`, verl/experimental/agent_loop/, and
+its `BaseInteraction`) and of OpenRLHF's `MultiTurnExecutor` driving an `AgentInstanceBase`'s
+`reset` / `step` (openrlhf/utils/agent.py): a loop alternating a policy turn with an
+environment step that returns the next observation, a reward and a done flag, after Gym's
+`reset` / `step`. The code is this project's own. Differences: the state is an explicit value
+passed in and returned (an environment object keeps no per-episode state, so one object
+serves a whole batch of episodes, from several threads), and a turn's reward is a dict of
+named parts (`{"tool_cost": -0.05}`, the verifier's `{"correct": 1.0}`) that the driver sums
+and logs part by part.
+
+Fault handling: `run_step` / `run_reset` never raise for a fault of the environment. An
+exception, a step slower than `timeout_s` or a malformed return (not a `StepResult`, a
+non-finite reward, ...) becomes an `EpisodeFailure` naming the environment and the problem:
+that episode fails (the driver drops or zero-scores it and counts it), the run goes on.
+
+Registry: `@register_environment("name")` on a factory `(**kwargs) -> Environment`, the
+convention of `ppo_jax.core.registry` (reward functions use the same); a research fork
+registers its own in a module that `train.py --import MODULE` imports before the config is
+read (docs/environments.md).
+
+The turn limit (`max_turns`) and the token budget of observations are the rollout driver's:
+an environment answers one turn at a time and never counts turns it did not see.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import threading
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence, Union
+
+from ppo_jax.core.registry import Registry
+
+Prompt = Union[str, list]  # the first observation: text, or chat messages [{"role", "content"}]
+TRUNCATION_MARKER = "...[truncated]"
+ENVIRONMENTS = Registry("environment")  # name -> factory (**kwargs) -> Environment
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What an environment answers to one policy turn.
+
+    Attributes:
+      observation: the text of the next (user / tool) turn the policy sees; None when `done`.
+      done: the episode is over (a final answer, the attempts used up).
+      rewards: named reward parts of this turn, finite floats (`{"tool_cost": -0.05}`; the
+        verifier's final reward under "correct"); `{}` for none. The driver sums them.
+      state: the episode's state after this turn, passed to the next `step`.
+      info: counts of this turn to log (`{"tool_call": 1, "malformed": 0}`).
+    """
+
+    observation: Optional[str]
+    done: bool
+    rewards: dict = field(default_factory=dict)
+    state: Any = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EpisodeFailure:
+    """An episode ended by a fault of its environment: `env_name` and the `error` text
+    (`"environment 'calculator': step raised ZeroDivisionError: ..."`)."""
+
+    env_name: str
+    error: str
+
+
+class Environment:
+    """Base class of environments (subclass it, or write any object with these members).
+
+    An environment holds only its configuration; everything of one episode is in the `state`
+    value it returns, so `step` must not mutate `self` (episodes of a batch share the object
+    and may run in parallel threads).
+    """
+
+    name: str = "environment"
+
+    def reset(self, row: dict) -> tuple[Any, Prompt]:
+        """Start an episode on the prompt record `row` (its `prompt` and other fields: an
+        `answer`, a reasoning-gym `entry`, ...).
+
+        Returns:
+          `(state, prompt)`: the episode's first state and the first observation (the row's
+          prompt text, with any instruction the environment adds; or chat messages).
+
+        Raises:
+          ValueError: a row without a field the environment reads.
+        """
+        raise NotImplementedError
+
+    def step(self, state: Any, assistant_text: str) -> StepResult:
+        """Answer the policy's turn `assistant_text` (decoded, its stop string included) in
+        the episode `state`."""
+        raise NotImplementedError
+
+
+def register_environment(name: str, *, override: bool = False):
+    """Decorator registering a factory `(**kwargs) -> Environment` under `name` (the registry
+    convention of `ppo_jax.core.registry`: the same factory again is a no-op).
+
+    Raises:
+      ValueError: empty name, or `name` taken by another factory and not `override`.
+    """
+    return ENVIRONMENTS.register(name, override=override)
+
+
+def get_environment(name: str, **kwargs) -> Environment:
+    """Build the registered environment `name`, its factory called with `kwargs`.
+
+    Raises:
+      ValueError: unknown name (`"unknown environment 'x'; known: calculator, ..."`), keyword
+        arguments the factory does not take, a value the factory refuses, or a factory that
+        returns no environment (no callable `reset` / `step`).
+    """
+    factory = ENVIRONMENTS.get(name)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"environment kwargs {kwargs!r} do not fit environment {name!r}: "
+                         f"{e}") from None
+    env = factory(**kwargs)
+    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+        raise ValueError(f"environment {name!r}: its factory returned {type(env).__name__}, "
+                         "not an environment (an object with reset(row) and step(state, text))")
+    return env
+
+
+def environment_names() -> tuple[str, ...]:
+    """The registered environment names, sorted."""
+    return ENVIRONMENTS.names()
+
+
+def _env_name(env) -> str:
+    return str(getattr(env, "name", None) or type(env).__name__)
+
+
+def _timed_call(fn: Callable, args: tuple, timeout_s: Optional[float]) -> Future:
+    """`fn(*args)` in a new daemon thread; the future, done unless `timeout_s` passed first.
+
+    A daemon thread, not a pool's: Python cannot stop a thread, and a step that never returns
+    must neither hold a pool's worker nor keep the process alive at exit. Its late result is
+    dropped.
+    """
+    future: Future = Future()
+
+    def work():
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - reported, never raised
+            future.set_exception(e)
+
+    threading.Thread(target=work, name="environment-step", daemon=True).start()
+    wait([future], timeout=timeout_s)
+    return future
+
+
+def _check_timeout(timeout_s: Optional[float]) -> None:
+    if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
+                         f"{timeout_s!r}")
+
+
+def _outcome(future: Future, name: str, what: str, timeout_s) -> Union[Any, EpisodeFailure]:
+    """The future's result, or the EpisodeFailure of its exception / of not being done."""
+    if not future.done():
+        return EpisodeFailure(name, f"environment {name!r}: {what} took longer than "
+                                    f"{timeout_s:g} s")
+    error = future.exception()
+    if error is not None:
+        return EpisodeFailure(name, f"environment {name!r}: {what} raised "
+                                    f"{type(error).__name__}: {error}")
+    return future.result()
+
+
+def step_problem(result: Any) -> Optional[str]:
+    """What is wrong with an environment's `step` return, or None when it is a well-formed
+    `StepResult` (a str observation unless done, a bool done, a dict of finite real rewards
+    under non-empty str names, a dict info)."""
+    if not isinstance(result, StepResult):
+        return f"step returned {type(result).__name__}, not a StepResult"
+    if not isinstance(result.done, bool):
+        return f"step returned done={result.done!r}, not a bool"
+    if not result.done and not isinstance(result.observation, str):
+        return (f"step returned done=False with observation {type(result.observation).__name__}"
+                ", not a str (the next turn needs text)")
+    if result.done and result.observation is not None and not isinstance(result.observation, str):
+        return f"step returned observation {type(result.observation).__name__}, not a str or None"
+    if not isinstance(result.rewards, dict):
+        return f"step returned rewards {type(result.rewards).__name__}, not a dict"
+    for key, value in result.rewards.items():
+        if not isinstance(key, str) or not key:
+            return f"step returned a reward named {key!r}, not a non-empty str"
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not real or not math.isfinite(float(value)):
+            return f"step returned reward {key!r}={value!r}, not a finite number"
+    if not isinstance(result.info, dict):
+        return f"step returned info {type(result.info).__name__}, not a dict"
+    return None
+
+
+def run_step(env: Environment, state: Any, text: str, *, timeout_s: Optional[float]
+             ) -> Union[StepResult, EpisodeFailure]:
+    """`env.step(state, text)` in a worker thread, within `timeout_s` seconds (None: no
+    limit), its return checked (`step_problem`).
+
+    Returns:
+      the `StepResult` (rewards as Python floats), or an `EpisodeFailure(env_name, error)` when
+      the step raised, ran past `timeout_s` (its thread is left to finish; its result is
+      dropped) or returned something malformed. Never raises for the environment's faults.
+
+    Raises:
+      ValueError: `timeout_s` not positive (the caller's error, not the environment's).
+    """
+    _check_timeout(timeout_s)
+    name = _env_name(env)
+    out = _outcome(_timed_call(env.step, (state, text), timeout_s), name, "step", timeout_s)
+    if isinstance(out, EpisodeFailure):
+        return out
+    problem = step_problem(out)
+    if problem is not None:
+        return EpisodeFailure(name, f"environment {name!r}: {problem}")
+    return replace(out, rewards={k: float(v) for k, v in out.rewards.items()})
+
+
+def run_reset(env: Environment, row: dict, *, timeout_s: Optional[float]
+              ) -> Union[tuple[Any, Prompt], EpisodeFailure]:
+    """`env.reset(row)` with `run_step`'s fault handling: `(state, prompt)`, or an
+    `EpisodeFailure` when it raised, ran past `timeout_s`, or did not return a pair whose
+    prompt is a str or a list of messages.
+
+    Raises:
+      ValueError: `timeout_s` not positive.
+    """
+    _check_timeout(timeout_s)
+    name = _env_name(env)
+    out = _outcome(_timed_call(env.reset, (row,), timeout_s), name, "reset", timeout_s)
+    if isinstance(out, EpisodeFailure):
+        return out
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (str, list))):
+        return EpisodeFailure(name, f"environment {name!r}: reset returned {out!r:.80}, not "
+                                    "(state, prompt text or messages)")
+    return out
+
+
+def truncate_observation(text: str, max_chars: int) -> str:
+    """`text` cut to at most `max_chars` characters, ending with `TRUNCATION_MARKER`
+    ("...[truncated]") when cut, so the policy sees that something is missing (the rollout
+    driver cuts again by tokens: `truncate_tokens`).
+
+    Raises:
+      ValueError: `max_chars` shorter than the marker.
+    """
+    if max_chars < len(TRUNCATION_MARKER):
+        raise ValueError(f"max_chars={max_chars} is shorter than the truncation marker "
+                         f"{TRUNCATION_MARKER!r} ({len(TRUNCATION_MARKER)} characters)")
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars - len(TRUNCATION_MARKER)] + TRUNCATION_MARKER
+
+
+def truncate_tokens(ids: Sequence[int], max_tokens: int, marker_ids: Sequence[int] = ()
+                    ) -> list[int]:
+    """The token ids `ids` cut to at most `max_tokens`; when cut, the last `len(marker_ids)`
+    of them are `marker_ids` (the tokenised `TRUNCATION_MARKER`, or nothing).
+
+    Raises:
+      ValueError: `max_tokens` negative or shorter than `marker_ids`.
+    """
+    if max_tokens < len(marker_ids) or max_tokens < 0:
+        raise ValueError(f"max_tokens={max_tokens} leaves no room for {len(marker_ids)} marker "
+                         "tokens")
+    ids = list(ids)
+    if len(ids) <= max_tokens:
+        return ids
+    return ids[:max_tokens - len(marker_ids)] + list(marker_ids)
