@@ -20,7 +20,7 @@ rollout driver (turn limit, token budgets, masks) is not here: it calls these.
 
 from ppo_jax.trainer.environments.base import (
     ENVIRONMENTS, TRUNCATION_MARKER, Environment, EpisodeFailure, StepResult, environment_names,
-    get_environment, register_environment, run_reset, run_step, step_problem,
+    episode_prompts, get_environment, register_environment, run_reset, run_step, step_problem,
     truncate_observation, truncate_tokens,
 )
 from ppo_jax.trainer.environments.calculator import CalculatorError, CalculatorLimits, calculate
@@ -34,6 +34,6 @@ __all__ = [
     "ALL_STOP_STRINGS", "ENVIRONMENTS", "FORMATS", "STOP_STRINGS", "TRUNCATION_MARKER",
     "CalculatorEnv", "CalculatorError", "CalculatorLimits", "Environment", "EpisodeFailure",
     "MalformedCall", "RetryEnv", "StepResult", "ToolCall", "calculate", "environment_names",
-    "final_number", "get_environment", "parse_tool_call", "register_environment", "run_reset",
+    "episode_prompts", "final_number", "get_environment", "parse_tool_call", "register_environment", "run_reset",
     "run_step", "step_problem", "truncate_observation", "truncate_tokens",
 ]

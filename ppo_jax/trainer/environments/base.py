@@ -289,3 +289,30 @@ def truncate_tokens(ids: Sequence[int], max_tokens: int, marker_ids: Sequence[in
     if len(ids) <= max_tokens:
         return ids
     return ids[:max_tokens - len(marker_ids)] + list(marker_ids)
+
+
+def episode_prompts(env: Environment, texts: list[str], rows: Optional[list[dict]], key: str
+                    ) -> tuple[list[str], list[dict]]:
+    """The first observation of each prompt record's episode: `(prompts, rows)`, where prompt
+    i is `env.reset({**rows[i], "prompt": texts[i]})`'s text (the record's prompt with the
+    environment's instruction) and row i keeps the record's own prompt under `prompt`, so a
+    later `reset(row)` starts the same episode. Called once, when the prompts load.
+
+    Raises:
+      ValueError: naming `key` and the record, when `reset` refuses a record or gives chat
+        messages (a template applied by the environment is not supported yet: give text).
+    """
+    prompts, out = [], []
+    for i, text in enumerate(texts):
+        row = {**((rows or [{}] * len(texts))[i] or {}), "prompt": text}
+        try:
+            _, prompt = env.reset(row)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{key}: record {i}: environment {_env_name(env)!r}: {e}") from None
+        if not isinstance(prompt, str):
+            raise ValueError(f"{key}: record {i}: environment {_env_name(env)!r} gave "
+                             f"{type(prompt).__name__} as its first observation; a prompt text "
+                             "is supported")
+        prompts.append(prompt)
+        out.append(row)
+    return prompts, out

@@ -25,6 +25,7 @@ from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
 from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab
 from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
 from ppo_jax.trainer.data.prompts import PromptSet, prompt_records, tokenize_prompts
+from ppo_jax.trainer.environments import episode_prompts, get_environment
 from ppo_jax.trainer.loading.lora import (
     LoadedModel, adapters_from, check_targets, policy_models, split_trained,
 )
@@ -342,6 +343,9 @@ def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
     """
     d = cfg.data
     texts, rows = prompt_records(cfg, d.prompts if path is None else path, key)
+    if cfg.env.name:  # the first observation of each episode: the prompt and its instruction
+        env = get_environment(cfg.env.name, **cfg.env.kwargs)
+        texts, rows = episode_prompts(env, texts, rows, key)
     prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, use_chat_template=d.use_chat_template,
                                system_prompt=d.system_prompt, pad_token_id=pad_token_id(tokenizer),

@@ -40,6 +40,7 @@ from ppo_jax.core import (
 from ppo_jax.rollout.engine import check_page_size, engine_layout
 from ppo_jax.trainer.config import Config, ConfigError, eval_enabled
 from ppo_jax.trainer.data.prompts import prompt_records
+from ppo_jax.trainer.environments import episode_prompts, get_environment
 from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function
 from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 
@@ -141,11 +142,20 @@ def check_names(cfg: Config) -> None:
         _check_one(key, name, getter, args, {**fixed, **extra}, spec)
     if cfg.ppo.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
-    if cfg.reward.kind == "function":
+    if cfg.reward.kind == "function" and not cfg.env.name:
         try:
             get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
         except ValueError as e:
             raise ConfigError(f"reward.function: {e}") from None
+    if cfg.env.name:
+        try:
+            get_environment(cfg.env.name, **cfg.env.kwargs)
+        except ValueError as e:
+            raise ConfigError(f"env.name: {e}") from None
+        if needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator)):
+            raise ConfigError(f"env.name={cfg.env.name!r}: ReMax's greedy baseline is a single "
+                              "response (ppo.advantage_estimator="
+                              f"{cfg.ppo.advantage_estimator!r}); use gae or a group estimator")
     if cfg.ppo.dynamic_sampling and needs_greedy_baseline(
             get_advantage_estimator(cfg.ppo.advantage_estimator)):
         raise ConfigError(f"ppo.dynamic_sampling=true does not sample ReMax's greedy baseline "
@@ -189,9 +199,15 @@ def check_prompt_files(cfg: Config) -> None:
     sources = [("data.prompts", cfg.data.prompts)]
     if eval_enabled(cfg.eval):
         sources.append(("eval.prompts", cfg.eval.prompts))
+    env = get_environment(cfg.env.name, **cfg.env.kwargs) if cfg.env.name else None
     for key, source in sources:
-        rows = prompt_records(cfg, source, key)[1]
-        if cfg.reward.kind == "function":
+        texts, rows = prompt_records(cfg, source, key)
+        if env is not None:  # every record starts an episode (`reset`)
+            try:
+                episode_prompts(env, texts, rows, key)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        elif cfg.reward.kind == "function":
             check_prompt_rows(cfg.reward.function, rows, key, source)
 
 

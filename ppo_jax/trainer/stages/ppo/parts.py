@@ -99,6 +99,8 @@ class Sampled:
     reward_stats: Optional[dict] = None  # the reward means of those scores
     rollout_logprobs: Optional[jax.Array] = None  # [B, N] the sampler's log-probs of its draws
     engine_stats: Optional[dict] = None  # the paged engine's `rollout/*` figures
+    action_mask: Optional[jax.Array] = None  # [B, N] multi-turn: 1 on drawn tokens (env.*)
+    ended: Optional[jax.Array] = None  # [B] multi-turn: the episodes that ended
 
 
 @dataclass

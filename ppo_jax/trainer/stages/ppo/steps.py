@@ -51,8 +51,8 @@ def reward_model_scores(reward: Model, rollout: Rollout, *, forward: ForwardSett
 
 
 def experience_step(models: PPOModels, kl_state, rollout: Rollout, scores, group_ids,
-                    baseline_scores, rollout_logprobs, *, settings: ExperienceSettings,
-                    stop_token_ids: Sequence[int]) -> ExperienceOut:
+                    baseline_scores, rollout_logprobs, action_mask=None, ended=None, *,
+                    settings: ExperienceSettings, stop_token_ids: Sequence[int]) -> ExperienceOut:
     """The experience of one rollout (`rollout.experience.make_experience`), its rows' ended
     flags read from `stop_token_ids` (`rollout.sampler.ended_rows`).
 
@@ -64,6 +64,10 @@ def experience_step(models: PPOModels, kl_state, rollout: Rollout, scores, group
       group_ids: `[B]` int32 prompt group of each row.
       baseline_scores: `[B]` float32 ReMax greedy scores, or None.
       rollout_logprobs: `[B, N]` float32, the sampler's log-probs of its draws, or None.
+      action_mask: `[B, N]` int32, 1 on the drawn tokens of a multi-turn rollout (its
+        observations 0: `core.actions`), or None (single-turn: every response token).
+      ended: `[B]` bool, the episodes that ended (not cut by the budget), or None: read from
+        the responses (a multi-turn response holds stop tokens in its observations).
       settings: `ExperienceSettings` (static).
       stop_token_ids: the tokens that end a response (a row holding one ended).
 
@@ -74,10 +78,12 @@ def experience_step(models: PPOModels, kl_state, rollout: Rollout, scores, group
       ValueError: as `make_experience` (batch not a multiple of the micro-batch, an unknown
         estimator or shaping, log-probs of the wrong shape).
     """
-    ended = ended_rows(rollout.response_ids, rollout.response_mask, stop_token_ids)
+    if ended is None:
+        ended = ended_rows(rollout.response_ids, rollout.response_mask, stop_token_ids)
     exp, kl_state, stats = make_experience(
         models, rollout, kl_state, scores, ended, settings=settings, group_ids=group_ids,
-        baseline_scores=baseline_scores, rollout_logprobs=rollout_logprobs)
+        baseline_scores=baseline_scores, rollout_logprobs=rollout_logprobs,
+        action_mask=action_mask)
     tokens = {"prompt": rollout.query_mask.sum(), "response": rollout.response_mask.sum()}
     return ExperienceOut(exp, kl_state, stats, tokens)
 

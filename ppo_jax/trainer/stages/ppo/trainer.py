@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import jax
+import numpy as np
 
 from ppo_jax.core import get_advantage_estimator, informative_groups, needs_greedy_baseline
 from ppo_jax.models.functional import Model
@@ -33,7 +34,7 @@ from ppo_jax.trainer.loading.models import (
 from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.rewards.functions import get_reward_function
 from ppo_jax.trainer.stages.ppo import (
-    build, checks, compile_for, dynamic, parts, samplers, steps, text_rewards,
+    build, checks, compile_for, dynamic, episodes, parts, samplers, steps, text_rewards,
 )
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import Learned, LastRollout, PromptBatch, Sampled, Scored
@@ -98,6 +99,8 @@ class PPOTrainer(StageTrainer):
                                                 self.stop_ids),
             stop_token_ids=self.stop_ids,
             pad_token_id=pad_token_id(self.tokenizer, models.actor.cfg))
+        self.episodes = (episodes.EpisodeRunner(cfg.env, self.settings.sampling, self.tokenizer)
+                         if cfg.env.name and not self.is_abstract else None)
         params = build.build_params(cfg, place, models)  # takes over the loaded param buffers
         self.actor_tx, self.critic_tx, self.state = params.actor_tx, params.critic_tx, params.state
         self.frozen, self.shared_base = params.frozen, params.shared_base
@@ -112,6 +115,11 @@ class PPOTrainer(StageTrainer):
             cfg, place, self.tokenizer, models.actor.cfg, self.settings.eval,
             self._model_shardings(), abstract=self.is_abstract, reward_fn=self.reward_fn,
             decode=self.decode) if eval_enabled(cfg.eval) else None)
+        self.episode_evaluator = (episodes.EpisodeEvaluator(
+            self.evaluator.batch,
+            episodes.EpisodeRunner(cfg.env, self.settings.eval.sampling, self.tokenizer),
+            jax.random.PRNGKey(cfg.eval.seed), self.tokenizer)
+            if self.episodes is not None and self.evaluator is not None else None)
         self._eval_samples: list[dict] = []
         self._last_rollout: Optional[LastRollout] = None
 
@@ -161,7 +169,7 @@ class PPOTrainer(StageTrainer):
             experience=jax.jit(
                 partial(steps.experience_step, settings=st.experience,
                         stop_token_ids=self.stop_ids),
-                in_shardings=(models_sh, rep, rollout_sh, by_row, by_row, by_row, by_row),
+                in_shardings=(models_sh, rep, rollout_sh, *(by_row,) * 6),
                 out_shardings=steps.ExperienceOut(by_row, rep, rep, rep)),
             update=jit_update(partial(update, settings=st.update)),
             # ppo.critic_warmup_steps: the update with the actor left out (compiled when used)
@@ -188,6 +196,10 @@ class PPOTrainer(StageTrainer):
         `time/eval` ({} when evaluation is off)."""
         if self.evaluator is None:
             return {}
+        if self.episode_evaluator is not None:  # multi-turn: the eval prompts played as episodes
+            metrics, self._eval_samples = self.episode_evaluator(
+                self.ppo_models(self.state["actor"].params).actor, self.cfg.eval.num_samples)
+            return metrics
         ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
         models = self.ppo_models(self.state["actor"].params, None, ref, reward)
         metrics, self._eval_samples = self.evaluator(models, self.cfg.eval.num_samples)
@@ -217,7 +229,9 @@ class PPOTrainer(StageTrainer):
         processes). Everything else stays on the devices until the step's scalars are read.
         """
         t0 = time.perf_counter()
-        sampled = self.dynamic_rollout() if self.cfg.ppo.dynamic_sampling else self.sample_rollout()
+        sampled = (self.episode_rollout() if self.episodes is not None
+                   else self.dynamic_rollout() if self.cfg.ppo.dynamic_sampling
+                   else self.sample_rollout())
         scored = self.score_rollout(sampled)
         learned = self.learn(scored, sampled.update_key)
         self.state = {"actor": learned.actor, "critic": learned.critic, "kl": scored.kl_state,
@@ -253,6 +267,27 @@ class PPOTrainer(StageTrainer):
             rows=batch.rows, rollout_logprobs=self.response_columns.cut(logprobs, resp_width),
             engine_stats=samplers.engine_metrics(self.jit.sample))
 
+    def episode_rollout(self) -> Sampled:
+        """Multi-turn episodes with the run's environment (`env.*`, `stages.ppo.episodes`):
+        the responses hold the actor's turns and the observations between them
+        (`action_mask` 1 on the drawn tokens), scored by the environment's rewards."""
+        batch = self.next_prompts(bucketed=True)
+        rng, gen_key, update_key = self.jit.split_keys(self.state["rng"])
+        out, scores, stats = self.episodes(self.rollout_actor(), batch.ids, batch.mask,
+                                           batch.rows, gen_key)
+        cols = self.response_columns
+        resp, resp_mask, resp_width = cols(out.response_ids, out.response_mask)
+        n, b = self.cfg.generation.samples_per_prompt, self.cfg.ppo.batch_size
+        return Sampled(
+            prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),
+            group_ids=parts.group_ids(self.place, b, n), baseline_scores=None,
+            update_key=update_key, rng=rng, prompt_width=batch.width,
+            response_width=int(resp_width), end=time.perf_counter(), rows=batch.rows,
+            scores=self.place.put_rows(scores, (b,)), reward_stats=stats,
+            rollout_logprobs=cols.cut(out.logprobs, resp_width),
+            action_mask=cols.cut(out.action_mask, resp_width),
+            ended=self.place.put_rows(np.asarray(out.ended, bool), (b,)))
+
     def dynamic_rollout(self) -> Sampled:
         """DAPO's dynamic sampling (`stages.ppo.dynamic`): rounds of full-width prompts
         sampled and scored until the batch can be filled with informative groups; the
@@ -287,7 +322,8 @@ class PPOTrainer(StageTrainer):
         models = self.ppo_models(self.state["actor"].params,
                                  None if critic is None else critic.params, ref, reward)
         out = self.jit.experience(models, self.state["kl"], r, scores, sampled.group_ids,
-                                  sampled.baseline_scores, sampled.rollout_logprobs)
+                                  sampled.baseline_scores, sampled.rollout_logprobs,
+                                  sampled.action_mask, sampled.ended)
         del ref, reward, models  # offloaded frozen params: the device copy lives for this pass
         stats = {**jax.device_get(out.stats), **reward_stats}  # replicated: readable everywhere
         release_host_memory()

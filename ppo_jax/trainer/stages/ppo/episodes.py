@@ -1,0 +1,191 @@
+"""Multi-turn episodes of a PPO step (`env.*`, docs/environments.md): the actor's turns alternate
+with a registered environment's observations in one sequence per row
+(`rollout.multi_turn.generate_multi_turn`), and the episode's rewards become its score.
+
+Per row: `reset(row)` starts the episode (its prompt was templated and tokenised when the
+prompts loaded: `environments.episode_prompts`); at each turn end the turn's text (decoded,
+its stop string included) goes to `env.step` within `env.timeout_s` (`environments.run_step`);
+an observation is cut to `env.max_observation_tokens` in the chat template's frame
+(`rollout.observations.observation_tokens`) and appended; `done`, a failure or `env.max_turns`
+ends the row. The score is the sum of the episode's reward parts (the final verifier's
+`correct` and per-turn parts such as `tool_cost`), at the last action token; a failed episode
+(the environment raised, timed out or returned garbage) scores 0 and is counted and reported
+with the environment's name and the error, and training goes on.
+
+Logged per step (`env/*`): turns per episode, tool calls per episode, the tool-call rate (share
+of episodes with a call), the malformed-call rate (share of calls), failures, and the mean of
+each reward part (`env/reward/<part>`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import numpy as np
+
+from ppo_jax.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings, generate_multi_turn
+from ppo_jax.rollout.observations import observation_tokens
+from ppo_jax.rollout.sampler import SamplingSettings
+from ppo_jax.trainer.environments import (
+    ALL_STOP_STRINGS, EpisodeFailure, get_environment, run_reset, run_step,
+)
+
+MAX_REPORTED_FAILURES = 3  # per step, on stderr; all are counted in env/failures
+
+
+@dataclass
+class Episode:
+    """The host record of one row's episode."""
+
+    state: Any = None
+    rewards: dict = field(default_factory=dict)  # reward part -> sum over the turns
+    info: dict = field(default_factory=dict)  # info key -> sum over the turns (tool_call, ...)
+    failure: Optional[str] = None
+    done: bool = False
+
+
+def turn_settings(sampling: SamplingSettings, tokenizer, stop_strings, max_turns: int
+                  ) -> MultiTurnSettings:
+    """The multi-turn sampler's settings: the rollout's `sampling` plus the token sequences of
+    `stop_strings` (each encoded without special tokens) and `max_turns`."""
+    seqs = tuple(tuple(tokenizer.encode(s, add_special_tokens=False)) for s in stop_strings)
+    base = {f.name: getattr(sampling, f.name) for f in fields(sampling)}
+    return MultiTurnSettings(**base, stop_sequences=tuple(s for s in seqs if s),
+                             max_turns=max_turns)
+
+
+class EpisodeRunner:
+    """Runs a batch's episodes: `runner(actor, prompt_ids, prompt_mask, rows, key)` ->
+    `(MultiTurnRollout, scores [B] float32, stats)` (see the module docstring)."""
+
+    def __init__(self, env_cfg, sampling: SamplingSettings, tokenizer):
+        self.cfg, self.tokenizer = env_cfg, tokenizer
+        self.env = get_environment(env_cfg.name, **env_cfg.kwargs)
+        stops = env_cfg.stop_strings
+        if stops is None:
+            stops = getattr(self.env, "stop_strings", ALL_STOP_STRINGS)
+        self.settings = turn_settings(sampling, tokenizer, stops, env_cfg.max_turns)
+        self.stop_ids = set(sampling.stop_token_ids)
+
+    def _start(self, rows: list[dict]) -> list[Episode]:
+        episodes = []
+        for row in rows:
+            out = run_reset(self.env, row, timeout_s=self.cfg.timeout_s)
+            failed = isinstance(out, EpisodeFailure)
+            episodes.append(Episode(state=None if failed else out[0],
+                                    failure=out.error if failed else None))
+        return episodes
+
+    def _answer(self, ep: Episode, turn: list[int]) -> Optional[list[int]]:
+        """One row's turn end: the environment's step, recorded; the observation ids or None."""
+        if ep.failure is not None or ep.done:
+            return None
+        text = self.tokenizer.decode(turn, skip_special_tokens=True)
+        out = run_step(self.env, ep.state, text, timeout_s=self.cfg.timeout_s)
+        if isinstance(out, EpisodeFailure):
+            ep.failure = out.error
+            return None
+        ep.state = out.state
+        for k, v in out.rewards.items():
+            ep.rewards[k] = ep.rewards.get(k, 0.0) + float(v)
+        for k, v in (out.info or {}).items():
+            ep.info[k] = ep.info.get(k, 0) + v
+        if out.done or out.observation is None:
+            ep.done = True
+            return None
+        ids = observation_tokens(self.tokenizer, out.observation, role=self.cfg.observation_role,
+                                 max_tokens=self.cfg.max_observation_tokens)
+        if turn and turn[-1] in self.stop_ids and ids and ids[0] == turn[-1]:
+            ids = ids[1:]  # the turn ended on the end-of-turn token: the frame's own is extra
+        return ids
+
+    def play(self, actor, prompt_ids, prompt_mask, rows: list[dict], key
+             ) -> tuple[MultiTurnRollout, list[Episode]]:
+        """The batch's episodes: the sampler's rollout and each row's host record."""
+        episodes = self._start(rows)
+
+        def on_turn_end(batch_rows, turns):
+            return [self._answer(episodes[b], turn) for b, turn in zip(batch_rows, turns)]
+
+        out = generate_multi_turn(actor, prompt_ids, prompt_mask, key, settings=self.settings,
+                                  on_turn_end=on_turn_end)
+        self._report(episodes)
+        return out, episodes
+
+    def __call__(self, actor, prompt_ids, prompt_mask, rows: list[dict], key):
+        out, episodes = self.play(actor, prompt_ids, prompt_mask, rows, key)
+        return out, episode_scores(episodes), episode_stats(episodes, out.turns)
+
+    def _report(self, episodes: list[Episode]) -> None:
+        failed = [ep.failure for ep in episodes if ep.failure]
+        for error in failed[:MAX_REPORTED_FAILURES]:
+            print(f"env {self.env_name}: episode failed (reward 0): {error}", file=sys.stderr)
+        if len(failed) > MAX_REPORTED_FAILURES:
+            print(f"env {self.env_name}: {len(failed) - MAX_REPORTED_FAILURES} more episodes "
+                  "failed this step", file=sys.stderr)
+
+    @property
+    def env_name(self) -> str:
+        return getattr(self.env, "name", self.cfg.name)
+
+
+def episode_scores(episodes: list[Episode]) -> np.ndarray:
+    """`[B]` float32: each episode's summed reward parts; 0 for a failed one."""
+    return np.array([0.0 if ep.failure else sum(ep.rewards.values()) for ep in episodes],
+                    np.float32)
+
+
+def episode_stats(episodes: list[Episode], turns) -> dict[str, float]:
+    """`env/*` means over the batch's episodes (module docstring)."""
+    n = len(episodes)
+    calls = np.array([ep.info.get("tool_call", 0) for ep in episodes], np.float64)
+    bad = np.array([ep.info.get("malformed", 0) for ep in episodes], np.float64)
+    parts = sorted({k for ep in episodes for k in ep.rewards})
+    stats = {
+        "env/turns": float(np.mean(np.asarray(turns)[:n])),
+        "env/tool_calls": float(calls.mean()),
+        "env/tool_call_rate": float(np.mean(calls > 0)),
+        "env/malformed_rate": float(bad.sum() / calls.sum()) if calls.sum() else 0.0,
+        "env/failures": float(sum(ep.failure is not None for ep in episodes)),
+        "env/done_fraction": float(np.mean([ep.done for ep in episodes])),
+    }
+    for k in parts:
+        stats[f"env/reward/{k}"] = float(np.mean([ep.rewards.get(k, 0.0) for ep in episodes]))
+    stats["env/episodes"] = float(n)
+    return stats
+
+
+class EpisodeEvaluator:
+    """The held-out evaluation of a multi-turn run: `eval.*`'s prompts (`evaluation.EvalBatch`,
+    padding rows last) played as episodes with the eval sampling settings and the fixed key
+    `eval.seed`. `evaluator(actor, num_samples)` -> `(metrics, samples)`: `eval/reward_mean`,
+    `eval/accuracy` (the mean of the `correct` reward part), the `env/*` figures as `eval/*`,
+    `eval/response_length`, `time/eval`; samples are whole conversations, observations
+    included."""
+
+    def __init__(self, batch, runner: EpisodeRunner, key, tokenizer):
+        self.batch, self.runner, self.key, self.tokenizer = batch, runner, key, tokenizer
+        rows = list(batch.rows or [{"prompt": t} for t in batch.texts])
+        self.rows = rows + [rows[0]] * (len(batch.ids) - len(rows))
+
+    def __call__(self, actor, num_samples: int = 0):
+        t0 = time.perf_counter()
+        real = len(self.batch.texts)
+        out, episodes = self.runner.play(actor, self.batch.ids, self.batch.mask, self.rows,
+                                         self.key)
+        eps, scores = episodes[:real], episode_scores(episodes)
+        stats = episode_stats(eps, out.turns)
+        metrics = {f"eval/{k[len('env/'):]}": v for k, v in stats.items()}
+        metrics["eval/reward_mean"] = float(np.mean(scores[:real]))
+        metrics["eval/accuracy"] = float(np.mean([ep.rewards.get("correct", 0.0) for ep in eps]))
+        mask = np.asarray(out.response_mask)[:real]
+        metrics["eval/response_length"] = float(mask.sum(axis=1).mean())
+        metrics["time/eval"] = time.perf_counter() - t0
+        ids = np.asarray(out.response_ids)
+        samples = [{"prompt": self.batch.texts[i], "eval": True, "score": float(scores[i]),
+                    "response": self.tokenizer.decode(ids[i][mask[i] > 0])}
+                   for i in range(min(num_samples, real))]
+        return metrics, samples
