@@ -29,7 +29,8 @@ from ppo_jax.parallel.mesh import shard_rows
 from ppo_jax.rollout.prefill import check_groups, prefill_cache, shard_cache
 from ppo_jax.rollout.sampling import draw, filter_logits, sample_keys, sample_tokens  # noqa: F401
 
-def _int_setting(name: str, value, minimum: int) -> int:
+def int_setting(name: str, value, minimum: int) -> int:
+    """`value` as an int >= `minimum`; ValueError naming `name` otherwise (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name}={value!r} must be an int")
     if value < minimum:
@@ -37,7 +38,8 @@ def _int_setting(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _token_id(name: str, value, vocab_size: int) -> int:
+def token_id(name: str, value, vocab_size: int) -> int:
+    """`value` as a token id in [0, vocab_size); ValueError naming `name` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name}: {value!r} is not an int token id")
     if not 0 <= value < vocab_size:
@@ -81,7 +83,7 @@ def _check_prompts(prompt_ids, prompt_mask, vocab_size: int) -> None:
         raise ValueError(f"row {empty[0]} of prompt_mask is all 0: every row needs a prompt token")
 
 
-def _as_arrays(prompt_ids, prompt_mask, vocab_size: int):
+def prompt_arrays(prompt_ids, prompt_mask, vocab_size: int):
     """Nested lists as numpy arrays (arrays stay as they are), checked (`_check_prompts`)."""
     prompt_ids = prompt_ids if hasattr(prompt_ids, "ndim") else np.asarray(prompt_ids)
     prompt_mask = prompt_mask if hasattr(prompt_mask, "ndim") else np.asarray(prompt_mask)
@@ -89,11 +91,11 @@ def _as_arrays(prompt_ids, prompt_mask, vocab_size: int):
     return prompt_ids, prompt_mask
 
 
-def _check_settings(cfg, prompt_width: int, max_new_tokens, temperature, top_k, top_p, greedy,
-                    stop_token_ids, pad_token_id, cache_dtype) -> dict:
+def check_settings(cfg, prompt_width: int, max_new_tokens, temperature, top_k, top_p, greedy,
+                   stop_token_ids, pad_token_id, cache_dtype) -> dict:
     """Validate the static settings; returns them normalised for `_generate`."""
-    out = {"max_new_tokens": _int_setting("max_new_tokens", max_new_tokens, 1),
-           "top_k": _int_setting("top_k", top_k, 0), "greedy": bool(greedy)}
+    out = {"max_new_tokens": int_setting("max_new_tokens", max_new_tokens, 1),
+           "top_k": int_setting("top_k", top_k, 0), "greedy": bool(greedy)}
     if not isinstance(temperature, (int, float, np.number)) or not 0 < temperature < np.inf:
         if not greedy:
             raise ValueError(f"temperature={temperature!r} must be a finite number > 0 "
@@ -103,9 +105,9 @@ def _check_settings(cfg, prompt_width: int, max_new_tokens, temperature, top_k, 
         raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
     if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
         raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a sequence of token ids")
-    out["stop_token_ids"] = tuple(_token_id("stop_token_ids", t, cfg.vocab_size)
-                                  for t in stop_token_ids)
-    out["pad_token_id"] = _token_id("pad_token_id", pad_token_id, cfg.vocab_size)
+    out["stop_token_ids"] = tuple(token_id("stop_token_ids", t, cfg.vocab_size)
+                                 for t in stop_token_ids)
+    out["pad_token_id"] = token_id("pad_token_id", pad_token_id, cfg.vocab_size)
     if cache_dtype is not None:
         try:
             dt = jnp.dtype(cache_dtype)
@@ -144,10 +146,10 @@ def prefill(graphdef, params, prompt_ids, prompt_mask, *, max_new_tokens: int,
       ValueError: as `generate` for the prompts, `max_new_tokens` and `samples_per_prompt`.
     """
     cfg = nnx.merge(graphdef, params).cfg
-    prompt_ids, prompt_mask = _as_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
+    prompt_ids, prompt_mask = prompt_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
     n = check_groups(prompt_ids, prompt_mask, samples_per_prompt)
-    settings = _check_settings(cfg, prompt_ids.shape[1], max_new_tokens, 1.0, 0, 1.0, True, (),
-                               0, cache_dtype)
+    settings = check_settings(cfg, prompt_ids.shape[1], max_new_tokens, 1.0, 0, 1.0, True, (),
+                              0, cache_dtype)
     logits, cache, _ = _prefill_jit(
         graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
         max_new_tokens=settings["max_new_tokens"], samples_per_prompt=n,
@@ -261,15 +263,15 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         rows that is not one prompt (`check_groups`); all before compiling.
     """
     cfg = nnx.merge(graphdef, params).cfg
-    prompt_ids, prompt_mask = _as_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
+    prompt_ids, prompt_mask = prompt_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
     n = check_groups(prompt_ids, prompt_mask, samples_per_prompt)
-    settings = _check_settings(cfg, prompt_ids.shape[1], max_new_tokens, temperature, top_k,
-                               top_p, greedy, stop_token_ids, pad_token_id, cache_dtype)
+    settings = check_settings(cfg, prompt_ids.shape[1], max_new_tokens, temperature, top_k,
+                              top_p, greedy, stop_token_ids, pad_token_id, cache_dtype)
     if rng is None:
         if not greedy:
             raise ValueError("rng is required for sampling (greedy=False)")
         rng = jax.random.PRNGKey(0)
-    elif not _is_key(rng):
+    elif not is_key(rng):
         raise ValueError(f"rng must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
                          f"{type(rng).__name__} {getattr(rng, 'shape', '')}")
     out = _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
@@ -277,7 +279,8 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
     return out if return_logprobs else out[:2]
 
 
-def _is_key(rng) -> bool:
+def is_key(rng) -> bool:
+    """A typed key (`jax.random.key`) or a raw uint32 `[..., 2]` one (`PRNGKey`)."""
     dtype = getattr(rng, "dtype", None)
     if dtype is None:
         return False
