@@ -7,7 +7,8 @@ prompts loaded: `environments.episode_prompts`); at each turn end the turn's tex
 its stop string included) goes to `env.step` within `env.timeout_s` (`environments.run_step`);
 an observation is cut to `env.max_observation_tokens` in the chat template's frame
 (`rollout.observations.observation_tokens`) and appended; `done`, a failure or `env.max_turns`
-ends the row. The score is the sum of the episode's reward parts (the final verifier's
+ends the row; a turn the budget cuts is still handed to `env.step`, to be scored. The score is
+the sum of the episode's reward parts (the final verifier's
 `correct` and per-turn parts such as `tool_cost`), at the last action token; a failed episode
 (the environment raised, timed out or returned garbage) scores 0 and is counted and reported
 with the environment's name and the error, and training goes on.
@@ -112,6 +113,9 @@ class EpisodeRunner:
 
         out = generate_multi_turn(actor, prompt_ids, prompt_mask, key, settings=self.settings,
                                   on_turn_end=on_turn_end)
+        for b, turn in enumerate(cut_turns(out)):
+            if turn:  # the budget ended this turn: the environment still scores it
+                self._answer(episodes[b], turn)
         self._report(episodes)
         return out, episodes
 
@@ -130,6 +134,30 @@ class EpisodeRunner:
     @property
     def env_name(self) -> str:
         return getattr(self.env, "name", self.cfg.name)
+
+
+def has_observations(out: MultiTurnRollout) -> bool:
+    """Whether any row holds an observation token (a response token that is not an action)."""
+    return bool(np.any(np.asarray(out.action_mask) != np.asarray(out.response_mask)))
+
+
+def cut_turns(out: MultiTurnRollout) -> list[list[int]]:
+    """Per row, the tokens of a last turn the budget cut (the run of action tokens that ends
+    the response, in a row that did not end), or [] (the row ended, or its last token is an
+    observation's)."""
+    ids, mask, actions = (np.asarray(x) for x in (out.response_ids, out.response_mask,
+                                                  out.action_mask))
+    turns = []
+    for b in range(ids.shape[0]):
+        n = int(mask[b].sum())
+        if out.ended[b] or n == 0 or not actions[b, n - 1]:
+            turns.append([])
+            continue
+        start = n - 1
+        while start > 0 and actions[b, start - 1]:
+            start -= 1
+        turns.append(ids[b, start:n].tolist())
+    return turns
 
 
 def episode_scores(episodes: list[Episode]) -> np.ndarray:

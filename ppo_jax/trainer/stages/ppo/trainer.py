@@ -285,7 +285,9 @@ class PPOTrainer(StageTrainer):
             response_width=int(resp_width), end=time.perf_counter(), rows=batch.rows,
             scores=self.place.put_rows(scores, (b,)), reward_stats=stats,
             rollout_logprobs=cols.cut(out.logprobs, resp_width),
-            action_mask=cols.cut(out.action_mask, resp_width),
+            # no observation in the batch: today's single-turn experience, to the bit
+            action_mask=(cols.cut(out.action_mask, resp_width)
+                         if episodes.has_observations(out) else None),
             ended=self.place.put_rows(np.asarray(out.ended, bool), (b,)))
 
     def dynamic_rollout(self) -> Sampled:

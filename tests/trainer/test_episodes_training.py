@@ -1,0 +1,131 @@
+"""Multi-turn episodes through train.py (`env.*`): a single-turn environment gives exactly
+today's rollouts and losses; a scripted tool environment trains with observations inside the
+responses (action mask) and logs its `env/*` figures; a raising environment fails its episodes,
+not the run; an unknown environment is refused at load time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppo_jax.core import unregister
+from ppo_jax.trainer.environments import Environment, StepResult, register_environment
+from ppo_jax.trainer.rewards.functions import get_reward_function
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+import train  # noqa: E402
+
+IGNORED = ("time/", "tokens_per_s", "env/", "memory", "rss")
+
+
+class RewardOnce(Environment):
+    """One turn, scored by the run's reward function (vader): today's single-turn PPO."""
+
+    name = "reward_once"
+
+    def __init__(self):
+        self.fn = get_reward_function("vader")
+
+    def reset(self, row):
+        return row["prompt"], row["prompt"]
+
+    def step(self, state, text):
+        return StepResult(None, True, {"score": float(self.fn([state], [text])[0])}, state, {})
+
+
+class Scripted(Environment):
+    """Two turns: the first answered with a fixed observation, the second scored 1."""
+
+    name = "scripted"
+
+    def reset(self, row):
+        return 0, row["prompt"]
+
+    def step(self, state, text):
+        if state == 0:
+            return StepResult("tool says: good", False, {"tool_cost": -0.1}, 1, {"tool_call": 1})
+        return StepResult(None, True, {"correct": 1.0}, 2, {})
+
+
+class Raising(Environment):
+    name = "raising"
+
+    def reset(self, row):
+        return 0, row["prompt"]
+
+    def step(self, state, text):
+        raise RuntimeError("the sandbox is down")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def environments():
+    for name, cls in (("reward_once", RewardOnce), ("scripted", Scripted), ("raising", Raising)):
+        register_environment(name)(cls)
+    yield
+    for name in ("reward_once", "scripted", "raising"):
+        unregister("environment", name)
+
+
+def run(tmp_path, name, *sets, steps=2):
+    out = tmp_path / name
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--set", f"train.output_dir={out}",
+            "--set", f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
+            "--set", f"train.steps={steps}", "--set", "train.progress=false",
+            "--set", "train.export_hf=false", "--set", "eval.every=0",
+            "--set", "eval.at_start=false", "--set", "generation.max_new_tokens=12", *sets]
+    code = train.main(args)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return code, rows
+
+
+def test_a_single_turn_environment_is_todays_ppo_to_the_bit(tmp_path, monkeypatch):
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    code, plain = run(tmp_path, "plain")
+    code2, env = run(tmp_path, "env", "--set", "env.name=reward_once", "--set",
+                     "env.stop_strings=[]")
+    assert code == code2 == 0
+    compared = 0
+    for a, b in zip(plain, env, strict=True):
+        for k, v in a.items():
+            if not k.startswith(IGNORED) and k not in ("action_length",):
+                assert b[k] == v, (a["step"], k, v, b[k])
+                compared += 1
+    assert compared > 60 and env[-1]["env/turns"] == 1.0
+
+
+def test_a_tool_environment_trains_over_observations(tmp_path, monkeypatch):
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    # the word-level tiny tokenizer: a turn ends at one of a few common words
+    code, rows = run(tmp_path, "scripted", "--set", "env.name=scripted", "--set",
+                     "generation.max_new_tokens=32", "--set",
+                     "env.stop_strings=[good,great,what,very,not,do]")
+    assert code == 0
+    assert any(r["env/tool_call_rate"] > 0 and r["action_length"] < r["response_length"]
+               for r in rows)
+    for r in rows:
+        assert r["env/failures"] == 0.0
+        assert r["env/turns"] >= 1.0 and r["action_length"] <= r["response_length"]
+        assert r["score_mean"] == pytest.approx(
+            r.get("env/reward/correct", 0.0) + r.get("env/reward/tool_cost", 0.0), abs=1e-6)
+
+
+def test_a_raising_environment_fails_its_episodes_not_the_run(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    code, rows = run(tmp_path, "raising", "--set", "env.name=raising", steps=1)
+    assert code == 0
+    assert rows[-1]["env/failures"] == rows[-1]["env/episodes"] and rows[-1]["score_mean"] == 0.0
+    err = capfd.readouterr().err
+    assert "env raising: episode failed (reward 0)" in err and "the sandbox is down" in err
+
+
+def test_an_unknown_environment_is_refused_at_load_time(tmp_path, capsys):
+    out = tmp_path / "nothing"
+    code = train.main(["--config", str(ROOT / "configs/tiny.yaml"), "--set",
+                       f"train.output_dir={out}", "--set", "env.name=no_such_env"])
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "env.name" in err and "no_such_env" in err and "calculator" in err
