@@ -60,6 +60,36 @@ def test_reset_appends_the_tool_instruction_with_an_example_call():
             '</tool_call>') in hermes
 
 
+def test_without_the_tool_the_first_turn_is_the_answer_whatever_it_holds():
+    env = get_environment("calculator", tool=False)
+    state, prompt = env.reset(ROW)
+    assert prompt == "What is 47 * 382?\nGive the final answer as <answer>NUMBER</answer>."
+    out = run_step(env, state, "<calc>47*382</calc> <answer>17954</answer>", timeout_s=5)
+    assert out.done and out.rewards == {"correct": 1.0}
+    assert run_step(env, state, "<calc>47*382</calc>", timeout_s=5).rewards == {"correct": 0.0}
+
+
+def test_make_tool_demos_writes_the_environments_prompt_and_one_call(tmp_path):
+    spec = importlib.util.spec_from_file_location("demos", ROOT / "scripts/make_tool_demos.py")
+    demos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demos)
+    config = tmp_path / "c.yaml"
+    config.write_text("data: {prompts: task, task: {name: products, kwargs: {min_terms: 2, "
+                      "max_terms: 2, min_digits: 2, max_digits: 3}, size: 40, seed: 0, "
+                      "instruction: ''}}\nenv: {name: calculator}\n"
+                      "eval: {prompts: task, task_seed: 1, num_prompts: 8}\n")
+    assert demos.main(["--config", str(config), "--out", str(tmp_path), "--train", "4",
+                       "--eval", "2"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    user, reply = rows[0]["messages"]
+    a, b = (int(x) for x in reply["content"][len("<calc>"):-len("</calc>")].split("*"))
+    assert f"{a} * {b}" in user["content"] and "<calc>12*34</calc>" in user["content"]
+    state, _ = get_environment("calculator").reset({"prompt": "", "answer": str(a * b)})
+    env = get_environment("calculator")
+    assert run_step(env, state, reply["content"], timeout_s=5).observation == str(a * b)
+
+
 def test_a_call_returns_its_result_and_costs_the_tool_cost():
     env = get_environment("calculator", tool_call_cost=0.05)
     state, _ = env.reset(ROW)

@@ -76,13 +76,15 @@ class CalculatorState:
     calls: int = 0
 
 
-def instruction(fmt: str) -> str:
+def instruction(fmt: str, tool: bool = True) -> str:
     """The text `reset` appends to the prompt: how to call the calculator in `fmt`, with one
-    example call, and how to give the final answer.
+    example call, and how to give the final answer (without `tool`: only the latter).
 
     Raises:
       ValueError: an unknown format.
     """
+    if not tool:
+        return "Give the final answer as <answer>NUMBER</answer>."
     example = call_text(fmt, EXAMPLE_EXPRESSION)
     return (f"You can use a calculator: write {example} and stop; the result comes back in "
             "the next message. When you know the result, give the final answer as "
@@ -96,10 +98,10 @@ class CalculatorEnv(Environment):
     name = "calculator"
 
     def __init__(self, fmt: str, tool_call_cost: float, malformed_penalty: float,
-                 rel_tol: float, limits: CalculatorLimits):
-        self.format, self.limits, self.rel_tol = fmt, limits, rel_tol
+                 rel_tol: float, limits: CalculatorLimits, tool: bool = True):
+        self.format, self.limits, self.rel_tol, self.tool = fmt, limits, rel_tol, tool
         self.tool_call_cost, self.malformed_penalty = tool_call_cost, malformed_penalty
-        self.instruction = instruction(fmt)
+        self.instruction = instruction(fmt, tool)
 
     def reset(self, row: dict) -> tuple[CalculatorState, str]:
         """`(state, prompt)`: the row's prompt with the tool instruction after it.
@@ -119,7 +121,7 @@ class CalculatorEnv(Environment):
 
     def step(self, state: CalculatorState, assistant_text: str) -> StepResult:
         """Answer one turn: a tool call's result, or the score of the final answer."""
-        call = parse_tool_call(assistant_text)
+        call = parse_tool_call(assistant_text) if self.tool else None
         if call is None:
             given = final_number(assistant_text)
             correct = numbers_match(given, state.answer, self.rel_tol)
@@ -164,7 +166,7 @@ def _calculator_call(call: Union[ToolCall, MalformedCall]) -> Union[ToolCall, Ma
 def calculator_environment(format: str = "calc", tool_call_cost: float = 0.0,
                            malformed_penalty: float = 0.0, rel_tol: float = 0.0,
                            max_chars: int = 200, max_digits: int = 40,
-                           max_exponent: int = 64) -> CalculatorEnv:
+                           max_exponent: int = 64, tool: bool = True) -> CalculatorEnv:
     """The "calculator" environment (module doc).
 
     Args:
@@ -173,6 +175,8 @@ def calculator_environment(format: str = "calc", tool_call_cost: float = 0.0,
       malformed_penalty: cost of a malformed call (reward part `malformed_penalty` = -it).
       rel_tol: relative error a final answer may have (0: exact).
       max_chars, max_digits, max_exponent: the calculator's bounds (`CalculatorLimits`).
+      tool: False: no calculator (the same task and verifier, one answer, nothing parsed as a
+        call): the no-tool baseline.
 
     Raises:
       ValueError: an unknown format, a non-finite cost, a negative `rel_tol` or a bound < 1.
@@ -190,4 +194,4 @@ def calculator_environment(format: str = "calc", tool_call_cost: float = 0.0,
         raise ValueError("environment 'calculator': max_chars, max_digits and max_exponent must "
                          "be >= 1")
     return CalculatorEnv(format, float(tool_call_cost), float(malformed_penalty), float(rel_tol),
-                         CalculatorLimits(max_chars, max_digits, max_exponent))
+                         CalculatorLimits(max_chars, max_digits, max_exponent), bool(tool))
