@@ -1,14 +1,16 @@
 """Write tool-call demonstrations for a short SFT warm-up before multi-turn RL (docs/environments.md):
 for training problems of a run's `data.task` (never its held-out ones), the episode's first
 prompt exactly as the run's environment gives it (`env.reset`) and, as the assistant's reply,
-one calculator call on the problem's operands: `<calc>141*365</calc>`. Only the call is shown;
-reading the result and answering is left to RL.
+one calculator call on the problem's operands: `<calc>141*365</calc>`; with `--answer`, a
+second row per problem continues the conversation: the calculator's result as the user's
+message (as the rollout frames an observation) and the final answer `<answer>51465</answer>`.
 
 Usage:
   .venv/bin/python scripts/make_tool_demos.py --config configs/tools.yaml --out runs/tool_demos \
-      [--train 256] [--eval 32]
+      [--train 256] [--eval 32] [--answer]
 
-Writes `sft.jsonl` and `sft_eval.jsonl` (`{"messages": [user, assistant]}` rows) in --out.
+Writes `sft.jsonl` and `sft_eval.jsonl` (`{"messages": [...]}` rows, the last message the
+assistant's: the completion-only loss) in --out.
 """
 
 from __future__ import annotations
@@ -30,16 +32,24 @@ from ppo_jax.trainer.environments.tool_calls import call_text  # noqa: E402
 OPERANDS = re.compile(r"(\d+(?:\s*[*x×]\s*\d+)+)")
 
 
-def demo(env, record: dict) -> dict:
-    """One `{"messages"}` row: the environment's first prompt, and a call on the operands."""
+def demo(env, record: dict, answer: bool = False) -> list[dict]:
+    """`{"messages"}` rows: the environment's first prompt and a call on the operands; with
+    `answer`, also the conversation after the call's result, ending in the final answer."""
     match = OPERANDS.search(record["entry"]["question"])
     if match is None:
         raise ValueError(f"no product in {record['entry']['question']!r}")
     expression = re.sub(r"\s*[*x×]\s*", "*", match.group(1))
     _, prompt = env.reset({**{k: v for k, v in record.items() if k != "prompt"},
                            "prompt": record["prompt"]})
-    return {"messages": [{"role": "user", "content": prompt},
-                         {"role": "assistant", "content": call_text(env.format, expression)}]}
+    call = [{"role": "user", "content": prompt},
+            {"role": "assistant", "content": call_text(env.format, expression)}]
+    rows = [{"messages": call}]
+    if answer:
+        result = str(record["answer"])
+        rows.append({"messages": call + [
+            {"role": "user", "content": result},
+            {"role": "assistant", "content": f"<answer>{result}</answer>"}]})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -48,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--train", type=int, default=256)
     p.add_argument("--eval", type=int, default=32)
+    p.add_argument("--answer", action="store_true", help="also the answer turn after the result")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     env = get_environment(cfg.env.name, **cfg.env.kwargs)
@@ -59,8 +70,9 @@ def main(argv=None) -> int:
     for name, rows in (("sft.jsonl", train[:args.train]), ("sft_eval.jsonl", train[args.train:])):
         with open(out / name, "w", encoding="utf-8") as f:
             for r in rows:
-                f.write(json.dumps(demo(env, r)) + "\n")
-        print(f"{out / name}: {len(rows)} demonstrations")
+                for row in demo(env, r, args.answer):
+                    f.write(json.dumps(row) + "\n")
+        print(f"{out / name}: {len(rows)} problems")
     return 0
 
 

@@ -129,3 +129,22 @@ def test_an_unknown_environment_is_refused_at_load_time(tmp_path, capsys):
     assert code == 2 and not out.exists()
     err = capsys.readouterr().err
     assert "env.name" in err and "no_such_env" in err and "calculator" in err
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["env.max_turns=0"], "env.max_turns"),
+    (["env.timeout_s=0"], "env.timeout_s"),
+    (["env.max_observation_tokens=-1"], "env.max_observation_tokens"),
+    (["generation.engine=paged"], "generation.engine=static"),
+    (["ppo.dynamic_sampling=true", "generation.samples_per_prompt=2"], "dynamic_sampling"),
+    (["ppo.advantage_estimator=remax"], "greedy baseline"),
+    (["env.kwargs.format=json"], "format='json'"),
+])
+def test_env_settings_that_cannot_run_are_refused_at_load_time(tmp_path, capsys, sets, message):
+    out = tmp_path / "nothing"
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--set", f"train.output_dir={out}",
+            "--set", "env.name=calculator"]
+    for s in sets:
+        args += ["--set", s]
+    assert train.main(args) == 2 and not out.exists()
+    assert message in capsys.readouterr().err

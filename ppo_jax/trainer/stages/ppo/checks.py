@@ -212,14 +212,18 @@ def check_prompt_files(cfg: Config) -> None:
 
 
 def check_placement(cfg: Config, place) -> None:
-    """`ppo.batch_size` on the mesh of `place` (`Placement.check_batch`) and the paged engine's
-    sizes on its data replicas (`check_engine`).
+    """`ppo.batch_size` on the mesh of `place` (`Placement.check_batch`), the paged engine's
+    sizes on its data replicas (`check_engine`), and multi-turn episodes on one process (the
+    episode driver reads the whole batch on the host).
 
     Raises:
       ConfigError: naming the key and what to set.
     """
     place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
     check_engine(cfg, place.batch_shards)
+    if cfg.env.name and jax.process_count() > 1:
+        raise ConfigError(f"env.name={cfg.env.name!r} runs on one process for now "
+                          f"({jax.process_count()} are running)")
 
 
 def check_kernel(cfg: Config, model_cfg, mesh) -> None:
