@@ -1,12 +1,14 @@
 """Stage 3, PPO: one step is sample -> score -> learn (`trainer.py`, read top to bottom).
 
   trainer.py      `PPOTrainer` (no mixins): builds the run, binds and jits its programs;
-                  `step()` = `sample_rollout` (or `dynamic_rollout`) -> `score_rollout` -> `learn`
+                  `step()` = `sample_rollout` (or `dynamic_rollout`, `episode_rollout`) ->
+                  `score_rollout` -> `learn`
   steps.py        the step's programs as module-level pure functions (`experience_step`,
                   `update_step`, `split_keys`, `reward_model_scores`; `jax.jit` is applied in
-                  `PPOTrainer._build_programs`) and `Jitted`, the bound and jitted set
+                  `build.build_programs`) and `Jitted`, the bound and jitted set
   build.py        what a run builds once: optimisers, train states and frozen params
-                  (`build_params`), `join_models`, the held-out evaluator (`build_evaluator`)
+                  (`build_params`), `join_models`, the held-out evaluator (`build_evaluator`),
+                  the jitted programs (`build_programs`)
   parts.py        the step's values: `PromptBatch` (`next_prompts`), `Sampled`, `Scored`,
                   `Learned`, `LastRollout`, and the step's metrics (`step_metrics`)
   settings.py     the static settings of a run, built once from its config
@@ -18,6 +20,8 @@
                   `text_scores`), the decoded samples of the last step (`sample_records`)
   dynamic.py      DAPO's dynamic sampling: `draw_round`, `draw_rounds`, `select_rollout`,
                   `informative_rollout`
+  episodes.py     multi-turn episodes with an environment (`env.*`): `EpisodeRunner`,
+                  `sampled_episodes`, `EpisodeEvaluator`
   update.py       the PPO update: ppo_epochs x minibatches x micro-batches, one pure function
   evaluation.py   held-out evaluation of the actor (`eval.*`)
   columns.py      prompt and response column buckets (one compile per width)

@@ -48,7 +48,8 @@ def step_programs(jit: Jitted, models: PPOModels, state: dict, frozen: dict, *, 
     remax = jit.sample_greedy is not None
     baseline = batch_shape(place, (size,), jnp.float32) if remax else None
     logprobs = batch_shape(place, (size, new), jnp.float32)
-    exp_args = (models, state["kl"], rollout, scores, ids(size), baseline, logprobs)
+    # no action mask, ended read from the responses: a single-turn step (env.* is not compiled)
+    exp_args = (models, state["kl"], rollout, scores, ids(size), baseline, logprobs, None, None)
     exp = out_shapes(lambda *a: jit.experience(*a).experience, exp_args, place.by_row)
     out, rollout_actor = _rollout_programs(jit.rollout_copy, models.actor, model_shardings.actor,
                                            place, rollout_layout)

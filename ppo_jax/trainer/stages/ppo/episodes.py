@@ -25,14 +25,17 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
+from ppo_jax.rollout.forward import Rollout
 from ppo_jax.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings, generate_multi_turn
 from ppo_jax.rollout.observations import observation_tokens
 from ppo_jax.rollout.sampler import SamplingSettings
 from ppo_jax.trainer.environments import (
     ALL_STOP_STRINGS, EpisodeFailure, get_environment, run_reset, run_step,
 )
+from ppo_jax.trainer.stages.ppo.parts import Sampled, group_ids
 
 MAX_REPORTED_FAILURES = 3  # per step, on stderr; all are counted in env/failures
 
@@ -136,6 +139,24 @@ class EpisodeRunner:
         return getattr(self.env, "name", self.cfg.name)
 
 
+def sampled_episodes(runner: EpisodeRunner, actor, batch, gen_key, update_key, rng, *, columns,
+                     place, batch_size: int, n: int) -> Sampled:
+    """The `parts.Sampled` of a batch of episodes (`PPOTrainer.episode_rollout`): the prompts
+    `batch` (`parts.PromptBatch`) played with `gen_key`, responses cut to their bucket width
+    (`columns`), the environment's scores, `env/*` stats, the action mask (None when no row
+    holds an observation: today's single-turn experience, to the bit) and the ended flags."""
+    out, scores, stats = runner(actor, batch.ids, batch.mask, batch.rows, gen_key)
+    resp, resp_mask, width = columns(out.response_ids, out.response_mask)
+    return Sampled(
+        prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),
+        group_ids=group_ids(place, batch_size, n), baseline_scores=None, update_key=update_key,
+        rng=rng, prompt_width=batch.width, response_width=int(width), end=time.perf_counter(),
+        rows=batch.rows, scores=place.put_rows(scores, (batch_size,)), reward_stats=stats,
+        rollout_logprobs=columns.cut(out.logprobs, width),
+        action_mask=columns.cut(out.action_mask, width) if has_observations(out) else None,
+        ended=place.put_rows(np.asarray(out.ended, bool), (batch_size,)))
+
+
 def has_observations(out: MultiTurnRollout) -> bool:
     """Whether any row holds an observation token (a response token that is not an action)."""
     return bool(np.any(np.asarray(out.action_mask) != np.asarray(out.response_mask)))
@@ -192,17 +213,23 @@ class EpisodeEvaluator:
     `eval.seed`. `evaluator(actor, num_samples)` -> `(metrics, samples)`: `eval/reward_mean`,
     `eval/accuracy` (the mean of the `correct` reward part), the `env/*` figures as `eval/*`,
     `eval/response_length`, `time/eval`; samples are whole conversations, observations
-    included."""
+    included. Called as `Evaluator` is, with the run's `PPOModels` (only the actor plays)."""
+
+    @classmethod
+    def of(cls, cfg, batch, sampling: SamplingSettings, tokenizer) -> "EpisodeEvaluator":
+        """The evaluator of run config `cfg` on the eval batch, with the eval `sampling`."""
+        runner = EpisodeRunner(cfg.env, sampling, tokenizer)
+        return cls(batch, runner, jax.random.PRNGKey(cfg.eval.seed), tokenizer)
 
     def __init__(self, batch, runner: EpisodeRunner, key, tokenizer):
         self.batch, self.runner, self.key, self.tokenizer = batch, runner, key, tokenizer
         rows = list(batch.rows or [{"prompt": t} for t in batch.texts])
         self.rows = rows + [rows[0]] * (len(batch.ids) - len(rows))
 
-    def __call__(self, actor, num_samples: int = 0):
+    def __call__(self, models, num_samples: int = 0):
         t0 = time.perf_counter()
         real = len(self.batch.texts)
-        out, episodes = self.runner.play(actor, self.batch.ids, self.batch.mask, self.rows,
+        out, episodes = self.runner.play(models.actor, self.batch.ids, self.batch.mask, self.rows,
                                          self.key)
         eps, scores = episodes[:real], episode_scores(episodes)
         stats = episode_stats(eps, out.turns)

@@ -1,5 +1,5 @@
 """The jitted programs of a PPO step as module-level pure functions of explicit arguments, and
-`Jitted`, the step's programs once bound (`PPOTrainer._build_programs` binds each with
+`Jitted`, the step's programs once bound (`build.build_programs` binds each with
 `functools.partial` over its static settings and `jax.jit` with its shardings).
 
   split_keys           key -> (next step's key, sampling key, update key)

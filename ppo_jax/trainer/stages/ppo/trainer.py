@@ -1,10 +1,11 @@
 """Stage 3, PPO, on the shared loop of `trainer.loop`. `step()` reads top to bottom:
 `sample_rollout` (the next prompts and the actor's responses, cut to column buckets:
-`stages.ppo.columns`; or `dynamic_rollout`, DAPO's rounds: `stages.ppo.dynamic`),
+`stages.ppo.columns`; or `dynamic_rollout`, DAPO's rounds: `stages.ppo.dynamic`; or
+`episode_rollout`, multi-turn episodes with an environment: `stages.ppo.episodes`),
 `score_rollout` (the reward function on the decoded text, `stages.ppo.text_rewards`, or the reward
 model, and one jitted experience pass) and `learn` (one jitted call runs every PPO epoch and
 minibatch), each returning a named value (`stages.ppo.parts`). The jitted programs are
-module-level functions (`stages.ppo.steps`) bound here (`_build_programs`) to their static
+module-level functions (`stages.ppo.steps`) bound in `build.build_programs` to their static
 settings, graphs and optimisers and jitted with their shardings; `--compile-for` lists the same
 objects (`stages.ppo.compile_for`). What is built once is `stages.ppo.build`.
 """
@@ -12,15 +13,11 @@ objects (`stages.ppo.compile_for`). What is built once is `stages.ppo.build`.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import jax
-import numpy as np
 
-from ppo_jax.core import get_advantage_estimator, informative_groups, needs_greedy_baseline
 from ppo_jax.models.functional import Model
 from ppo_jax.rollout.experience import PPOModels
 from ppo_jax.rollout.forward import Rollout
@@ -64,9 +61,11 @@ class PPOTrainer(StageTrainer):
         `build.PPOParams` says (`state`: `{"actor", "critic", "kl", "rng"}`).
       rollout_layout, response_columns, jit: the resolved `generation.rollout_layout`, the
         response buckets, the step's jitted programs (`steps.Jitted`).
-      evaluator: the `Evaluator` of `eval.*`, or None; `_eval_samples`: its last decoded
-        samples until `after_log` writes them; `_last_rollout`: the last step's
-        `parts.LastRollout` (`last_samples`), None before the first.
+      evaluator: the `Evaluator` of `eval.*` (`episodes.EpisodeEvaluator` with `env.name`),
+        or None; `episodes`: the `episodes.EpisodeRunner` of `env.*`, or None;
+        `_eval_samples`: the evaluator's last decoded samples until `after_log` writes them;
+        `_last_rollout`: the last step's `parts.LastRollout` (`last_samples`), None before
+        the first.
     """
 
     name = "ppo"
@@ -115,11 +114,9 @@ class PPOTrainer(StageTrainer):
             cfg, place, self.tokenizer, models.actor.cfg, self.settings.eval,
             self._model_shardings(), abstract=self.is_abstract, reward_fn=self.reward_fn,
             decode=self.decode) if eval_enabled(cfg.eval) else None)
-        self.episode_evaluator = (episodes.EpisodeEvaluator(
-            self.evaluator.batch,
-            episodes.EpisodeRunner(cfg.env, self.settings.eval.sampling, self.tokenizer),
-            jax.random.PRNGKey(cfg.eval.seed), self.tokenizer)
-            if self.episodes is not None and self.evaluator is not None else None)
+        if self.episodes is not None and self.evaluator is not None:  # eval prompts as episodes
+            self.evaluator = episodes.EpisodeEvaluator.of(
+                cfg, self.evaluator.batch, self.settings.eval.sampling, self.tokenizer)
         self._eval_samples: list[dict] = []
         self._last_rollout: Optional[LastRollout] = None
 
@@ -136,50 +133,14 @@ class PPOTrainer(StageTrainer):
         return self.place.shardings(self.ppo_models(state["actor"].params, critic,
                                                     self.ref_params, self.reward_params))
 
-    # ----------------------------------------------------------------------------------------
     def _build_programs(self) -> steps.Jitted:
-        """The step's programs (`stages.ppo.steps`) bound to this run's settings, graphs and
-        optimisers, jitted with explicit layouts: params by the rules (by tree-map over
-        `PPOModels` and the train states), batches by by_row, the rest replicated. Experience
-        making and the update compile once per (prompt, response) bucket width."""
-        cfg, st, place, m = self.cfg, self.settings, self.place, self.models
-        by_row, rep = place.by_row, place.replicated
-        models_sh = self._model_shardings()
-        actor = self.ppo_models(self.state["actor"].params).actor  # LoRA: base and adapters
-        greedy = needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator))
-        sampling = samplers.rollout_samplers(cfg, st.sampling, place, actor, models_sh.actor,
-                                             self.rollout_layout, m.actor.cfg, greedy=greedy)
-        rollout_sh = Rollout(by_row, by_row, by_row, by_row)
-        state_sh = (place.shardings(self.state["actor"]), place.shardings(self.state["critic"]))
-        frozen_sh = place.shardings(self.frozen)
-        jit_update = partial(jax.jit, in_shardings=(*state_sh, frozen_sh, by_row, rep),
-                             out_shardings=(*state_sh, rep), donate_argnums=(0, 1))
-        update = partial(steps.update_step, actor_graphdef=m.actor.graphdef,
-                         critic_graphdef=None if m.critic is None else m.critic.graphdef,
-                         actor_tx=self.actor_tx, critic_tx=self.critic_tx)
-        n, dynamic_sampling = cfg.generation.samples_per_prompt, cfg.ppo.dynamic_sampling
-        groups = cfg.ppo.batch_size // n
-        return steps.Jitted(
-            split_keys=jax.jit(steps.split_keys, out_shardings=rep),
-            rollout_copy=sampling.rollout_copy, sample=sampling.sample,
-            sample_greedy=sampling.sample_greedy,
-            reward_model_scores=jax.jit(
-                partial(steps.reward_model_scores, forward=st.experience.forward),
-                in_shardings=(models_sh.reward, rollout_sh), out_shardings=by_row),
-            experience=jax.jit(
-                partial(steps.experience_step, settings=st.experience,
-                        stop_token_ids=self.stop_ids),
-                in_shardings=(models_sh, rep, rollout_sh, *(by_row,) * 6),
-                out_shardings=steps.ExperienceOut(by_row, rep, rep, rep)),
-            update=jit_update(partial(update, settings=st.update)),
-            # ppo.critic_warmup_steps: the update with the actor left out (compiled when used)
-            update_critic_only=jit_update(
-                partial(update, settings=replace(st.update, train_actor=False))),
-            informative=(jax.jit(partial(informative_groups, num_groups=groups,
-                                         samples_per_prompt=n), out_shardings=rep)
-                         if dynamic_sampling else None),
-            select=(jax.jit(partial(dynamic.select_rollout, keep=groups, n=n),
-                            out_shardings=(by_row, by_row, rep, rep)) if dynamic_sampling else None))
+        """The step's jitted programs (`build.build_programs`) for this run."""
+        return build.build_programs(
+            self.cfg, self.settings, self.place, self.models,
+            actor=self.ppo_models(self.state["actor"].params).actor,  # LoRA: base and adapters
+            models_sh=self._model_shardings(), state=self.state, frozen=self.frozen,
+            stop_ids=self.stop_ids, rollout_layout=self.rollout_layout, actor_tx=self.actor_tx,
+            critic_tx=self.critic_tx)
 
     def rollout_actor(self) -> Model:
         """The actor the sampler runs: the trained params, or their rollout copy (cast to
@@ -196,10 +157,6 @@ class PPOTrainer(StageTrainer):
         `time/eval` ({} when evaluation is off)."""
         if self.evaluator is None:
             return {}
-        if self.episode_evaluator is not None:  # multi-turn: the eval prompts played as episodes
-            metrics, self._eval_samples = self.episode_evaluator(
-                self.ppo_models(self.state["actor"].params).actor, self.cfg.eval.num_samples)
-            return metrics
         ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
         models = self.ppo_models(self.state["actor"].params, None, ref, reward)
         metrics, self._eval_samples = self.evaluator(models, self.cfg.eval.num_samples)
@@ -273,22 +230,10 @@ class PPOTrainer(StageTrainer):
         (`action_mask` 1 on the drawn tokens), scored by the environment's rewards."""
         batch = self.next_prompts(bucketed=True)
         rng, gen_key, update_key = self.jit.split_keys(self.state["rng"])
-        out, scores, stats = self.episodes(self.rollout_actor(), batch.ids, batch.mask,
-                                           batch.rows, gen_key)
-        cols = self.response_columns
-        resp, resp_mask, resp_width = cols(out.response_ids, out.response_mask)
-        n, b = self.cfg.generation.samples_per_prompt, self.cfg.ppo.batch_size
-        return Sampled(
-            prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),
-            group_ids=parts.group_ids(self.place, b, n), baseline_scores=None,
-            update_key=update_key, rng=rng, prompt_width=batch.width,
-            response_width=int(resp_width), end=time.perf_counter(), rows=batch.rows,
-            scores=self.place.put_rows(scores, (b,)), reward_stats=stats,
-            rollout_logprobs=cols.cut(out.logprobs, resp_width),
-            # no observation in the batch: today's single-turn experience, to the bit
-            action_mask=(cols.cut(out.action_mask, resp_width)
-                         if episodes.has_observations(out) else None),
-            ended=self.place.put_rows(np.asarray(out.ended, bool), (b,)))
+        return episodes.sampled_episodes(
+            self.episodes, self.rollout_actor(), batch, gen_key, update_key, rng,
+            columns=self.response_columns, place=self.place, batch_size=self.cfg.ppo.batch_size,
+            n=self.cfg.generation.samples_per_prompt)
 
     def dynamic_rollout(self) -> Sampled:
         """DAPO's dynamic sampling (`stages.ppo.dynamic`): rounds of full-width prompts
