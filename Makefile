@@ -1,7 +1,7 @@
 # One command each, on a fresh machine: `make train` (main job) and `make test` (test suite).
 ARGS ?=
 
-.PHONY: train rlvr test test-slow pipeline bench bench-quick bench-gpu-dry bench-gpu bench-train
+.PHONY: train rlvr tools test test-slow pipeline bench bench-quick bench-gpu-dry bench-gpu bench-train
 
 # Benchmarks: `make bench` sets up .venv and the TRL-only .venv-bench, runs bench/core.py,
 # bench/generate.py, bench/ppo_step.py and bench/engine.py (each prints its table against its
@@ -25,6 +25,15 @@ train:
 rlvr:
 	scripts/setup_venv.sh gguf,rlvr
 	.venv/bin/python train.py --config configs/rlvr.yaml $(ARGS)
+
+# Multi-turn RL with a calculator tool (docs/environments.md): demonstrations, a 4-step SFT
+# warm-up, then GRPO over episodes with the calculator environment
+tools:
+	scripts/setup_venv.sh gguf,rlvr
+	.venv/bin/python scripts/make_tool_demos.py --config configs/tools.yaml --out runs/tool_demos \
+		--answer --train 128 --eval 16
+	.venv/bin/python train.py --config configs/tools_sft.yaml
+	.venv/bin/python train.py --config configs/tools.yaml $(ARGS)
 
 # two pytest workers (pytest-xdist), one test file each at a time: XLA compiles on one core, so
 # one worker leaves the second core mostly idle (2-core AMD EPYC: 910 s -> 601 s)
