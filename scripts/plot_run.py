@@ -6,11 +6,13 @@ Panels against the PPO step: reward (the training batch's mean score, dashed, an
 response length, and seconds per step by phase (generation, experience, update).
 
 `--metric eval/accuracy` draws another held-out figure in place of `eval/reward_mean` (the
-training batch's `reward/accuracy` beside it when the runs log it).
+training batch's `reward/accuracy` beside it when the runs log it). `--extra KEY` draws `KEY`
+in place of the response length (an `env/*` figure with its held-out `eval/*` twin as dots,
+e.g. `--extra env/tool_call_rate`).
 
 Usage:
   .venv/bin/python scripts/plot_run.py runs/default [runs/other ...] --out docs/default_run.png
-      [--names a b ...] [--title TEXT] [--metric eval/reward_mean]
+      [--names a b ...] [--title TEXT] [--metric eval/reward_mean] [--extra KEY]
 Errors: a run directory without metrics.jsonl exits with status 2 and names it.
 """
 
@@ -63,6 +65,8 @@ PANELS = (("reward", "reward (dashed: training batch; solid: held-out)"),
 def draw(ax, panel: str, rows: list[dict], color, name: str, metric: str = "eval/reward_mean") -> None:
     if panel == "reward":
         train_key = "reward/" + metric.split("/", 1)[1] if metric != "eval/reward_mean" else "score_mean"
+        if metric == "eval/accuracy" and not series(rows, train_key)[0]:
+            train_key = "env/reward/correct"  # an episode run's training accuracy
         ax.plot(*series(rows, train_key), "--", color=color, alpha=0.6)
         ax.plot(*series(rows, metric), "o-", color=color, label=name)
     elif panel == "eval_time":
@@ -75,12 +79,14 @@ def draw(ax, panel: str, rows: list[dict], color, name: str, metric: str = "eval
         ax.plot(*series(rows, "time/update"), "--", color=color)
     else:
         ax.plot(*series(rows, panel), "-", color=color, label=name)
+        if panel.startswith("env/"):  # the held-out twin of an episode figure
+            ax.plot(*series(rows, "eval/" + panel[len("env/"):]), "o", color=color)
 
 
 def plot(runs: dict[str, list[dict]], out: Path, title: str | None = None,
-         metric: str = "eval/reward_mean") -> Path:
-    """Write the PNG of `runs` ({name: metrics rows}) to `out`, the held-out panels of `metric`;
-    returns `out`."""
+         metric: str = "eval/reward_mean", extra: str | None = None) -> Path:
+    """Write the PNG of `runs` ({name: metrics rows}) to `out`, the held-out panels of `metric`
+    (and `extra` in place of the response length); returns `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +94,8 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str | None = None,
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (panel, label) in zip(axes.flat, PANELS):
+    panels = PANELS if extra is None else (*PANELS[:4], (extra, extra), *PANELS[5:])
+    for ax, (panel, label) in zip(axes.flat, panels):
         for i, (name, rows) in enumerate(runs.items()):
             draw(ax, panel, rows, colors[i % len(colors)], name, metric)
         ax.set_title(label.replace("reward", metric.split("/", 1)[1], 2) if metric !=
@@ -112,6 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--names", nargs="*", help="legend names (default: directory names)")
     parser.add_argument("--title")
     parser.add_argument("--metric", default="eval/reward_mean", help="the held-out figure drawn")
+    parser.add_argument("--extra", help="a figure drawn in place of the response length")
     args = parser.parse_args(argv)
     names = args.names or [p.name for p in args.runs]
     if len(names) != len(args.runs):
@@ -122,7 +130,7 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(plot(runs, args.out, args.title, args.metric))
+    print(plot(runs, args.out, args.title, args.metric, args.extra))
     return 0
 
 
