@@ -13,6 +13,10 @@ observation's), never from hard-coded strings, so a Qwen or Llama template gives
 
 from __future__ import annotations
 
+from typing import Literal
+
+OBSERVATION_ROLES = ("user", "tool")  # the roles an observation may take (`env.observation_role`)
+ObservationRole = Literal[OBSERVATION_ROLES]
 _ASSISTANT = "ASSISTANT_TEXT_5f0c"  # stand-ins that no template changes
 _OBSERVATION = "OBSERVATION_TEXT_5f0c"
 
@@ -23,8 +27,11 @@ def observation_frame(tokenizer, role: str = "user") -> tuple[str, str]:
     token. A tokenizer without a chat template: `("\\n", "\\n")` (plain text on its own line).
 
     Raises:
-      ValueError: the template refuses the role, or does not render the messages' text verbatim.
+      ValueError: a role not in `OBSERVATION_ROLES`; the template refuses the role, or does not
+        render the messages' text verbatim.
     """
+    if role not in OBSERVATION_ROLES:
+        raise ValueError(f"role={role!r}: an observation is one of {list(OBSERVATION_ROLES)}")
     if not getattr(tokenizer, "chat_template", None):
         return "\n", "\n"
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _ASSISTANT},

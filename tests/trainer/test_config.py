@@ -113,6 +113,7 @@ def _code_accepts():
     from ppo_jax.models.lora import INITS, fresh_adapter
     from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
     from ppo_jax.rollout.engine import ATTENTION_KERNELS, ENGINES, EngineSettings, engine_layout
+    from ppo_jax.rollout.observations import OBSERVATION_ROLES, observation_frame
     from ppo_jax.rollout.weights import ROLLOUT_LAYOUTS, resolve_layout
     from ppo_jax.trainer.data.prompts import TRUNCATIONS, tokenize_prompts
     from ppo_jax.trainer.optim import SCHEDULES, make_schedule
@@ -139,6 +140,7 @@ def _code_accepts():
             ones, ones, ones, gamma=1.0, lam=0.9, method=v)),
         "optim.schedule": (SCHEDULES, lambda v: make_schedule(1e-3, schedule=v, warmup_steps=0, total_steps=3)),
         "reward.kind": (REWARD_KINDS, None),
+        "env.observation_role": (OBSERVATION_ROLES, lambda v: observation_frame(tok, v)),
         "generation.engine": (ENGINES, None),
         "generation.attention": (ATTENTION_KERNELS, lambda v: engine_layout(
             EngineSettings(attention=v), batch=2, prompt_width=8, max_new_tokens=8,

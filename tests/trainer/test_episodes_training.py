@@ -113,6 +113,24 @@ def test_a_tool_environment_trains_over_observations(tmp_path, monkeypatch):
             r.get("env/reward/correct", 0.0) + r.get("env/reward/tool_cost", 0.0), abs=1e-6)
 
 
+def test_the_held_out_evaluation_plays_episodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    code, rows = run(tmp_path, "eval", "--set", "env.name=scripted", "--set",
+                     "generation.max_new_tokens=32", "--set",
+                     "env.stop_strings=[good,great,what,very,not,do]", "--set", "eval.every=1",
+                     "--set", "eval.at_start=true", "--set", "eval.num_samples=4", steps=1)
+    assert code == 0 and [r["step"] for r in rows] == [0, 1]
+    for r in rows:  # two turns at most: a call (observation), then the scripted `correct` 1
+        assert 1.0 <= r["eval/turns"] <= 2.0 and 0.0 <= r["eval/accuracy"] <= 1.0
+        assert r["eval/episodes"] == 4.0 and "eval/reward_mean" in r
+    samples = [json.loads(x) for x in (tmp_path / "eval" / "samples.jsonl").read_text()
+               .splitlines()]
+    talks = [x["response"] for x in samples if x.get("eval")]
+    # the observation "tool says: good" in the user's frame (the tiny word-level vocabulary
+    # has neither "tool" nor "says")
+    assert talks and any("user : <unk> <unk> : good" in t for t in talks)
+
+
 def test_a_raising_environment_fails_its_episodes_not_the_run(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     code, rows = run(tmp_path, "raising", "--set", "env.name=raising", steps=1)

@@ -5,11 +5,10 @@ one response per prompt and scores it once with `reward.*`, as ever."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, Optional
 
+from ppo_jax.rollout.observations import ObservationRole
 from ppo_jax.trainer.config.fields import opt
-
-ObservationRole = Literal["user", "tool"]
 
 
 @dataclass
