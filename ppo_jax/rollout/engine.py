@@ -25,9 +25,8 @@ recompute preemption); Yu et al. 2022 (Orca: iteration-level scheduling).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,120 +34,21 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ppo_jax.models.functional import Model
-from ppo_jax.models.paged_cache import ATTENTION_KERNELS, TRASH_PAGE, init_paged_cache
+from ppo_jax.models.paged_cache import TRASH_PAGE, init_paged_cache
 from ppo_jax.parallel.mesh import BATCH_AXES, batch_shards
+from ppo_jax.rollout.engine_layout import (  # noqa: F401  (the engine's names, re-exported)
+    ENGINES, AttentionKernel, EngineLayout, EngineSettings, EngineStats, RolloutEngine,
+    check_page_size, engine_layout,
+)
 from ppo_jax.rollout.engine_programs import (
-    Admission, DrawSettings, decode_program, decode_width_buckets, empty_state, finalize,
-    pick_width, prefill_program,
+    Admission, DrawSettings, Resumption, decode_program, decode_width_buckets, empty_state,
+    finalize, pick_width, prefill_program, resume_program,
+)
+from ppo_jax.rollout.engine_turns import TurnRecord, answer_turns, rollout_of
+from ppo_jax.rollout.multi_turn import (
+    MultiTurnRollout, MultiTurnSettings, TurnCallback, check_multi_turn_settings,
 )
 from ppo_jax.rollout.scheduler import Admitted, ReplicaScheduler, pages_for
-
-ENGINES = ("static", "paged")
-RolloutEngine = Literal[ENGINES]  # generation.engine
-AttentionKernel = Literal[ATTENTION_KERNELS]  # generation.attention
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """The paged engine's own settings (`generation.*`); 0 means the default named."""
-
-    page_size: int = 16  # tokens per page
-    num_pages: int = 0  # pages in all replicas' pools; 0: the static sampler's KV memory
-    max_concurrent: int = 0  # decode slots in all replicas; 0: the batch size
-    decode_chunk: int = 8  # tokens per decode chunk between two scheduling rounds
-    decode_buckets: int = 4  # page-table widths the decode chunk compiles for
-    attention: str = "reference"  # "reference" (gather the pages) or "pallas" (TPU kernel)
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """The engine's sizes for one batch shape (`engine_layout`): replicas, rows, slots and
-    pool pages per replica (the trash page included), pages of the longest sequence."""
-
-    replicas: int
-    rows: int
-    slots: int
-    pages: int
-    max_pages: int
-    group_size: int
-
-
-@dataclass
-class EngineStats:
-    """What one `generate` call did: prefill calls, decode chunks and decode steps, the rows
-    the decode steps ran on, the mean fraction of slots live per chunk, preemptions, the most
-    pages in use at once (in one replica)."""
-
-    prefills: int = 0
-    chunks: int = 0
-    steps: int = 0
-    row_steps: int = 0  # sum over decode steps of the rows the model ran on (slot buckets x R)
-    slot_occupancy: float = 0.0
-    preemptions: int = 0
-    peak_pages: int = 0
-    widths: dict = field(default_factory=dict)  # page-table width -> decode chunks run at it
-    rows: dict = field(default_factory=dict)  # live-slot bucket -> decode chunks run at it
-
-
-def engine_layout(settings: EngineSettings, *, batch: int, prompt_width: int,
-                  max_new_tokens: int, group_size: int, replicas: int) -> EngineLayout:
-    """Check the settings against one batch shape and size the engine (before any compile).
-
-    A sequence holds at most `prompt_width + max_new_tokens - 1` tokens (the last token is
-    never fed back). Each replica's pool must hold the trash page and one sequence of that
-    length (and a whole group's first chunk), its slots one group.
-
-    Raises:
-      ValueError: naming the `generation.*` setting and its value: too few pages; slots not a
-        multiple of the replicas or fewer than a group per replica; a replica's rows not whole
-        groups; a bad page size, chunk or kernel.
-    """
-    s, n = settings, group_size
-    cache_len = prompt_width + max_new_tokens
-    _positive(page_size=s.page_size, decode_chunk=s.decode_chunk, decode_buckets=s.decode_buckets)
-    if s.attention not in ATTENTION_KERNELS:
-        raise ValueError(f"generation.attention={s.attention!r}; one of {ATTENTION_KERNELS}")
-    if batch % replicas or (batch // replicas) % n:
-        raise ValueError(f"the batch of {batch} rows over {replicas} replicas (mesh data x fsdp) "
-                         f"is not whole groups of samples_per_prompt={n} per replica")
-    slots = s.max_concurrent or batch
-    if slots % replicas or slots // replicas < n:
-        raise ValueError(f"generation.max_concurrent={slots} must be a multiple of the "
-                         f"{replicas} replicas (mesh data x fsdp) with at least "
-                         f"samples_per_prompt={n} slots each")
-    max_pages = pages_for(cache_len - 1, s.page_size)
-    pages = (s.num_pages // replicas) if s.num_pages else 1 + (batch // replicas) * max_pages
-    probe = ReplicaScheduler([], group_size=n, slots=1, num_pages=2, page_size=s.page_size,
-                             max_new_tokens=max_new_tokens, chunk=s.decode_chunk)
-    need = 1 + max(max_pages, probe.group_need(prompt_width, n))
-    if s.num_pages % replicas or pages < need:
-        raise ValueError(f"generation.num_pages={s.num_pages} gives {pages} pages per replica "
-                         f"({replicas} replicas, the trash page included); a replica needs "
-                         f"{need}: one sequence of {cache_len} tokens, or a group of {n} with "
-                         f"its first chunk, in pages of {s.page_size}; give at least "
-                         f"{need * replicas} (a multiple of {replicas})")
-    return EngineLayout(replicas, batch // replicas, slots // replicas, pages, max_pages, n)
-
-
-def check_page_size(page_size: int, cache_len: int, what: str) -> None:
-    """A run's page size must divide its cache length `what` = `cache_len` (the longest
-    prompt plus max_new_tokens), so the longest sequence fills whole pages.
-
-    Raises:
-      ValueError: naming `generation.page_size`, the cache length and page sizes that fit.
-    """
-    _positive(page_size=page_size)
-    if cache_len % page_size:
-        divisors = [d for d in range(1, min(cache_len, 256) + 1) if cache_len % d == 0]
-        fits = sorted(sorted(divisors, key=lambda d: abs(d - page_size))[:4])
-        raise ValueError(f"generation.page_size={page_size} does not divide the cache length "
-                         f"{cache_len} ({what}); page sizes that do: {fits}")
-
-
-def _positive(**values) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"generation.{name}={v!r} must be an int >= 1")
 
 
 class PagedEngine:
@@ -157,7 +57,9 @@ class PagedEngine:
     Args:
       graphdef, cfg: the actor's graph (a model with `backbone` and `lm_head`) and its
         `ModelConfig`.
-      sampling: a `rollout.sampler.SamplingSettings` (its `mesh` lays the engine out).
+      sampling: a `rollout.sampler.SamplingSettings` (its `mesh` lays the engine out), or a
+        `rollout.multi_turn.MultiTurnSettings` for multi-turn episodes (`generate` then takes
+        an `on_turn_end`; `engine_turns`).
       settings: `EngineSettings`.
       batch, prompt_width: B rows of prompts P wide per `generate` call.
       cache_dtype: the pool's dtype (default the model's compute dtype).
@@ -169,13 +71,18 @@ class PagedEngine:
     def __init__(self, graphdef, cfg, sampling, settings: EngineSettings, *, batch: int,
                  prompt_width: int, cache_dtype=None):
         self.graphdef, self.cfg, self.settings, self.mesh = graphdef, cfg, settings, sampling.mesh
+        self.turns = isinstance(sampling, MultiTurnSettings)
+        if self.turns:
+            sampling = check_multi_turn_settings(sampling, cfg, prompt_width)
+        self.sampling = sampling
         self.layout = engine_layout(settings, batch=batch, prompt_width=prompt_width,
                                     max_new_tokens=sampling.max_new_tokens,
                                     group_size=sampling.samples_per_prompt,
-                                    replicas=batch_shards(self.mesh))
+                                    replicas=batch_shards(self.mesh), turns=self.turns)
         self.draw = DrawSettings(sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                                  sampling.top_p, sampling.greedy, sampling.stop_token_ids,
-                                 sampling.pad_token_id, settings.attention, self.mesh)
+                                 sampling.pad_token_id, settings.attention, self.mesh,
+                                 getattr(sampling, "stop_sequences", ()), self.turns)
         self.batch, self.prompt_width, self.cache_dtype = batch, prompt_width, cache_dtype
         self.head_major = settings.attention == "reference"  # the pool's layout (PagedKVCache)
         self.widths = decode_width_buckets(self.layout.max_pages, settings.decode_buckets)
@@ -213,7 +120,9 @@ class PagedEngine:
         self._decode = jax.jit(partial(decode_program, settings=d,
                                        chunk=self.settings.decode_chunk),
                                donate_argnums=(1, 2, 3),
-                               out_shardings=(pool, rows, rows, rep, rep, rep))
+                               out_shardings=(pool, rows, rows, rep, rep, rep, rep))
+        self._resume = jax.jit(partial(resume_program, settings=d), donate_argnums=(1, 2, 3),
+                               out_shardings=(pool, rows, rows))
         self._finalize = jax.jit(partial(finalize, pad_token_id=d.pad_token_id),
                                  out_shardings=(rows, rows, rows))
 
@@ -225,7 +134,8 @@ class PagedEngine:
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     # ------------------------------------------------------------------ one batch
-    def generate(self, params, prompt_ids, prompt_mask, step_key):
+    def generate(self, params, prompt_ids, prompt_mask, step_key,
+                 on_turn_end: Optional[TurnCallback] = None):
         """Answer every row of a batch.
 
         Args:
@@ -234,16 +144,27 @@ class PagedEngine:
             over the batch axes), B and P as given to the constructor; rows in adjacent groups
             of n = `samples_per_prompt` copies of a prompt.
           step_key: the step's PRNG key (replicated).
+          on_turn_end: with `MultiTurnSettings`, the environment, as for
+            `rollout.multi_turn.generate_multi_turn` (required then, refused otherwise).
 
         Returns:
           `(response_ids [B, N] int32, response_mask [B, N] int32, logprobs [B, N] float32)`,
           as `rollout.sampler.generate(..., return_logprobs=True)` (the same tokens under the
-          same key); `self.last_stats` holds the call's `EngineStats`.
+          same key); with `MultiTurnSettings`, a `MultiTurnRollout` as `generate_multi_turn`'s
+          (the same episodes under the same key). `self.last_stats` holds the call's
+          `EngineStats`.
+
+        Raises:
+          ValueError: prompts of another shape than the engine's; `on_turn_end` missing or not
+            callable with `MultiTurnSettings`, given without; its bad answers (naming the row).
         """
         lay = self.layout
         if tuple(prompt_ids.shape) != (self.batch, self.prompt_width):
             raise ValueError(f"prompts {tuple(prompt_ids.shape)}; this engine was built for "
                              f"{(self.batch, self.prompt_width)}")
+        if self.turns != (on_turn_end is not None) or (self.turns and not callable(on_turn_end)):
+            raise ValueError(f"on_turn_end={on_turn_end!r}: a multi-turn engine (built with "
+                             "MultiTurnSettings) needs a callable, a single-turn one takes none")
         model = Model(self.graphdef, params)
         lens = np.asarray(jax.device_get(self._prompt_lens(prompt_mask)))
         scheds = [ReplicaScheduler(lens[r * lay.rows:(r + 1) * lay.rows], group_size=lay.group_size,
@@ -253,6 +174,7 @@ class PagedEngine:
                                    chunk=self.settings.decode_chunk) for r in range(lay.replicas)]
         state, responses = self._empty()
         cache, stats = self._new_cache(), EngineStats()
+        record = TurnRecord(self.batch) if self.turns else None
         while not all(s.finished for s in scheds):
             admitted = [s.admit() for s in scheds]
             if any(admitted):
@@ -260,18 +182,57 @@ class PagedEngine:
                                                         prompt_mask, self._admission(admitted),
                                                         step_key)
                 stats.prefills += 1
-            cache, state, responses = self._chunk(model, cache, state, responses, scheds,
-                                                  step_key, stats)
+            cache, state, responses, held = self._chunk(model, cache, state, responses, scheds,
+                                                        step_key, stats)
+            if any(held):
+                resumes = answer_turns(held, scheds, np.asarray(jax.device_get(responses.tokens)),
+                                       record, self.sampling, on_turn_end, self.cfg.vocab_size)
+                stats.turn_rounds += 1
+                if any(resumes):
+                    cache, state, responses = self._resume(model, cache, state, responses,
+                                                           self._resumption(resumes), step_key)
         final = np.array([[s.final[i] for i in range(lay.rows)] for s in scheds], np.int32)
         stats.preemptions = sum(s.preemptions for s in scheds)
         stats.slot_occupancy /= max(stats.chunks, 1)
         self.last_stats = stats
-        return self._finalize(responses, self._put(final))
+        out = self._finalize(responses, self._put(final))
+        return self._episodes(record, out) if self.turns else out
+
+    def _episodes(self, record: TurnRecord, out) -> MultiTurnRollout:
+        """The finished multi-turn batch, observations and action mask written on the host,
+        laid out by row as `generate_multi_turn`'s (`engine_turns.rollout_of`)."""
+        rollout = rollout_of(record, *jax.device_get(out))
+        rows = self._sharding(P(BATCH_AXES))
+        put = (lambda x: jax.device_put(x, rows)) if rows is not None else jnp.asarray  # noqa: E731
+        return rollout._replace(**{k: put(getattr(rollout, k)) for k in
+                                   ("response_ids", "response_mask", "action_mask", "logprobs")})
+
+    def _resumption(self, resumes: list[list]) -> Resumption:
+        """Replica r's resuming slots `(slot, fed tokens, pages)` as one `Resumption`: K slots
+        per replica (a live-slot bucket), W tokens (a power of two), Wp pages (a page-table
+        width bucket); padding: slot index past the last, trash pages."""
+        lay = self.layout
+        k = pick_width(self.slot_buckets, max(len(r) for r in resumes))
+        longest = max(len(fed) for r in resumes for _, fed, _ in r)
+        width = 1 << max(0, math.ceil(math.log2(longest)))
+        pages = pick_width(self.widths, max(len(p) for r in resumes for _, _, p in r))
+        slots = np.full((lay.replicas, k), lay.slots, np.int32)
+        tokens = np.full((lay.replicas, k, width), self.draw.pad_token_id, np.int32)
+        counts = np.ones((lay.replicas, k), np.int32)
+        table = np.full((lay.replicas, k, pages), TRASH_PAGE, np.int32)
+        for r, items in enumerate(resumes):
+            for i, (slot, fed, held) in enumerate(items):
+                slots[r, i], counts[r, i] = slot, len(fed)
+                tokens[r, i, :len(fed)], table[r, i, :len(held)] = fed, held
+        return Resumption(*(self._put(x) for x in (slots, tokens, counts, table)))
 
     def _chunk(self, model, cache, state, responses, scheds, step_key, stats: EngineStats):
-        """Grow every live sequence's pages, run one decode chunk, retire what finished."""
+        """Grow every live sequence's pages, run one decode chunk, retire what finished;
+        returns the state and, per replica, the slots whose turn ended (multi-turn)."""
         for s in scheds:
-            s.grow()
+            if s.grow() and self.turns:
+                raise RuntimeError("the multi-turn engine preempted a sequence: its pool is "
+                                   "smaller than engine_layout's check allows")
         live = np.stack([s.live() for s in scheds])
         if not live.any():
             raise RuntimeError("the paged engine admitted nothing with every slot free: the "
@@ -288,19 +249,18 @@ class PagedEngine:
                           for s, ix in zip(scheds, slots)])
         packed = np.take_along_axis(live, np.minimum(slots, self.layout.slots - 1), axis=1)
         packed &= slots < self.layout.slots
-        cache, state, responses, lengths, done, steps = self._decode(
+        cache, state, responses, lengths, done, waiting, steps = self._decode(
             model, cache, state, responses, self._put(slots), self._put(table), self._put(packed),
             step_key)
-        lengths, done, steps = jax.device_get((lengths, done, steps))
-        for r, s in enumerate(scheds):
-            s.retire(lengths[r], done[r])
+        lengths, done, waiting, steps = jax.device_get((lengths, done, waiting, steps))
+        held = [s.retire(lengths[r], done[r], waiting[r]) for r, s in enumerate(scheds)]
         stats.chunks += 1
         stats.steps += int(steps)
         stats.row_steps += int(steps) * rows * len(scheds)
         stats.widths[width] = stats.widths.get(width, 0) + 1
         stats.slot_occupancy += float(live.mean())
         stats.rows[rows] = stats.rows.get(rows, 0) + 1
-        return cache, state, responses
+        return cache, state, responses, held
 
     def _admission(self, admitted: list[list[Admitted]]) -> Admission:
         """The replicas' admitted groups as one `Admission`, G per replica rounded up to a

@@ -37,6 +37,8 @@ class DrawSettings:
     pad_token_id: int = 0
     kernel: str = "reference"
     mesh: Any = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-turn: token ids ending a turn
+    turns: bool = False  # multi-turn: a turn end waits for the host instead of ending the row
 
     def draw(self, logits, keys, t):
         return draw(logits, keys, t, temperature=self.temperature, top_k=self.top_k,
@@ -45,17 +47,37 @@ class DrawSettings:
     def stops(self, token):
         return jnp.isin(token, jnp.asarray(self.stop_token_ids or (-1,), jnp.int32))
 
+    def turn_ends(self, responses: "Responses", rows, column, turn_start, token):
+        """`[R, X]` bool: the token just recorded at `(rows, column)` ends a turn: a stop token,
+        or the last of a stop sequence whose k tokens (columns column - k + 1 .. column of the
+        responses) lie inside the turn (column - k + 1 >= turn_start); `rollout.multi_turn`'s
+        rule (`multi_turn_programs.turn_ends_at`)."""
+        hit = self.stops(token)
+        take = jax.vmap(lambda x, r, c: x[r, c])  # per replica: [B/R, N] at [X], [X]
+        for seq in self.stop_sequences:
+            first = column - len(seq) + 1
+            match = first >= turn_start
+            for i, tok in enumerate(seq):
+                cols = jnp.clip(first + i, 0, responses.tokens.shape[2] - 1)
+                match = match & (take(responses.tokens, rows, cols) == tok)
+            hit = hit | match
+        return hit
+
 
 @struct.dataclass
 class SlotState:
     """Per slot `[R, S]`: the last drawn token (not yet fed), its position in the sequence, the
-    slot's batch row (local to the replica), response tokens drawn, whether it is done."""
+    slot's batch row (local to the replica), response columns written, whether it is done; for
+    multi-turn rows, the first column of the current turn and whether its last token ended the
+    turn (the slot is then done until the host answers: `resume_program`)."""
 
     token: jax.Array
     position: jax.Array
     row: jax.Array
     length: jax.Array
     done: jax.Array
+    turn_start: jax.Array
+    waiting: jax.Array
 
 
 @struct.dataclass
@@ -86,9 +108,9 @@ class Admission:
 
 def empty_state(replicas: int, slots: int, rows: int, max_new_tokens: int, pad_token_id: int):
     """`(SlotState, Responses)` of an empty engine: every slot done, responses all pad."""
-    z = jnp.zeros((replicas, slots), jnp.int32)
+    z, no = jnp.zeros((replicas, slots), jnp.int32), jnp.zeros((replicas, slots), bool)
     shape = (replicas, rows, max_new_tokens)
-    return (SlotState(z, z, z, z, jnp.ones((replicas, slots), bool)),
+    return (SlotState(z, z, z, z, jnp.ones((replicas, slots), bool), z, no),
             Responses(jnp.full(shape, pad_token_id, jnp.int32), jnp.zeros(shape, jnp.float32)))
 
 
@@ -156,13 +178,16 @@ def prefill_program(model: Model, cache: PagedKVCache, state: SlotState, respons
     token, logp = token.reshape(replicas, -1), logp.reshape(replicas, -1)
     valid, sample_rows = a.valid.reshape(replicas, -1), a.rows.reshape(replicas, -1)
     prompt_len = jnp.repeat(mask.sum(axis=2), n, axis=1)
-    done = s.stops(token) | (s.max_new_tokens <= 1)
+    zero = jnp.zeros_like(token)
+    responses = _record(responses, sample_rows, zero, token, logp, valid)
+    turn_end = s.turn_ends(responses, sample_rows, zero, zero, token)
+    done = turn_end | (s.max_new_tokens <= 1)
     slots = jnp.where(valid, a.slots.reshape(replicas, -1), state.token.shape[1])
     put = jax.vmap(lambda x, i, v: x.at[i].set(v, mode="drop"))
     state = SlotState(put(state.token, slots, token), put(state.position, slots, prompt_len),
-                      put(state.row, slots, sample_rows),
-                      put(state.length, slots, jnp.ones_like(token)), put(state.done, slots, done))
-    responses = _record(responses, sample_rows, jnp.zeros_like(token), token, logp, valid)
+                      put(state.row, slots, sample_rows), put(state.length, slots, zero + 1),
+                      put(state.done, slots, done), put(state.turn_start, slots, zero),
+                      put(state.waiting, slots, turn_end & s.turns))
     return cache, state, responses
 
 
@@ -181,10 +206,12 @@ def _decode_step(model, cache, state: SlotState, responses: Responses, page_tabl
     token, logp = s.draw(logits, keys, _rows_of(state.length))
     token, logp = token.reshape(replicas, slots), logp.reshape(replicas, slots)
     responses = _record(responses, state.row, state.length, token, logp, active)
-    ended = s.stops(token) | (state.length + 1 >= s.max_new_tokens)
+    turn_end = s.turn_ends(responses, state.row, state.length, state.turn_start, token)
+    ended = turn_end | (state.length + 1 >= s.max_new_tokens)
     step = active.astype(jnp.int32)
     state = SlotState(jnp.where(active, token, state.token), state.position + step, state.row,
-                      state.length + step, state.done | (active & ended))
+                      state.length + step, state.done | (active & ended), state.turn_start,
+                      state.waiting | (active & turn_end & s.turns))
     return cache, state, responses
 
 
@@ -207,7 +234,8 @@ def decode_program(model: Model, cache: PagedKVCache, state: SlotState, response
     first, padded with an index past the last slot; K a bucket: the model runs on K rows, not
     on every slot), `live [R, K]` and `page_table [R, K, W]` (every page the chunk writes) of
     the same slots, stopping early when none is active. Returns `(cache, state, responses,
-    lengths [R, S], done [R, S], steps)` (steps: the one-token steps run, int32)."""
+    lengths [R, S], done [R, S], waiting [R, S], steps)` (steps: the one-token steps run,
+    int32)."""
     module = model.merge()
     full, state = state, _take_slots(state, slots)
 
@@ -223,7 +251,55 @@ def decode_program(model: Model, cache: PagedKVCache, state: SlotState, response
     steps, cache, state, responses = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state,
                                                                     responses))
     state = _put_slots(full, slots, state)
-    return cache, state, responses, state.length, state.done, steps
+    return cache, state, responses, state.length, state.done, state.waiting, steps
+
+
+@struct.dataclass
+class Resumption:
+    """The multi-turn slots that resume after an observation, K per replica (padding: an index
+    past the last slot). slots `[R, K]`; tokens `[R, K, W]`: the turn's last drawn token (not
+    yet fed) then the observation's m tokens, padded; counts `[R, K]` = m + 1; page_table
+    `[R, K, Wp]`: every page of the slot through its last observation token."""
+
+    slots: jax.Array
+    tokens: jax.Array
+    counts: jax.Array
+    page_table: jax.Array
+
+
+def resume_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
+                   resumption: Resumption, step_key, *, settings: DrawSettings):
+    """Feed each resuming slot's last drawn token and its observation (m tokens) into its pages
+    in one forward call (a chunked prefill at the slot's own positions: nothing before them is
+    re-encoded), then draw the first token of its next turn at column length + m with the key
+    of its batch row (`rollout.sampling`), as `rollout.multi_turn` draws it after feeding the
+    observation one token a pass. The observation's columns are left to the host (it knows
+    them; `engine_turns`); the slot's length, position and turn start move past them.
+
+    Returns `(cache, state, responses)`."""
+    s, z = settings, resumption
+    replicas, k, width = z.tokens.shape
+    sub = _take_slots(state, z.slots)
+    valid = z.slots < state.token.shape[1]
+    counts = jnp.where(valid, z.counts, 1)
+    j = jnp.arange(width, dtype=jnp.int32)
+    positions = sub.position[..., None] + j
+    write = valid[..., None] & (j < counts[..., None])
+    view = PagedView(z.page_table, _rows_of(positions), _rows_of(write),
+                     _rows_of(sub.position + counts), s.kernel, s.mesh)
+    lm = model.merge()
+    hidden, cache = lm.backbone(_rows_of(z.tokens), None, cache=cache, paged=view)
+    last = jnp.take_along_axis(hidden, (_rows_of(counts) - 1)[:, None, None], axis=1)[:, 0]
+    column = sub.length + counts - 1  # the observation's m columns, then this draw
+    keys = sample_keys(step_key, _rows_of(_global_rows(sub.row, responses.tokens.shape[1])))
+    token, logp = s.draw(lm.lm_head(last), keys, _rows_of(column))
+    token, logp = token.reshape(replicas, k), logp.reshape(replicas, k)
+    responses = _record(responses, sub.row, column, token, logp, valid)
+    turn_end = s.turn_ends(responses, sub.row, column, column, token)
+    done = turn_end | (column + 1 >= s.max_new_tokens)
+    sub = SlotState(token, sub.position + counts, sub.row, column + 1, done, column,
+                    turn_end & s.turns)
+    return cache, _put_slots(state, jnp.where(valid, z.slots, state.token.shape[1]), sub), responses
 
 
 def finalize(responses: Responses, lengths, pad_token_id: int):

@@ -130,7 +130,9 @@ def _observation(row: int, answer, vocab_size: int) -> Optional[list[int]]:
     return [token_id(f"on_turn_end's answer for row {row}", t, vocab_size) for t in answer]
 
 
-def _ask(on_turn_end, rows: list[int], turns: list[list[int]], vocab_size: int) -> list:
+def ask(on_turn_end, rows: list[int], turns: list[list[int]], vocab_size: int) -> list:
+    """`on_turn_end(rows, turns)`, its answers checked: one per row, each None or a list of ids
+    in the vocabulary (ValueError naming the row otherwise)."""
     answers = on_turn_end(rows, turns)
     if isinstance(answers, (str, bytes)) or not hasattr(answers, "__len__") or \
             len(answers) != len(rows):
@@ -163,7 +165,7 @@ def answer_turns(state: TurnState, on_turn_end, episodes: _Episodes, settings,
         (state.tokens, state.response_mask, state.done, state.waiting, state.forced_end,
          state.turn_start)))
     rows = [int(b) for b in np.flatnonzero(waiting)]
-    answers = _ask(on_turn_end, rows, [tokens[b, turn_start[b]:t + 1].tolist() for b in rows],
+    answers = ask(on_turn_end, rows, [tokens[b, turn_start[b]:t + 1].tolist() for b in rows],
                    vocab_size)
     for b, obs in zip(rows, answers):
         episodes.turn_ends[b].append(t)

@@ -102,17 +102,42 @@ class ReplicaScheduler:
                    for s in self.slots if s is not None)
 
     # ------------------------------------------------------------------ the cycle
-    def retire(self, lengths: np.ndarray, done: np.ndarray) -> None:
+    def retire(self, lengths: np.ndarray, done: np.ndarray,
+               waiting: Optional[np.ndarray] = None) -> list[int]:
         """Read the slots' lengths and done flags `[S]` after a chunk; finished sequences
-        record their length and release their pages and slot."""
+        record their length and release their pages and slot. A done slot whose turn ended
+        (`waiting`, multi-turn) keeps both: it waits for its environment at this chunk
+        boundary. Returns the waiting slots."""
+        held = []
         for i, s in enumerate(self.slots):
             if s is None:
                 continue
             s.length = int(lengths[i])
-            if done[i]:
-                self.final[s.row] = s.length
-                self.pool.release(s.pages)
-                self.slots[i] = None
+            if waiting is not None and waiting[i]:
+                held.append(i)
+            elif done[i]:
+                self.end(i, s.length)
+        return held
+
+    def end(self, slot: int, length: int) -> None:
+        """The sequence in `slot` is finished with `length` response columns: its pages and
+        slot come free."""
+        s = self.slots[slot]
+        self.final[s.row] = length
+        self.pool.release(s.pages)
+        self.slots[slot] = None
+
+    def extend(self, slot: int, tokens: int) -> list[int]:
+        """Give the waiting sequence in `slot` the pages of `tokens` more fed tokens (its last
+        drawn token and an observation) and count the observation's columns and the next
+        draw in its length; returns its pages. The pool must hold them (`engine_layout`
+        sizes a multi-turn pool so that it always does)."""
+        s = self.slots[slot]
+        first = s.prompt_len + s.length - 1  # the position of the last drawn token
+        while len(s.pages) < pages_for(first + tokens, self.page_size):
+            s.pages += self.pool.take(1)
+        s.length += tokens
+        return s.pages
 
     def admit(self) -> list[Admitted]:
         """Admit waiting groups, in queue order, while their slots and pages fit."""

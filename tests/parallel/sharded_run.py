@@ -14,6 +14,7 @@ joins a multi-process run through `distributed.initialize`; only process 0 write
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--loop", choices=("step", "train"), default="step")
     parser.add_argument("--set", action="append", default=[], help="extra config override")
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        help="a module to import first (registers an environment, a loss, ...)")
     parser.add_argument("--coordinator")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
@@ -105,6 +108,8 @@ def main() -> None:
 
         initialize(DistributedConfig(enabled=True, coordinator_address=args.coordinator,
                                      num_processes=args.num_processes, process_id=args.process_id))
+    for name in args.imports:
+        importlib.import_module(name)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for mesh in args.mesh:
         run(args, tuple(int(s) for s in mesh.split(",")))

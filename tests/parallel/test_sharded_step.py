@@ -153,6 +153,27 @@ def test_paged_engine_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
     assert want[0]["metrics"][0]["rollout/prefills"] >= 1
 
 
+ENV = ("--import", "tests.trainer.scripted_environment", "--set", "env.name=scripted_tool",
+       "--set", "env.stop_strings=[good,great,what,very,not,do]",
+       "--set", "generation.max_new_tokens=32", "--set", "env.max_observation_tokens=8")
+
+
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_multi_turn_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache, engine):
+    """Episodes with a scripted tool environment (observations inside the responses, the
+    action mask through the update) on 4 data replicas: the same step as on one device, with
+    the static multi-turn sampler and with the paged engine (its episodes waiting at chunk
+    boundaries on each replica)."""
+    out, mesh = tmp_path / "runs", (2, 2, 2)
+    paged = ("--set", "generation.engine=paged", "--set", "generation.page_size=8",
+             "--set", "generation.decode_chunk=4") if engine == "paged" else ()
+    finish(launch(out, [(1, 1, 1), mesh], devices=8, cache=cache, extra=ENV + paged))
+    got, want = load(out, mesh), load(out, (1, 1, 1))
+    assert_same_run(got, want, f"multi-turn {engine}, mesh 2x2x2", skip=ENGINE_FIGURES)
+    first = want[0]["metrics"][0]
+    assert first["env/tool_call_rate"] > 0 and first["action_length"] < first["response_length"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -113,6 +113,48 @@ def test_a_tool_environment_trains_over_observations(tmp_path, monkeypatch):
             r.get("env/reward/correct", 0.0) + r.get("env/reward/tool_cost", 0.0), abs=1e-6)
 
 
+TOOL = ("--set", "env.name=scripted", "--set", "generation.max_new_tokens=32", "--set",
+        "env.stop_strings=[good,great,what,very,not,do]")
+
+
+def test_the_paged_engine_plays_the_same_episodes(tmp_path, monkeypatch):
+    """`generation.engine: paged` with an environment: turns wait at chunk boundaries (2 slots
+    for 4 rows, chunks of 3), observations are prefilled into the pages; the run's episodes,
+    rewards and losses are the static multi-turn sampler's."""
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    code, static = run(tmp_path, "static", *TOOL)
+    code2, paged = run(tmp_path, "paged", *TOOL, "--set", "generation.engine=paged", "--set",
+                       "generation.page_size=8", "--set", "generation.max_concurrent=2",
+                       "--set", "generation.decode_chunk=3")
+    assert code == code2 == 0
+    compared = 0
+    for a, b in zip(static, paged, strict=True):
+        for k, v in a.items():
+            if not k.startswith(("time/", "tokens_per_s", "memory", "rss")):
+                assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (a["step"], k, v, b[k])
+                compared += 1
+        assert b["rollout/prefills"] >= 2 and b["rollout/preemptions"] == 0
+    assert compared > 60 and any(r["action_length"] < r["response_length"] for r in paged)
+    assert any(r.get("rollout/turn_rounds", 0) >= 1 for r in paged)
+
+
+def test_a_resumed_multi_turn_run_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Episodes end inside their step: the checkpoint at a step boundary holds no episode, and
+    the environment's state is the explicit value `reset` rebuilds; so a run stopped after
+    step 1 and resumed logs the uninterrupted run's figures to the bit."""
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    code, straight = run(tmp_path, "straight", *TOOL, "--set", "train.save_every=1", steps=3)
+    code2, _ = run(tmp_path, "stopped", *TOOL, "--set", "train.save_every=1", steps=1)
+    code3, resumed = run(tmp_path, "stopped", *TOOL, "--set", "train.save_every=1", "--resume",
+                         steps=3)
+    assert code == code2 == code3 == 0
+    volatile = ("time/", "tokens_per_s", "memory", "rss")
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(volatile)}  # noqa: E731
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [strip(r) for r in resumed] == [strip(r) for r in straight]
+    assert any(r["action_length"] < r["response_length"] for r in straight)
+
+
 def test_the_held_out_evaluation_plays_episodes(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     code, rows = run(tmp_path, "eval", "--set", "env.name=scripted", "--set",
@@ -153,7 +195,6 @@ def test_an_unknown_environment_is_refused_at_load_time(tmp_path, capsys):
     (["env.max_turns=0"], "env.max_turns"),
     (["env.timeout_s=0"], "env.timeout_s"),
     (["env.max_observation_tokens=-1"], "env.max_observation_tokens"),
-    (["generation.engine=paged"], "generation.engine=static"),
     (["ppo.dynamic_sampling=true", "generation.samples_per_prompt=2"], "dynamic_sampling"),
     (["ppo.advantage_estimator=remax"], "greedy baseline"),
     (["env.kwargs.format=json"], "format='json'"),
@@ -166,3 +207,20 @@ def test_env_settings_that_cannot_run_are_refused_at_load_time(tmp_path, capsys,
         args += ["--set", s]
     assert train.main(args) == 2 and not out.exists()
     assert message in capsys.readouterr().err
+
+
+def test_a_paged_pool_that_cannot_hold_every_slots_episode_is_refused(tmp_path, capsys):
+    """9 pages hold one sequence of 40 tokens (5 pages of 8) and the trash page: enough for
+    single-turn PPO (finished sequences free pages, the youngest is preempted), not for two
+    slots of episodes, which are never preempted."""
+    out = tmp_path / "nothing"
+    paged = ["generation.engine=paged", "generation.page_size=8", "generation.num_pages=9",
+             "generation.max_concurrent=2"]
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--set", f"train.output_dir={out}",
+            "--set", "env.name=scripted"]
+    for s in paged:
+        args += ["--set", s]
+    assert train.main(args) == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "generation.num_pages=9 gives 9 pages per replica" in err
+    assert "a replica needs 11: every slot of 40 tokens" in err

@@ -121,10 +121,6 @@ def _validate_env(cfg: Config) -> None:
         raise ConfigError(f"env.stop_strings={e.stop_strings!r} must be non-empty strings")
     if e.name is None or cfg.stage != "ppo":
         return
-    if cfg.generation.engine != "static":
-        raise ConfigError(f"env.name={e.name!r} runs on generation.engine=static (it is "
-                          f"{cfg.generation.engine!r}): the paged engine does not yet hand a "
-                          "waiting sequence to its environment")
     if cfg.ppo.dynamic_sampling:
         raise ConfigError(f"env.name={e.name!r} cannot be used with ppo.dynamic_sampling=true "
                           "yet: its rounds sample single responses")

@@ -248,8 +248,8 @@ def check_kernel(cfg: Config, model_cfg, mesh) -> None:
 
 def check_engine(cfg: Config, replicas: int) -> None:
     """With `generation.engine: paged`, the engine's settings against the run's widest batch
-    (`data.max_prompt_length` wide prompts) on `replicas` = mesh data x fsdp replicas, before
-    any model is loaded (`rollout.engine.engine_layout`, `check_page_size`).
+    (`data.max_prompt_length` wide prompts) on `replicas` = mesh data x fsdp replicas (with
+    `env.name`, a pool that holds every slot's longest episode), before any model is loaded (`rollout.engine.engine_layout`, `check_page_size`).
 
     Raises:
       ConfigError: naming the `generation.*` key and its value.
@@ -261,7 +261,8 @@ def check_engine(cfg: Config, replicas: int) -> None:
     try:
         engine_layout(settings, batch=cfg.ppo.batch_size, prompt_width=width,
                       max_new_tokens=g.max_new_tokens, replicas=replicas,
-                      group_size=g.samples_per_prompt if g.share_prompt_prefill else 1)
+                      group_size=g.samples_per_prompt if g.share_prompt_prefill else 1,
+                      turns=bool(cfg.env.name))
         check_page_size(g.page_size, width + g.max_new_tokens,
                         "data.max_prompt_length + generation.max_new_tokens")
     except ValueError as e:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from ppo_jax.rollout.engine import EngineSettings, PagedEngine
 from ppo_jax.rollout.forward import Rollout
 from ppo_jax.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings, generate_multi_turn
 from ppo_jax.rollout.observations import observation_tokens
@@ -36,6 +37,7 @@ from ppo_jax.trainer.environments import (
     ALL_STOP_STRINGS, EpisodeFailure, get_environment, run_reset, run_step,
 )
 from ppo_jax.trainer.stages.ppo.parts import Sampled, group_ids
+from ppo_jax.trainer.stages.ppo.samplers import engine_metrics
 
 MAX_REPORTED_FAILURES = 3  # per step, on stderr; all are counted in env/failures
 
@@ -65,8 +67,11 @@ class EpisodeRunner:
     """Runs a batch's episodes: `runner(actor, prompt_ids, prompt_mask, rows, key)` ->
     `(MultiTurnRollout, scores [B] float32, stats)` (see the module docstring)."""
 
-    def __init__(self, env_cfg, sampling: SamplingSettings, tokenizer):
+    def __init__(self, env_cfg, sampling: SamplingSettings, tokenizer,
+                 engine: Optional[EngineSettings] = None, model_cfg=None):
         self.cfg, self.tokenizer = env_cfg, tokenizer
+        self.engine, self.model_cfg, self.engines = engine, model_cfg, {}
+        self.last_stats = None  # the paged engine's `EngineStats` of the last batch
         self.env = get_environment(env_cfg.name, **env_cfg.kwargs)
         stops = env_cfg.stop_strings
         if stops is None:
@@ -114,13 +119,27 @@ class EpisodeRunner:
         def on_turn_end(batch_rows, turns):
             return [self._answer(episodes[b], turn) for b, turn in zip(batch_rows, turns)]
 
-        out = generate_multi_turn(actor, prompt_ids, prompt_mask, key, settings=self.settings,
-                                  on_turn_end=on_turn_end)
+        out = self._sample(actor, prompt_ids, prompt_mask, key, on_turn_end)
         for b, turn in enumerate(cut_turns(out)):
             if turn:  # the budget ended this turn: the environment still scores it
                 self._answer(episodes[b], turn)
         self._report(episodes)
         return out, episodes
+
+    def _sample(self, actor, prompt_ids, prompt_mask, key, on_turn_end) -> MultiTurnRollout:
+        """The static multi-turn sampler, or the paged engine (one per prompt shape, built on
+        first use) when the run has `generation.engine: paged`."""
+        if self.engine is None:
+            return generate_multi_turn(actor, prompt_ids, prompt_mask, key,
+                                       settings=self.settings, on_turn_end=on_turn_end)
+        shape = tuple(prompt_ids.shape)
+        if shape not in self.engines:
+            self.engines[shape] = PagedEngine(actor.graphdef, self.model_cfg, self.settings,
+                                              self.engine, batch=shape[0], prompt_width=shape[1])
+        engine = self.engines[shape]
+        out = engine.generate(actor.params, prompt_ids, prompt_mask, key, on_turn_end=on_turn_end)
+        self.last_stats = engine.last_stats
+        return out
 
     def __call__(self, actor, prompt_ids, prompt_mask, rows: list[dict], key):
         out, episodes = self.play(actor, prompt_ids, prompt_mask, rows, key)
@@ -152,7 +171,7 @@ def sampled_episodes(runner: EpisodeRunner, actor, batch, gen_key, update_key, r
         group_ids=group_ids(place, batch_size, n), baseline_scores=None, update_key=update_key,
         rng=rng, prompt_width=batch.width, response_width=int(width), end=time.perf_counter(),
         rows=batch.rows, scores=place.put_rows(scores, (batch_size,)), reward_stats=stats,
-        rollout_logprobs=columns.cut(out.logprobs, width),
+        rollout_logprobs=columns.cut(out.logprobs, width), engine_stats=engine_metrics(runner),
         action_mask=columns.cut(out.action_mask, width) if has_observations(out) else None,
         ended=place.put_rows(np.asarray(out.ended, bool), (batch_size,)))
 

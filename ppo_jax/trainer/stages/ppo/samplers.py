@@ -105,11 +105,15 @@ def rollout_samplers(cfg: Config, sampling: SamplingSettings, place, actor: Mode
 def engine_metrics(sampler) -> dict:
     """The paged engine's figures of its last call (`rollout/*`; none for the static sampler):
     preemptions, the mean fraction of slots live per chunk, decode steps, prefill calls, the
-    most pages in use at once (in one replica)."""
+    most pages in use at once (in one replica); with an environment, the host rounds that
+    answered waiting turns."""
     stats = getattr(sampler, "last_stats", None)
     if stats is None:
         return {}
-    return {"rollout/preemptions": float(stats.preemptions),
-            "rollout/slot_occupancy": stats.slot_occupancy,
-            "rollout/decode_steps": float(stats.steps), "rollout/prefills": float(stats.prefills),
-            "rollout/peak_pages": float(stats.peak_pages)}
+    out = {"rollout/preemptions": float(stats.preemptions),
+           "rollout/slot_occupancy": stats.slot_occupancy,
+           "rollout/decode_steps": float(stats.steps), "rollout/prefills": float(stats.prefills),
+           "rollout/peak_pages": float(stats.peak_pages)}
+    if stats.turn_rounds:
+        out["rollout/turn_rounds"] = float(stats.turn_rounds)
+    return out

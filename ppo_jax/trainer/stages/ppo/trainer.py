@@ -35,7 +35,7 @@ from ppo_jax.trainer.stages.ppo import (
 )
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import Learned, LastRollout, PromptBatch, Sampled, Scored
-from ppo_jax.trainer.stages.ppo.settings import settings_for
+from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 from ppo_jax.trainer.state import full_params
 
 
@@ -98,7 +98,8 @@ class PPOTrainer(StageTrainer):
                                                 self.stop_ids),
             stop_token_ids=self.stop_ids,
             pad_token_id=pad_token_id(self.tokenizer, models.actor.cfg))
-        self.episodes = (episodes.EpisodeRunner(cfg.env, self.settings.sampling, self.tokenizer)
+        self.episodes = (episodes.EpisodeRunner(cfg.env, self.settings.sampling, self.tokenizer,
+                                                 engine_settings(cfg), models.actor.cfg)
                          if cfg.env.name and not self.is_abstract else None)
         params = build.build_params(cfg, place, models)  # takes over the loaded param buffers
         self.actor_tx, self.critic_tx, self.state = params.actor_tx, params.critic_tx, params.state
