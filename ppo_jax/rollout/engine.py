@@ -15,6 +15,10 @@ slot (`decode_program`), finished sequences free their slots and pages, and the 
 until every row is answered. The tokens equal the static sampler's under the same key: both
 draw token t of row b with the key (step key, b, t) (`rollout.sampling`).
 
+Built with `rollout.multi_turn.MultiTurnSettings`, the engine plays multi-turn episodes: a turn
+that ends waits at the chunk boundary for its environment, and its observation is prefilled
+into its pages (`engine_turns`).
+
 Shapes stay static: the prefill compiles once per admitted-group count bucket (powers of two)
 and the decode chunk once per page-table width bucket (`decode_buckets` widths up to the
 longest sequence's pages): attention reads the pages the longest live sequence holds, not

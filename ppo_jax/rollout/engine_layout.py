@@ -96,7 +96,7 @@ def engine_layout(settings: EngineSettings, *, batch: int, prompt_width: int,
                              max_new_tokens=max_new_tokens, chunk=s.decode_chunk)
     need = 1 + max(max_pages, probe.group_need(prompt_width, n))
     if turns:
-        need = max(need, 1 + (slots // replicas) * max_pages)
+        need = max(need, 1 + min(slots, batch) // replicas * max_pages)
     if s.num_pages % replicas or pages < need:
         raise ValueError(f"generation.num_pages={s.num_pages} gives {pages} pages per replica "
                          f"({replicas} replicas, the trash page included); a replica needs "
