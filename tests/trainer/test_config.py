@@ -112,7 +112,7 @@ def _code_accepts():
     from ppo_jax.models.config import DTYPES, remat_policy_names
     from ppo_jax.models.lora import INITS, fresh_adapter
     from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
-    from ppo_jax.rollout.engine import ATTENTION_KERNELS, ENGINES, EngineSettings, engine_layout
+    from ppo_jax.rollout.engine_layout import ATTENTION_KERNELS, ENGINES, EngineSettings, engine_layout
     from ppo_jax.rollout.observations import OBSERVATION_ROLES, observation_frame
     from ppo_jax.rollout.weights import ROLLOUT_LAYOUTS, resolve_layout
     from ppo_jax.trainer.data.prompts import TRUNCATIONS, tokenize_prompts

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ppo_jax.models.config import Dtype
-from ppo_jax.rollout.engine import AttentionKernel, RolloutEngine
+from ppo_jax.rollout.engine_layout import AttentionKernel, RolloutEngine
 from ppo_jax.rollout.weights import RolloutLayout
 from ppo_jax.trainer.config.fields import opt
 
