@@ -16,6 +16,7 @@ from ppo_jax.core import init_kl_controller
 from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
 from ppo_jax.rollout.forward import Rollout, ForwardSettings
 from ppo_jax.trainer.config import load_config
+from ppo_jax.trainer.data.tasks import PLAIN_INSTRUCTION
 from ppo_jax.trainer.rewards.functions import register_reward_function
 from ppo_jax.trainer.stages.ppo.dynamic import select_rollout
 
@@ -31,18 +32,23 @@ def rows_of(out: Path) -> list[dict]:
 
 
 def test_tiny_rlvr_config_runs_and_logs_accuracy_and_pass_at_k(tmp_path, monkeypatch):
+    """... and the figures format cannot inflate: the format rate, the format-free accuracy
+    and, with eval.plain_instruction, the plain-instruction accuracy (docs/rlvr.md)."""
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     assert train.main(["--config", str(TINY_RLVR), "--set", f"train.output_dir={out}",
                        "--set", "train.progress=false", "--set", "eval.every=2",
-                       "--set", "train.save_every=0", "--set", "train.export_hf=false"]) == 0
+                       "--set", "train.save_every=0", "--set", "train.export_hf=false",
+                       "--set", f"eval.plain_instruction={PLAIN_INSTRUCTION}"]) == 0
     rows = rows_of(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in (rows[0], rows[2]):  # the evaluations
         assert 0.0 <= r["eval/accuracy"] <= r["eval/pass@2"] <= 1.0
-        assert 0.0 <= r["eval/format"] <= 1.0
+        for key in ("eval/format", "eval/accuracy_format_free", "eval/accuracy_plain"):
+            assert 0.0 <= r[key] <= 1.0
     for r in rows[1:]:
-        assert {"reward/accuracy", "reward/format", "pg_loss", "kl"} <= set(r)
+        assert {"reward/accuracy", "reward/format", "reward/accuracy_format_free", "pg_loss",
+                "kl"} <= set(r)
         assert r["score_mean"] == pytest.approx(r["reward/accuracy"] + 0.1 * r["reward/format"],
                                                 abs=1e-6)
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]

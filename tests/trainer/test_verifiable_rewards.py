@@ -107,7 +107,7 @@ def test_score_texts_passes_rows_only_to_functions_that_take_them():
     _, scores, parts = score_texts(get_reward_function("math_verify"), decode, ["a", "b"], ids,
                                    mask, rows=[{"answer": "3"}, {"answer": "3"}])
     np.testing.assert_array_equal(scores, [1, 0])
-    assert sorted(parts) == ["accuracy", "format"]
+    assert sorted(parts) == ["accuracy", "accuracy_format_free", "format"]
 
 
 def test_reward_output_checks_shapes_and_the_score_entry():

@@ -18,6 +18,8 @@ from ppo_jax.trainer.config.help import leaves
 from ppo_jax.trainer.config.schema import (
     Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
 )
+from ppo_jax.trainer.data.tasks import TASK_SOURCE
+from ppo_jax.trainer.rewards.verifiers import TAG_MENTION
 from ppo_jax.trainer.tracking.loggers import (
     DATABASE_MODULES, WANDB_HOST, database_uri, has_wandb_key,
 )
@@ -87,6 +89,7 @@ def validate(cfg: Config) -> None:
     _validate_lora(cfg)
     _validate_eval(cfg.eval)
     _validate_task(cfg)
+    _validate_plain_instruction(cfg)
     _positive("train.steps", cfg.train.steps)
     for name in ("data", "fsdp", "tensor"):
         size = getattr(cfg.mesh, name)
@@ -256,6 +259,22 @@ def _validate_task(cfg: Config) -> None:
                               "held-out problems must come from another seed")
     if not isinstance(cfg.reward.function_kwargs, dict):
         raise ConfigError(f"reward.function_kwargs={cfg.reward.function_kwargs!r} must be a mapping")
+
+
+def _validate_plain_instruction(cfg: Config) -> None:
+    """`eval.plain_instruction`: the held-out task problems asked again without the tag, scored
+    by the reward function's `accuracy_format_free` (docs/rlvr.md)."""
+    text, e = cfg.eval.plain_instruction, cfg.eval
+    if text is None:
+        return
+    if not text.strip() or TAG_MENTION.search(text):
+        raise ConfigError(f"eval.plain_instruction={text!r} must be a non-empty instruction "
+                          "that never mentions the <answer> tag")
+    if e.prompts != TASK_SOURCE or cfg.reward.kind != "function" or cfg.env.name:
+        raise ConfigError(f"eval.plain_instruction={text!r} re-asks the held-out problems of "
+                          f"data.task: it needs eval.prompts: task (it is {e.prompts!r}), "
+                          f"reward.kind: function (it is {cfg.reward.kind!r}) and no env.name "
+                          f"(it is {cfg.env.name!r})")
 
 
 def _validate_stage(cfg: Config) -> None:

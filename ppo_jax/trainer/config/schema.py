@@ -299,6 +299,10 @@ class EvalConfig:
     seed: int = opt(1234, "the fixed PRNG key of every evaluation")
     max_new_tokens: Optional[int] = opt(None, "null: generation.max_new_tokens")
     num_samples: int = opt(2, "decoded eval responses written to samples.jsonl (\"eval\": true)")
+    plain_instruction: Optional[str] = opt(
+        None, "with prompts: task, also ask the held-out problems with this instruction in "
+        "place of data.task.instruction and without data.response_prefix (it must not mention "
+        "the <answer> tag), scored on the last number: eval/accuracy_plain; null: off")
 
 
 @dataclass

@@ -11,7 +11,7 @@ appended), are tokenised, and left-padded to one fixed width so every step has t
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -83,6 +83,25 @@ def prompt_records(cfg, source: str, key: str) -> tuple[list[str], list[dict]]:
     splits = task_splits(cfg.data.task, eval_seed=cfg.eval.task_seed, eval_size=held)
     records = splits.held_out if key.startswith("eval") else splits.train
     return [r["prompt"] for r in records], [extra_fields(r, "prompt") for r in records]
+
+
+def plain_instruction_config(cfg, instruction: str):
+    """`cfg` (a run's `Config`) asking its held-out task problems plainly: `instruction` in
+    place of `data.task.instruction` and no `data.response_prefix`, so neither the prompt nor
+    the start of the answer names a format (`eval.plain_instruction`, docs/rlvr.md; cleared in
+    the result, which is the plain pass itself). The problems stay the same: the held-out
+    split depends on the task, its kwargs and seeds only.
+
+    Raises:
+      ValueError: `eval.prompts` is not 'task' (a prompt file's instruction is part of its
+        text and cannot be replaced), naming it.
+    """
+    if cfg.eval.prompts != TASK_SOURCE:
+        raise ValueError(f"a plain instruction re-asks the problems of data.task: it needs "
+                         f"eval.prompts: task, not {cfg.eval.prompts!r}")
+    data = replace(cfg.data, task=replace(cfg.data.task, instruction=instruction),
+                   response_prefix=None)
+    return replace(cfg, data=data, eval=replace(cfg.eval, plain_instruction=None))
 
 
 def _field(record, field: str, path: Path, index: int, key: str) -> str:

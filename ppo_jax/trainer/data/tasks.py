@@ -20,6 +20,9 @@ import json
 from dataclasses import dataclass
 
 TASK_SOURCE = "task"  # data.prompts / eval.prompts: the prompts of data.task
+# the instruction of the plain-instruction accuracy (eval.plain_instruction;
+# scripts/compare_accuracy.py's default): asks for a number and never names the <answer> tag
+PLAIN_INSTRUCTION = "Give the final answer as a number at the end."
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ driver scores as a wrong answer; the environment is not told.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Optional, Union
@@ -35,9 +34,8 @@ from ppo_jax.trainer.environments.calculator import CalculatorError, CalculatorL
 from ppo_jax.trainer.environments.tool_calls import (
     FORMATS, MalformedCall, ToolCall, call_text, malformed, parse_tool_call,
 )
-from ppo_jax.trainer.rewards.verifiers import tagged_answer
+from ppo_jax.trainer.rewards.verifiers import format_free_answer, tagged_answer
 
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 EXAMPLE_EXPRESSION = "12*34"
 
 
@@ -46,12 +44,13 @@ def final_number(text: str) -> Optional[Fraction]:
     the last number inside the last `<answer>...</answer>` when the text has that tag (none
     in it: None; the text outside does not count), else the last number of the whole text.
 
-    A number: optional minus (not after a word character or `)`, so `12-3` reads 12 and 3),
-    digits with optional thousands separators (`1,234`), optional decimals (`2.5`).
+    A number is what `rewards.verifiers.format_free_answer` reads: optional minus (not after a
+    word character or `)`, so `12-3` reads 12 and 3), digits with optional thousands
+    separators (`1,234`), optional decimals (`2.5`).
     """
     answer = tagged_answer(text)
-    found = _NUMBER.findall(answer if answer is not None else text)
-    return Fraction(found[-1].replace(",", "")) if found else None
+    found = format_free_answer(answer if answer is not None else text)
+    return Fraction(found) if found is not None else None
 
 
 def _as_fraction(value: Any) -> Optional[Fraction]:

@@ -15,7 +15,8 @@ Optional extensions, used by the verifiable rewards below:
   `entry`; `data.prompt_records`). Functions without it are called as before.
 - it may return a dict `{"score": [B], name: [B], ...}` instead of the scores: the other
   entries are components the trainer logs as `reward/<name>` (training) and `eval/<name>`
-  (held-out evaluation; `accuracy` there also gives pass@k).
+  (held-out evaluation; `accuracy` there also gives pass@k, and `accuracy_format_free`,
+  with `eval.plain_instruction`, `eval/accuracy_plain`).
 """
 
 from __future__ import annotations
@@ -137,12 +138,16 @@ def response_length() -> RewardFunction:
 def reasoning_gym_reward(format_weight: float = 0.0) -> RewardFunction:
     """Verifiable reward of reasoning-gym problems (`data.prompts: task`): the task's own
     `score_answer` on the response's `<answer>...</answer>` (`verifiers.task_score`), plus
-    `format_weight` when the tagged answer is there. Components: `accuracy`, `format`."""
+    `format_weight` when the tagged answer is there. Components: `accuracy`, `format`,
+    `accuracy_format_free` (`score_answer` on the response's last number, tag or not)."""
 
     def score(prompts: list[str], responses: list[str], *, rows: list[dict]) -> dict:
         del prompts
-        accuracy = np.asarray([verifiers.task_score(r, row) for r, row in zip(responses, rows)])
-        return _with_format(accuracy, responses, format_weight)
+        pairs = list(zip(responses, rows))
+        accuracy = np.asarray([verifiers.task_score(r, row) for r, row in pairs])
+        free = np.asarray([verifiers.task_score(r, row, extract=verifiers.format_free_answer)
+                           for r, row in pairs])
+        return _with_format(accuracy, free, responses, format_weight)
 
     return score
 
@@ -156,13 +161,16 @@ def math_verify_reward(format_weight: float = 0.0) -> RewardFunction:
     """Verifiable reward of math answers: 1 when math-verify finds the response's answer (its
     `<answer>` text, else the whole response: LaTeX, `\\boxed{}`, plain numbers) equal to the
     prompt row's `answer` (`verifiers.math_correct`), plus `format_weight` when the response has
-    an `<answer>` tag. Components: `accuracy`, `format`."""
+    an `<answer>` tag. Components: `accuracy`, `format`, `accuracy_format_free` (math-verify on
+    the response's last number, tag or not)."""
 
     def score(prompts: list[str], responses: list[str], *, rows: list[dict]) -> dict:
         del prompts
-        accuracy = np.asarray([verifiers.math_correct(r, row.get("answer"))
-                               for r, row in zip(responses, rows)])
-        return _with_format(accuracy, responses, format_weight)
+        golds = [row.get("answer") for row in rows]
+        accuracy = np.asarray([verifiers.math_correct(r, g) for r, g in zip(responses, golds)])
+        free = np.asarray([verifiers.math_correct(r, g, extract=verifiers.format_free_answer)
+                           for r, g in zip(responses, golds)])
+        return _with_format(accuracy, free, responses, format_weight)
 
     return score
 
@@ -172,11 +180,13 @@ math_verify_reward.row_hint = (" (a .jsonl / .json / .parquet of records with `p
                                "`answer`)")
 
 
-def _with_format(accuracy: np.ndarray, responses: list[str], weight: float) -> dict:
-    """`{"score": accuracy + weight * format, "accuracy", "format"}`, format 1 where the
-    response has a tagged answer."""
+def _with_format(accuracy: np.ndarray, free: np.ndarray, responses: list[str],
+                 weight: float) -> dict:
+    """`{"score": accuracy + weight * format, "accuracy", "format", "accuracy_format_free":
+    free}`, format 1 where the response has a tagged answer (the format rate is its mean)."""
     fmt = np.asarray([verifiers.tagged_answer(r) is not None for r in responses], np.float32)
-    return {"score": accuracy + weight * fmt, "accuracy": accuracy, "format": fmt}
+    return {"score": accuracy + weight * fmt, "accuracy": accuracy, "format": fmt,
+            "accuracy_format_free": free}
 
 
 def score_texts(reward_fn: RewardFunction, decode: Callable, prompts: list[str], ids: np.ndarray,

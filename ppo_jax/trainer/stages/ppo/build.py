@@ -21,10 +21,11 @@ from ppo_jax.models.functional import Model
 from ppo_jax.rollout.experience import PPOModels
 from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.config import Config
+from ppo_jax.trainer.data.prompts import plain_instruction_config
 from ppo_jax.trainer.loading.models import prompt_set
 from ppo_jax.trainer.optim import optimizer_from_config
 from ppo_jax.trainer.state import full_params
-from ppo_jax.trainer.stages.ppo import dynamic, samplers, steps
+from ppo_jax.trainer.stages.ppo import dynamic, samplers, steps, text_rewards
 from ppo_jax.trainer.stages.ppo.evaluation import (
     EvalSettings, Evaluator, eval_batch, eval_rows_multiple,
 )
@@ -107,13 +108,21 @@ def build_evaluator(cfg: Config, place, tokenizer, model_cfg, settings: EvalSett
     """The held-out evaluation (`eval.*`): the eval prompts tokenised like the training
     prompts (`loading.models.prompt_set`; shapes only when `abstract`), sampled with the eval
     `settings`, scored by the run's reward (`reward_fn`, or the reward model), its models laid
-    out as `shardings` (the critic left out).
+    out as `shardings` (the critic left out); with `eval.plain_instruction`, its `plain`
+    evaluator of the same problems asked plainly (`data.prompts.plain_instruction_config`),
+    decoded without `data.response_prefix`.
 
     Raises:
       FileNotFoundError / ValueError / ConfigError: a bad eval prompt file, or prompts too
         long for the context (see `loading.models.build_prompts`).
     """
     e = cfg.eval
+    plain = None
+    if e.plain_instruction:  # the same problems, plainly asked: eval/accuracy_plain
+        plain = build_evaluator(plain_instruction_config(cfg, e.plain_instruction), place,
+                                tokenizer, model_cfg, settings, shardings, abstract=abstract,
+                                reward_fn=reward_fn,
+                                decode=partial(text_rewards.decode_responses, tokenizer, ""))
     prompts = prompt_set(cfg, tokenizer, model_cfg, e.prompts, "eval.prompts", abstract=abstract,
                          new_tokens=settings.sampling.max_new_tokens, rows=e.num_prompts,
                          new_tokens_key=("eval.max_new_tokens" if e.max_new_tokens
@@ -122,7 +131,7 @@ def build_evaluator(cfg: Config, place, tokenizer, model_cfg, settings: EvalSett
                        eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size),
                        e.samples_per_prompt)
     return Evaluator(batch, settings, place, replace(shardings, critic=None), seed=e.seed,
-                     reward_fn=reward_fn, decode=decode)
+                     reward_fn=reward_fn, decode=decode, plain=plain)
 
 
 def build_programs(cfg: Config, st, place, m, *, actor, models_sh, state: dict, frozen: dict,

@@ -16,14 +16,16 @@ k1 estimate of training's `kl`), response length and the fraction of responses t
 stop token. A reward function's components are logged as `eval/<name>` means; a verifier's
 `accuracy` is `eval/accuracy`, and with `eval.samples_per_prompt` = k > 1 every prompt is
 answered k times (adjacent rows, one group) and `eval/pass@k` is the fraction of prompts with
-at least one fully right answer (accuracy 1).
+at least one fully right answer (accuracy 1). With `eval.plain_instruction` a second
+`Evaluator` (`plain`) asks the same problems plainly (no tag named, no response prefix) with
+the same key; its `accuracy_format_free` mean is `eval/accuracy_plain` (docs/rlvr.md).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import jax
@@ -165,12 +167,15 @@ class Evaluator:
       seed: `eval.seed`, the PRNG key of every evaluation.
       reward_fn: `fn(prompts, responses) -> [n] scores` on text, or None for the reward model.
       decode: `fn(ids [n, N], mask [n, N]) -> n strings`.
+      plain: the `Evaluator` of the same problems under `eval.plain_instruction` (its reward
+        function must report `accuracy_format_free`), or None.
     """
 
     def __init__(self, batch: EvalBatch, settings: EvalSettings, place, shardings: PPOModels, *,
-                 seed: int, reward_fn: Optional[Callable], decode: Callable):
+                 seed: int, reward_fn: Optional[Callable], decode: Callable,
+                 plain: Optional["Evaluator"] = None):
         self.batch, self.place, self.reward_fn, self.decode = batch, place, reward_fn, decode
-        self.settings = settings
+        self.settings, self.plain = settings, plain
         by_row, rep = place.by_row, place.replicated
         size, width = batch.ids.shape
         self.lo, self.hi = place.row_range(size)
@@ -196,15 +201,20 @@ class Evaluator:
 
     def programs(self, models: PPOModels, *, per_step: float) -> list:
         """Its two jitted calls with abstract arguments (`trainer.programs.Program`): the eval
-        sampler and the forward passes, responses `settings.sampling.max_new_tokens` long."""
+        sampler and the forward passes, responses `settings.sampling.max_new_tokens` long; with
+        `plain`, its two as well (`eval_plain_sampler`, `eval_plain_forward`)."""
         size, new = self.batch.ids.shape[0], self.settings.sampling.max_new_tokens
         resp = batch_shape(self.place, (size, new), jnp.int32)
         scores = None if self.reward_fn is None else batch_shape(self.place, (size,), jnp.float32)
         note = f"every {round(1 / per_step)} steps" if per_step else ""
-        return [Program("eval_sampler", self._sample, (models.actor, self.q, self.qm, self.key),
-                        per_step, note, while_trips=new - 1),
-                Program("eval_forward", self._stats, (models, self.q, self.qm, resp, resp, scores,
-                                                      self.valid), per_step, note)]
+        out = [Program("eval_sampler", self._sample, (models.actor, self.q, self.qm, self.key),
+                       per_step, note, while_trips=new - 1),
+               Program("eval_forward", self._stats, (models, self.q, self.qm, resp, resp, scores,
+                                                     self.valid), per_step, note)]
+        if self.plain is not None:  # eval_plain_sampler, eval_plain_forward
+            out += [replace(p, name=p.name.replace("eval_", "eval_plain_"))
+                    for p in self.plain.programs(models, per_step=per_step)]
+        return out
 
     def __call__(self, models: PPOModels, num_samples: int = 0):
         """Evaluate the actor (a CausalLM's params in `models.actor`) against the reference.
@@ -212,8 +222,12 @@ class Evaluator:
         Returns:
           `(metrics, samples)`: `{"eval/reward_mean", "eval/reward_std", "eval/kl",
           "eval/response_length", "eval/ended_fraction", "time/eval"}` as floats (not
-          necessarily finite), and this process's first `num_samples` real rows as
+          necessarily finite), the reward components' `eval/<name>` and, with `plain`,
+          `eval/accuracy_plain`; and this process's first `num_samples` real rows as
           `{"prompt", "response", "score", "eval": True}` dicts.
+
+        Raises:
+          ValueError: `plain` is set but its reward function reports no `accuracy_format_free`.
         """
         t0 = time.perf_counter()
         resp, resp_mask = self._sample(models.actor, self.q, self.qm, self.key)
@@ -229,8 +243,19 @@ class Evaluator:
         stats, scores = self._stats(models, self.q, self.qm, resp, resp_mask, scores, self.valid)
         metrics = {f"eval/{k}": float(v) for k, v in jax.device_get({**stats, **parts}).items()}
         samples = self._samples(num_samples, resp, resp_mask, scores, texts)
+        if self.plain is not None:
+            metrics["eval/accuracy_plain"] = self._plain_accuracy(models)
         metrics["time/eval"] = time.perf_counter() - t0
         return metrics, samples
+
+    def _plain_accuracy(self, models: PPOModels) -> float:
+        """The plain evaluator's format-free accuracy (its `eval/accuracy_format_free`)."""
+        figures, _ = self.plain(models)
+        if "eval/accuracy_format_free" not in figures:
+            raise ValueError("eval.plain_instruction scores the plain answers with the reward "
+                             "function's accuracy_format_free part; this reward function "
+                             f"reports {sorted(k[5:] for k in figures if k.startswith('eval/'))}")
+        return figures["eval/accuracy_format_free"]
 
     def _real_rows(self) -> int:
         """How many of this process's rows are real prompts (they come first)."""
