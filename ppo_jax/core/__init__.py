@@ -20,6 +20,7 @@ from ppo_jax.core.aggregation import (
     token_mean_stats,
 )
 from ppo_jax.core.gae import GAE_METHODS, compute_gae
+from ppo_jax.core.decoupled_gae import decoupled_gae, length_adaptive_lam
 from ppo_jax.core import estimators, outcome  # registers the advantage estimators
 from ppo_jax.core.estimators import needs_greedy_baseline, needs_groups, uses_critic
 from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty, sequence_kl
@@ -42,6 +43,7 @@ from ppo_jax.core.losses import (
 from ppo_jax.core.preference import bradley_terry_loss
 from ppo_jax.core.supervised import nll_loss, shift_for_next_token
 from ppo_jax.core.masked import (
+    explained_variance,
     masked_count,
     masked_mean,
     masked_sum,
@@ -97,8 +99,10 @@ __all__ = [
     "compute_gae",
     "compute_rewards",
     "compute_rewards_from_kl",
+    "decoupled_gae",
     "entropy_from_logits",
     "expand_actions",
+    "explained_variance",
     "full_kl",
     "get_advantage_estimator",
     "get_policy_loss",
@@ -112,6 +116,7 @@ __all__ = [
     "kl_penalty_shaping",
     "sequence_kl",
     "last_valid_onehot",
+    "length_adaptive_lam",
     "logprobs_from_logits",
     "loss_normalizers",
     "masked_count",

@@ -11,7 +11,9 @@ the registered reward shaping: KL penalty per token plus the score at the last r
 `mask [B, T]`, `scores [B]` (the sequence scores after shaping: scaled, penalised), `group_ids [B]`
 int32 (rows answering the same prompt share an id; `generation.samples_per_prompt`) and
 `baseline_scores [B]` (ReMax: the score of the greedy response to the row's prompt, shaped like
-`scores`; zeros otherwise). An estimator that needs no critic sets `fn.uses_critic = False`
+`scores`; zeros otherwise). The trainer adds `critic_lam` and `lam_length_alpha` (decoupled and
+length-adaptive GAE, `decoupled_gae.py`) only when `ppo.critic_lam` / `ppo.lam_length_alpha`
+are set, which the config allows only for an estimator that uses a critic. An estimator that needs no critic sets `fn.uses_critic = False`
 (the trainer then loads and trains none); one that needs the greedy baseline sets
 `fn.needs_greedy_baseline = True`; one that compares a prompt's samples sets
 `fn.needs_groups = True` (refused with one sample per prompt). A fork's estimator takes `**unused` for what it ignores.
@@ -20,7 +22,8 @@ int32 (rows answering the same prompt share an id; `generation.samples_per_promp
 from __future__ import annotations
 
 from ppo_jax.core import outcome
-from ppo_jax.core.gae import DEFAULT_CHUNK, DEFAULT_GAE_METHOD, DEFAULT_UNROLL, compute_gae
+from ppo_jax.core.decoupled_gae import decoupled_gae
+from ppo_jax.core.gae import DEFAULT_CHUNK, DEFAULT_GAE_METHOD, DEFAULT_UNROLL
 from ppo_jax.core.registry import register_advantage_estimator
 
 def _critic_free(fn):
@@ -36,12 +39,17 @@ def _grouped(fn):
 
 @register_advantage_estimator("gae")
 def gae(values, rewards, mask, *, gamma, lam, scores=None, group_ids=None, baseline_scores=None,
-        method: str = DEFAULT_GAE_METHOD, unroll: int = DEFAULT_UNROLL, chunk: int = DEFAULT_CHUNK):
+        critic_lam=None, lam_length_alpha=0.0, method: str = DEFAULT_GAE_METHOD,
+        unroll: int = DEFAULT_UNROLL, chunk: int = DEFAULT_CHUNK):
     """`compute_gae` (Schulman et al. 2016) with the critic's values; `advantage_kwargs` may set
-    `method`, `unroll`, `chunk`. The outcome inputs are not used."""
+    `method`, `unroll`, `chunk`. The trainer passes `critic_lam` (`ppo.critic_lam`: the returns'
+    own lambda) and `lam_length_alpha` (`ppo.lam_length_alpha`: VAPO's per-row policy lambda)
+    when they are set (`decoupled_gae.decoupled_gae`: VC-PPO / VAPO); with neither, this is one
+    `compute_gae` call. The outcome inputs are not used."""
     del scores, group_ids, baseline_scores
-    return compute_gae(values, rewards, mask, gamma=gamma, lam=lam, method=method, unroll=unroll,
-                       chunk=chunk)
+    return decoupled_gae(values, rewards, mask, gamma=gamma, lam=lam, critic_lam=critic_lam,
+                         lam_length_alpha=lam_length_alpha, method=method, unroll=unroll,
+                         chunk=chunk)
 
 
 @register_advantage_estimator("grpo")

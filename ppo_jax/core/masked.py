@@ -141,3 +141,31 @@ def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax
     if not shift_mean:
         whitened = whitened + mean
     return jnp.where(valid, whitened, 0)
+
+
+def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
+    """How much of the returns' variance the critic's values explain, over valid tokens:
+    ``1 - Var(returns - values) / Var(returns)`` (population variances, ``masked_var``).
+
+    1: the values equal the returns; 0: no better than a constant; negative: worse than one.
+    Where ``Var(returns) = 0`` (nothing to explain, no valid token included) it is 0, finite.
+    Source: the critic diagnostic of OpenAI Baselines / Stable-Baselines3
+    (``explained_variance(y_pred, y_true)``), here masked.
+
+    Args:
+      values: ``[B, T]`` float critic values (the experience's old values).
+      returns: ``[B, T]`` float critic targets (``compute_gae`` / ``decoupled_gae`` returns).
+      mask: ``[B, T]`` 0/1.
+
+    Returns:
+      Scalar float (at least float32).
+
+    Raises:
+      ValueError: ``values`` or ``returns`` not floating point, shapes differ, bad ``mask``.
+    """
+    values, valid = _prepare(values, mask)
+    returns, _ = _prepare(returns, valid)
+    var_returns = masked_var(returns, valid, unbiased=False)
+    var_error = masked_var(returns - values, valid, unbiased=False)
+    ok = var_returns > 0
+    return jnp.where(ok, 1 - var_error / jnp.where(ok, var_returns, 1), 0)

@@ -125,3 +125,24 @@ def as_scalar(name: str, x: Any) -> jax.Array:
     ):
         raise ValueError(f"{name} must be a numeric scalar, got {_describe(arr)}")
     return arr
+
+
+def as_scalar_or_rows(name: str, x: Any, rows: int) -> jax.Array:
+    """Returns a numeric scalar as a 0-d array (``as_scalar``), or a numeric ``[rows]`` array
+    (one value per batch row) as it is.
+
+    Raises:
+      ValueError: ``x`` is neither a numeric scalar nor a numeric array of shape ``(rows,)``.
+    """
+    try:
+        arr = jnp.asarray(x)
+    except (TypeError, ValueError):
+        return as_scalar(name, x)  # raises its error
+    if arr.ndim == 0:
+        return as_scalar(name, arr)
+    if tuple(arr.shape) != (rows,) or arr.dtype == jnp.bool_ or not (
+        jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)
+    ):
+        raise ValueError(f"{name} must be a numeric scalar or a [B] = ({rows},) array, got "
+                         f"{_describe(arr)}")
+    return arr

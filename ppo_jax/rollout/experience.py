@@ -27,6 +27,7 @@ from ppo_jax.core import (
     action_order,
     compact_actions,
     expand_actions,
+    explained_variance,
     get_advantage_estimator,
     get_reward_shaping,
     masked_mean,
@@ -35,6 +36,7 @@ from ppo_jax.core import (
     rollout_mismatch,
     sequence_kl,
     update_kl_controller,
+    uses_critic,
 )
 from ppo_jax.models.functional import Model
 from ppo_jax.rollout.forward import (
@@ -78,6 +80,8 @@ class ExperienceSettings:
     advantage_estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 0.95
+    critic_lam: Optional[float] = None  # the returns' own GAE lambda (VC-PPO / VAPO); None: lam
+    lam_length_alpha: float = 0.0  # VAPO's length-adaptive policy lambda; 0: off
     advantage_kwargs: tuple = ()  # extra (name, value) keyword arguments of the estimator
     shared_critic: bool = False  # the actor is a CausalLMWithValueHead; no critic model
     reward_shaping: str = "kl_penalty"  # a registered reward shaping (core.registry)
@@ -94,6 +98,17 @@ class ExperienceSettings:
                 "reward_clip": self.reward_clip, "score_scale": self.score_scale,
                 "missing_eos_penalty": self.missing_eos_penalty,
                 "whiten_rewards": self.whiten_rewards}
+
+    def estimator_fixed_kwargs(self) -> dict:
+        """The trainer's own keyword arguments of an advantage-estimator call: `gamma`, `lam`,
+        and `critic_lam` / `lam_length_alpha` only when set (a fork's estimator need not take
+        them; the config refuses them with a critic-free estimator)."""
+        out = {"gamma": self.gamma, "lam": self.lam}
+        if self.critic_lam is not None:
+            out["critic_lam"] = self.critic_lam
+        if self.lam_length_alpha:
+            out["lam_length_alpha"] = self.lam_length_alpha
+        return out
 
     def shaping_kwargs(self, kl_coef) -> dict:
         """Keyword arguments of every reward-shaping call `fn(scores, ended, logprobs,
@@ -164,7 +179,7 @@ def _advantages(values, rewards, mask, scores, group_ids, baseline_scores, s: Ex
     baseline = (jnp.zeros((batch,), jnp.float32) if baseline_scores is None
                 else baseline_scores.astype(jnp.float32) * s.score_scale)
     estimator = get_advantage_estimator(s.advantage_estimator)
-    advantages, returns = estimator(values, rewards, mask, gamma=s.gamma, lam=s.lam,
+    advantages, returns = estimator(values, rewards, mask, **s.estimator_fixed_kwargs(),
                                     scores=scores, group_ids=group_ids, baseline_scores=baseline,
                                     **dict(s.advantage_kwargs))
     if s.whiten_advantages:
@@ -223,7 +238,9 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
 
     Returns:
       `(experience, new_kl_state, stats)`. The KL controller is updated with this batch's KL
-      (mean over sequences of the summed per-token k1), as TRL does after each step.
+      (mean over sequences of the summed per-token k1), as TRL does after each step. With an
+      estimator that uses a critic, stats hold `values_explained_variance`
+      (`core.explained_variance` of the values against the returns, the critic's targets).
 
     Raises:
       ValueError: the batch is not a multiple of micro_batch_size; an unknown estimator or
@@ -261,6 +278,8 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         **_row_stats("advantages", advantages, mask),
         **_row_stats("returns", returns, mask),
         **_row_stats("values", values, mask),
+        **({"values_explained_variance": explained_variance(values, returns, mask)}
+           if uses_critic(get_advantage_estimator(s.advantage_estimator)) else {}),
     }
     if rollout_logprobs is None:
         rollout_logprobs = logprobs

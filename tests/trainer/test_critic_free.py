@@ -96,6 +96,8 @@ def test_remax_baseline_is_the_greedy_response_score(tmp_path, monkeypatch):
     (["model.shared_critic=true"], "model.shared_critic needs a critic"),
     (["ppo.critic_warmup_steps=1"], "ppo.critic_warmup_steps needs a critic"),
     (["model.critic=somewhere"], "model.critic needs a critic"),
+    (["ppo.critic_lam=1.0"], "ppo.critic_lam needs a critic"),
+    (["ppo.lam_length_alpha=0.05"], "ppo.lam_length_alpha needs a critic"),
 ])
 def test_settings_that_need_a_critic_are_refused_with_a_critic_free_estimator(sets, match):
     from ppo_jax.trainer.stages.ppo.checks import check_names

@@ -51,6 +51,7 @@ CHANGED = [
     ("ppo.kl_estimator", "abs"), ("ppo.reward_clip", 5.0), ("ppo.score_scale", 2.0),
     ("ppo.missing_eos_penalty", -1.0), ("ppo.whiten_rewards", True), ("ppo.whiten_advantages", False),
     ("ppo.gamma", 0.9), ("ppo.lam", 0.7), ("ppo.overlong_buffer", 2), ("ppo.overlong_penalty_factor", 0.5),
+    ("ppo.critic_lam", 1.0), ("ppo.lam_length_alpha", 0.05),
     ("generation.temperature", 0.8), ("generation.top_k", 5), ("generation.top_p", 0.9),
     ("generation.greedy", True), ("generation.max_new_tokens", 7), ("model.logprob_chunk_size", 16),
     ("generation.page_size", 4), ("generation.num_pages", 64), ("generation.max_concurrent", 4),
@@ -112,3 +113,15 @@ def test_the_training_sampler_shares_each_groups_prefill_unless_switched_off(sha
     s = settings_for(cfg)
     assert s.sampling.samples_per_prompt == want
     assert s.eval.sampling.samples_per_prompt == 1  # held-out prompts: one sample each
+
+
+def test_the_gae_lambda_keys_reach_the_estimator_only_when_set():
+    """ppo.critic_lam null and ppo.lam_length_alpha 0 (the defaults) pass nothing new to the
+    estimator (a fork's estimator need not take them): one lambda, today's GAE."""
+    s = settings_for(load_config(ROOT / "configs/tiny.yaml")).experience
+    assert (s.critic_lam, s.lam_length_alpha) == (None, 0.0)
+    assert s.estimator_fixed_kwargs() == {"gamma": s.gamma, "lam": s.lam}
+    s = settings_for(load_config(ROOT / "configs/tiny.yaml", [
+        "ppo.critic_lam=1.0", "ppo.lam_length_alpha=0.05"])).experience
+    assert s.estimator_fixed_kwargs() == {"gamma": s.gamma, "lam": s.lam, "critic_lam": 1.0,
+                                          "lam_length_alpha": 0.05}

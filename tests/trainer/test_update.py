@@ -460,3 +460,36 @@ def test_a_rollout_correction_weighs_each_tokens_pg_loss(models, mode):
     np.testing.assert_allclose(stats["rollout_correction/truncated_fraction"][0, 0], truncated,
                                rtol=1e-6)
     assert 0 < truncated < 1
+
+
+def test_decoupled_lambdas_reach_the_experience_and_the_critic_explained_variance_is_logged(models):
+    """`critic_lam` / `lam_length_alpha` (ppo.*): the experience's returns take the critic's
+    lambda, its advantages VAPO's per-row lambda (lengths 5, 3, 1, 4 with alpha 0.5: 0.6, 1/3,
+    0, 0.5); `values_explained_variance` is `1 - Var(R - V) / Var(R)` over the response tokens;
+    a critic-free estimator logs none."""
+    from ppo_jax import core
+
+    ag, ap, cg, cp = models
+    head = cp["value_head"]["kernel"]  # a random value head: values that explain something
+    cp = {**cp, "value_head": {**cp["value_head"], "kernel": jnp.asarray(
+        np.random.default_rng(0).normal(size=head.shape) * 0.5, head.dtype)}}
+    models = (ag, ap, cg, cp)
+    base = dict(forward=ForwardSettings(micro_batch_size=2), whiten_advantages=False)
+    plain, _, plain_stats = experience(models, ExperienceSettings(**base))
+    exp, _, stats = experience(models, ExperienceSettings(**base, critic_lam=1.0,
+                                                          lam_length_alpha=0.5))
+    np.testing.assert_array_equal(exp.values, plain.values)
+    mask = np.asarray(exp.action_mask)
+    lam_rows = jnp.asarray([0.6, 1 / 3, 0.0, 0.5])
+    adv, _ = core.compute_gae(exp.values, exp.rewards, mask, gamma=1.0, lam=lam_rows)
+    _, ret = core.compute_gae(exp.values, exp.rewards, mask, gamma=1.0, lam=1.0)
+    np.testing.assert_allclose(exp.advantages, adv, atol=1e-5)
+    np.testing.assert_allclose(exp.returns, ret, atol=1e-5)
+    assert not np.allclose(exp.returns, plain.returns) and not np.allclose(exp.advantages,
+                                                                          plain.advantages)
+    for e, s in ((exp, stats), (plain, plain_stats)):
+        v, r = np.asarray(e.values)[mask > 0], np.asarray(e.returns)[mask > 0]
+        np.testing.assert_allclose(s["values_explained_variance"], 1 - np.var(r - v) / np.var(r),
+                                   rtol=1e-4, atol=1e-5)
+    _, _, free = experience(models, ExperienceSettings(**base, advantage_estimator="rloo"))
+    assert "values_explained_variance" not in free and "values_mean" in free

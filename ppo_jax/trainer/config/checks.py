@@ -147,10 +147,7 @@ def _validate_ppo(p: PPOConfig) -> None:
         _positive(f"ppo.{name}", getattr(p, name))
     if p.kl_coef < 0:
         raise ConfigError(f"ppo.kl_coef={p.kl_coef!r} must be >= 0")
-    if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
-        raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
-    if p.advantage_estimator == "gae" and "method" in p.advantage_kwargs:
-        _choice("ppo.advantage_kwargs.method", p.advantage_kwargs["method"], GAE_METHODS)
+    _validate_gae(p)
     for name in ("reward_shaping_kwargs", "advantage_kwargs", "policy_loss_kwargs", "value_loss_kwargs"):
         for key, value in getattr(p, name).items():
             if not isinstance(value, (bool, int, float, str, type(None))):
@@ -165,6 +162,24 @@ def _validate_ppo(p: PPOConfig) -> None:
     if p.vf_coef < 0:
         raise ConfigError(f"ppo.vf_coef={p.vf_coef!r} must be >= 0")
     _validate_loss_terms(p)
+
+
+def _validate_gae(p: PPOConfig) -> None:
+    """The discount and the GAE lambdas (the policy's, the critic's, VAPO's length-adaptive
+    alpha) and the GAE method. With a critic-free estimator, ppo.critic_lam and
+    ppo.lam_length_alpha are refused at start-up (`stages.ppo.checks`)."""
+    if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
+        raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
+    if p.critic_lam is not None and not 0.0 <= p.critic_lam <= 1.0:
+        raise ConfigError(f"ppo.critic_lam={p.critic_lam!r} must lie in [0, 1] (or null: ppo.lam)")
+    if p.lam_length_alpha < 0:
+        raise ConfigError(f"ppo.lam_length_alpha={p.lam_length_alpha!r} must be >= 0 (0: off)")
+    for key in ("critic_lam", "lam_length_alpha"):  # passed only when set: refused here always
+        if key in p.advantage_kwargs:
+            raise ConfigError(f"ppo.advantage_kwargs.{key}: the trainer passes {key} itself "
+                              f"(set it through ppo.{key})")
+    if p.advantage_estimator == "gae" and "method" in p.advantage_kwargs:
+        _choice("ppo.advantage_kwargs.method", p.advantage_kwargs["method"], GAE_METHODS)
 
 
 def _validate_optim_train(o: OptimConfig, t: TrainConfig) -> None:

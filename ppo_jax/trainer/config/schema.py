@@ -169,6 +169,13 @@ class PPOConfig:
                          "only)")
     gamma: float = opt(1.0, "discount")
     lam: float = opt(0.95, "GAE lambda")
+    critic_lam: Optional[float] = opt(None, "GAE lambda of the critic's targets (returns), "
+                                      "decoupled from the policy's (VC-PPO, VAPO: 1.0); null: "
+                                      "lam. Needs an estimator with a critic (gae)")
+    lam_length_alpha: float = opt(0.0, "VAPO's length-adaptive policy lambda: per response, "
+                                  "lam = clip(1 - 1 / (alpha * length), 0, 1), length in action "
+                                  "tokens (VAPO: 0.05); the critic keeps critic_lam (null: "
+                                  "lam); 0 = off. Needs an estimator with a critic (gae)")
     whiten_advantages: bool = opt(True, "normalise advantages over the batch (mean 0, std 1)")
     whiten_rewards: bool = opt(False, "normalise the shaped rewards before GAE (TRL's "
                                "whiten_rewards)")

@@ -115,8 +115,8 @@ def _calls(cfg: Config) -> list:
          ("reward_shaping_kwargs", p.reward_shaping_kwargs), ((B, T), (B, T), (B,))),
         ("ppo.advantage_estimator", p.advantage_estimator, get_advantage_estimator,
          {"values": tok, "rewards": tok, "mask": mask},
-         {"gamma": p.gamma, "lam": p.lam, "scores": row, "group_ids": jnp.zeros((B,), jnp.int32),
-          "baseline_scores": row},
+         {**exp.estimator_fixed_kwargs(), "scores": row,
+          "group_ids": jnp.zeros((B,), jnp.int32), "baseline_scores": row},
          ("advantage_kwargs", p.advantage_kwargs), ((B, T), (B, T))),
         ("ppo.policy_loss", p.policy_loss, get_policy_loss, {"batch": _test_batch()},
          upd.policy_fixed_kwargs(), ("policy_loss_kwargs", p.policy_loss_kwargs),
@@ -183,7 +183,9 @@ def _check_critic_free(cfg: Config) -> None:
     for key, on in (("model.shared_critic", cfg.model.shared_critic),
                     ("ppo.critic_warmup_steps", cfg.ppo.critic_warmup_steps > 0),
                     ("model.critic", bool(cfg.model.critic)),
-                    ("model.lora.critic", cfg.model.lora.critic)):
+                    ("model.lora.critic", cfg.model.lora.critic),
+                    ("ppo.critic_lam", cfg.ppo.critic_lam is not None),
+                    ("ppo.lam_length_alpha", cfg.ppo.lam_length_alpha > 0)):
         if on:
             raise ConfigError(f"{key} needs a critic, but ppo.advantage_estimator={name!r} "
                               "trains none; drop the setting or use 'gae'")
