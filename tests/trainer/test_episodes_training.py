@@ -117,6 +117,8 @@ TOOL = ("--set", "env.name=scripted", "--set", "generation.max_new_tokens=32", "
         "env.stop_strings=[good,great,what,very,not,do]")
 
 
+@pytest.mark.slow  # 40 s; the paged engine with an environment runs by default in
+# tests/parallel/test_sharded_step.py (through the trainer) and tests/rollout/test_paged_multi_turn.py
 def test_the_paged_engine_plays_the_same_episodes(tmp_path, monkeypatch):
     """`generation.engine: paged` with an environment: turns wait at chunk boundaries (2 slots
     for 4 rows, chunks of 3), observations are prefilled into the pages; the run's episodes,
