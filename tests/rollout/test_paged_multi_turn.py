@@ -85,7 +85,8 @@ def assert_same_episodes(got, want):
 
 @pytest.mark.parametrize("engine", [
     EngineSettings(page_size=4, max_concurrent=4, decode_chunk=3),  # 2 groups at a time
-    EngineSettings(page_size=6, decode_chunk=5, decode_buckets=2),
+    pytest.param(EngineSettings(page_size=6, decode_chunk=5, decode_buckets=2),
+                 marks=pytest.mark.slow),  # default-run budget: `make test-slow`
 ], ids=["4-slots", "all-slots"])
 def test_engine_episodes_equal_the_static_multi_turn_sampler(model, engine):
     ids, mask = prompts()
