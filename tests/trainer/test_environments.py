@@ -144,6 +144,10 @@ def test_an_environment_that_raises_a_timeout_itself_is_reported_as_raising():
                                                 "finite number"),
     (StepResult(None, True, {"": 1.0}), "step returned a reward named '', not a non-empty str"),
     (StepResult(None, True, {}, info=None), "step returned info NoneType, not a dict"),
+    (StepResult(None, True, {}, info={"calls": "one"}), "step returned info 'calls'='one', not "
+                                                        "a finite number (a count)"),
+    (StepResult(None, True, {}, info={"calls": math.nan}), "step returned info 'calls'=nan, "
+                                                           "not a finite number (a count)"),
 ])
 def test_a_malformed_return_fails_the_episode_naming_the_problem(returned, problem):
     out = run_step(Scripted(lambda state, text: returned), 0, "t", timeout_s=5)
@@ -241,3 +245,25 @@ def test_play_environment_exit_codes(capsys):
     assert main(["--env", "calculator", "--row", '{"prompt": "q"}']) == 1  # no answer: reset fails
     assert "episode failed: environment 'calculator': reset raised ValueError" in (
         capsys.readouterr().out)
+
+
+def test_any_exception_of_reset_at_load_is_an_error_naming_the_record():
+    """`episode_prompts` (the prompts' load): a `reset` that raises, whatever it raises, is a
+    ValueError naming the prompt key, the record and the exception, not a traceback."""
+    from ppo_jax.trainer.environments import episode_prompts
+
+    class Boom(Environment):
+        name = "boom"
+
+        def reset(self, row):
+            if row["prompt"] == "bad":
+                raise RuntimeError("sandbox down")
+            return 0, row["prompt"]
+
+        def step(self, state, text):
+            return StepResult(None, True, {}, state)
+
+    assert episode_prompts(Boom(), ["a"], None, "data.prompts") == (["a"], [{"prompt": "a"}])
+    with pytest.raises(ValueError, match=r"^data.prompts: record 1: environment 'boom': reset "
+                                         r"raised RuntimeError: sandbox down$"):
+        episode_prompts(Boom(), ["a", "bad"], None, "data.prompts")

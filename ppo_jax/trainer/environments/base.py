@@ -191,7 +191,7 @@ def _outcome(future: Future, name: str, what: str, timeout_s) -> Union[Any, Epis
 def step_problem(result: Any) -> Optional[str]:
     """What is wrong with an environment's `step` return, or None when it is a well-formed
     `StepResult` (a str observation unless done, a bool done, a dict of finite real rewards
-    under non-empty str names, a dict info)."""
+    under non-empty str names, a dict info of finite numbers)."""
     if not isinstance(result, StepResult):
         return f"step returned {type(result).__name__}, not a StepResult"
     if not isinstance(result.done, bool):
@@ -211,6 +211,9 @@ def step_problem(result: Any) -> Optional[str]:
             return f"step returned reward {key!r}={value!r}, not a finite number"
     if not isinstance(result.info, dict):
         return f"step returned info {type(result.info).__name__}, not a dict"
+    for key, value in result.info.items():  # summed over the episode: counts, numbers
+        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            return f"step returned info {key!r}={value!r:.40}, not a finite number (a count)"
     return None
 
 
@@ -307,8 +310,9 @@ def episode_prompts(env: Environment, texts: list[str], rows: Optional[list[dict
         row = {**((rows or [{}] * len(texts))[i] or {}), "prompt": text}
         try:
             _, prompt = env.reset(row)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{key}: record {i}: environment {_env_name(env)!r}: {e}") from None
+        except Exception as e:  # noqa: BLE001  (any refusal of a record: a load-time error)
+            raise ValueError(f"{key}: record {i}: environment {_env_name(env)!r}: reset raised "
+                             f"{type(e).__name__}: {e}") from None
         if not isinstance(prompt, str):
             raise ValueError(f"{key}: record {i}: environment {_env_name(env)!r} gave "
                              f"{type(prompt).__name__} as its first observation; a prompt text "
