@@ -56,6 +56,8 @@ def _setup(args) -> tuple:
         raise ValueError(f"--row / --kwargs: not JSON ({e})") from None
     if not isinstance(row, dict) or not isinstance(kwargs, dict):
         raise ValueError("--row and --kwargs must be JSON objects")
+    if not args.timeout > 0:  # also NaN
+        raise ValueError(f"--timeout {args.timeout}: must be a positive number of seconds")
     return get_environment(args.env, **kwargs), row
 
 

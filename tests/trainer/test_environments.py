@@ -245,6 +245,8 @@ def test_play_environment_exit_codes(capsys):
     assert main(["--env", "calculator", "--row", '{"prompt": "q"}']) == 1  # no answer: reset fails
     assert "episode failed: environment 'calculator': reset raised ValueError" in (
         capsys.readouterr().out)
+    assert main(["--env", "calculator", "--row", "{}", "--timeout", "-1"]) == 2
+    assert "--timeout -1.0: must be a positive number of seconds" in capsys.readouterr().err
 
 
 def test_any_exception_of_reset_at_load_is_an_error_naming_the_record():
