@@ -18,6 +18,7 @@ from ppo_jax.trainer.rewards.functions import get_reward_function
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
+from tests.trainer.scripted_environment import ScriptedTool as Scripted  # noqa: E402
 
 IGNORED = ("time/", "tokens_per_s", "env/", "memory", "rss")
 
@@ -35,20 +36,6 @@ class RewardOnce(Environment):
 
     def step(self, state, text):
         return StepResult(None, True, {"score": float(self.fn([state], [text])[0])}, state, {})
-
-
-class Scripted(Environment):
-    """Two turns: the first answered with a fixed observation, the second scored 1."""
-
-    name = "scripted"
-
-    def reset(self, row):
-        return 0, row["prompt"]
-
-    def step(self, state, text):
-        if state == 0:
-            return StepResult("tool says: good", False, {"tool_cost": -0.1}, 1, {"tool_call": 1})
-        return StepResult(None, True, {"correct": 1.0}, 2, {})
 
 
 class Raising(Environment):
