@@ -168,7 +168,7 @@ def _decode_logits(model, kernel, steps=5, rows=3, width=2):
     return jnp.stack(logits)
 
 
-@pytest.mark.parametrize("windows", [(), (4, 0)])
+@pytest.mark.parametrize("windows", [pytest.param((), marks=pytest.mark.slow), (4, 0)])  # budget
 def test_a_model_decoding_through_the_kernel_gives_the_reference_logits(standin, windows):
     """Through `layers.paged_attention` (view.kernel = "pallas") inside the model's layer
     scan, where a model with sliding windows hands a traced window (4 bites from step 0)."""
@@ -232,6 +232,7 @@ def test_interpret_mode_equals_the_paged_reference():
     np.testing.assert_allclose(got, paged_attention_reference(q, kv, view), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # default-run budget (13 s); `make test-slow`
 def test_a_mesh_split_equals_the_paged_reference():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")

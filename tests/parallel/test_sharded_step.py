@@ -119,6 +119,7 @@ def test_ppo_step_on_data_fsdp_meshes_equals_one_device(tmp_path, cache):
     run_meshes(tmp_path, cache, MESHES_SLOW)
 
 
+@pytest.mark.slow  # default-run budget (48 s on 2 cores); `make test-slow`
 def test_lora_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
     """LoRA actor and critic (model.lora.*): adapters sharded like their kernels (A's input
     rows, B's output columns), the frozen base by the rules, and the same step as one device."""
@@ -159,7 +160,11 @@ ENV = ("--import", "tests.trainer.scripted_environment", "--set", "env.name=scri
 
 
 # the static sampler on the mesh is slow-marked (46 s; `make test-slow`), the paged one runs
-@pytest.mark.parametrize("engine", [pytest.param("static", marks=pytest.mark.slow), "paged"])
+# both slow (default-run budget: 68 s on 2 cores); the paged engine with an environment stays in
+# the default run through tests/rollout/test_paged_multi_turn.py, the mesh through
+# test_paged_engine_ppo_step_on_2x2x2_mesh_equals_one_device
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["static", "paged"])
 def test_multi_turn_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache, engine):
     """Episodes with a scripted tool environment (observations inside the responses, the
     action mask through the update) on 4 data replicas: the same step as on one device, with

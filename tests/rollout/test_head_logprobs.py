@@ -49,8 +49,9 @@ def tree_max_diff(x, y):
     return max(jax.tree.leaves(diffs))
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("tied, temperature", [  # one case in the default run (budget)
+    (True, 0.6), pytest.param(True, 1.0, marks=pytest.mark.slow),
+    pytest.param(False, 1.0, marks=pytest.mark.slow), pytest.param(False, 0.6, marks=pytest.mark.slow)])
 def test_chunked_policy_logprobs_equal_the_full_logits_path(tied, temperature):
     graphdef, params = tiny(tied)
     k = jax.random.split(jax.random.PRNGKey(2))

@@ -85,7 +85,8 @@ def test_greedy_tokens_equal_transformers_generate_and_the_static_sampler(tmp_pa
     assert stats.prefills >= 3  # 6 rows through 2 slots: refilled as rows finished
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow),
+                               pytest.param(4, marks=pytest.mark.slow)])  # default-run budget
 def test_sampled_tokens_equal_the_static_sampler_under_the_same_keys(tiny, n):
     cfg, graphdef, params = tiny
     ids, mask = mixed_prompts(8, 8, n, seed=n)
@@ -156,6 +157,7 @@ def test_a_page_size_that_does_not_divide_the_cache_length_is_refused():
     check_page_size(8, 104, "max")
 
 
+@pytest.mark.slow  # default-run budget (25 s; the mesh stays in the default run through tests/parallel/test_sharded_step.py's paged-engine step); `make test-slow`
 def test_a_2x2x2_mesh_equals_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")

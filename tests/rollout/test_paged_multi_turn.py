@@ -103,6 +103,7 @@ def test_engine_episodes_equal_the_static_multi_turn_sampler(model, engine):
     assert stats.turn_rounds >= 2 and stats.preemptions == 0
 
 
+@pytest.mark.slow  # default-run budget (17 s; the static sampler's cut stays in tests/rollout/test_multi_turn.py); `make test-slow`
 def test_a_long_observation_is_cut_to_the_budget_and_ends_the_row(model):
     """Every turn gets 30 observation tokens: more than the budget leaves; as the static
     sampler, the observation is written up to column N - 1 and the row ends, not ended."""

@@ -126,6 +126,7 @@ def test_a_group_whose_rows_differ_is_named(split):
         generate(*split, ids, mask, None, max_new_tokens=2, greedy=True, samples_per_prompt=2)
 
 
+@pytest.mark.slow  # default-run budget (16 s); `make test-slow`
 def test_shared_prefill_on_a_mesh_of_8_equals_one_device(tmp_path):
     """A 2x2x2 mesh (4 batch shards), n = 2 and 4 on 8 rows: 4 prefill rows split over the
     batch shards, or 2 rows replicated (`shard_rows` constrains only what divides)."""

@@ -69,6 +69,7 @@ def run(tmp_path, name, *sets, steps=2):
     return code, rows
 
 
+@pytest.mark.slow  # default-run budget (48 s on 2 cores); `make test-slow`
 def test_a_single_turn_environment_is_todays_ppo_to_the_bit(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     code, plain = run(tmp_path, "plain")

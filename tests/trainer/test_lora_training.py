@@ -133,6 +133,7 @@ def test_exports_are_merged_and_peft(lora_run):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow  # default-run budget (13 s; bit-exact resume stays in the default run through test_preemption.py); `make test-slow`
 def test_resume_is_bit_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
@@ -161,6 +162,7 @@ def test_resume_is_bit_exact(tmp_path, monkeypatch):
                {k: v for k, v in y.items() if not k.startswith("time/") and "per_s" not in k}
 
 
+@pytest.mark.slow  # default-run budget (23 s); `make test-slow`
 def test_shared_critic_and_grpo_run_with_lora(tmp_path, monkeypatch):
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
     from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer

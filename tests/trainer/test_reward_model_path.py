@@ -64,6 +64,7 @@ def test_experience_scores_are_the_reward_model_at_the_last_real_token(tiny_chec
         assert float(exp.scores[b]) == pytest.approx(float(want), abs=1e-5)
 
 
+@pytest.mark.slow  # default-run budget (10 s); `make test-slow`
 def test_eos_at_end_scores_every_response_at_an_eos(tiny_checkpoint, reward_dir):
     """reward.eos_at_end: the reward model reads each response with its last real token made
     EOS (a cut response loses its last token to EOS; one that stopped is unchanged)."""

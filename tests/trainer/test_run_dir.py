@@ -103,6 +103,7 @@ def test_output_dir_problems_are_reported_before_loading(tmp_path):
     assert (logged / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+@pytest.mark.slow  # default-run budget (20 s; train.py's one-line non-finite stop stays in the default run); `make test-slow`
 def test_a_run_that_goes_non_finite_stops_before_saving(tmp_path, monkeypatch):
     """An absurd learning rate makes the losses non-finite within the first steps: the run stops
     with a clear error, logs the bad step, and saves no checkpoint of it (earlier ones stay)."""

@@ -418,6 +418,7 @@ def test_the_sampler_log_probs_are_kept_and_their_mismatch_logged(models):
     np.testing.assert_allclose(stats2["mismatch/min_ratio"], np.exp(-0.2), rtol=1e-4)
 
 
+@pytest.mark.slow  # default-run budget (21 s; each correction's weights stay in the default run); `make test-slow`
 def test_a_rollout_correction_on_equal_log_probs_leaves_the_update_bit_identical(models):
     """rollout_logprobs == logprobs (no sampler log-probs): tis and mis weigh every token
     exactly 1, so losses, stats and params equal those without a correction bit for bit."""
