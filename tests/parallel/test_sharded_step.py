@@ -159,8 +159,7 @@ ENV = ("--import", "tests.trainer.scripted_environment", "--set", "env.name=scri
        "--set", "generation.max_new_tokens=32", "--set", "env.max_observation_tokens=8")
 
 
-# the static sampler on the mesh is slow-marked (46 s; `make test-slow`), the paged one runs
-# both slow (default-run budget: 68 s on 2 cores); the paged engine with an environment stays in
+# both engines slow-marked (default-run budget: static 46 s, paged 68 s on 2 cores); the paged engine with an environment stays in
 # the default run through tests/rollout/test_paged_multi_turn.py, the mesh through
 # test_paged_engine_ppo_step_on_2x2x2_mesh_equals_one_device
 @pytest.mark.slow
