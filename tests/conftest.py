@@ -5,6 +5,13 @@ environment) shares one XLA persistent compilation cache for the session: many t
 same tiny programs, and a cached executable is the executable XLA would build again (measured on
 tests/trainer/test_update.py + test_critic_free.py, 2-core AMD EPYC: 206 s -> 149 s with a cold
 cache). Set JAX_COMPILATION_CACHE_DIR to keep your own.
+
+The tests compile hundreds of tiny programs, where XLA:CPU's LLVM optimisation takes longer
+than the programs run: the session adds `--xla_backend_optimization_level=0` to XLA_FLAGS
+unless XLA_FLAGS names a level (tests/trainer/test_update.py + test_critic_free.py, 2 workers
+on the 2-core Intel Xeon: 115 s -> 83 s). Subprocesses that need several CPU devices take
+these flags too (`tests/xla_env.xla_flags`). Training, benchmarks and `train.py` keep XLA's
+default.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # before any test module impo
     os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,9 @@ them); `Trainer.abstract(cfg, devices)` builds it with shapes in place of arrays
 
 SIGTERM or SIGINT during `train()` stops every process after the same step, saved
 (`trainer.preemption`); `preempted_at` is then that step and the model is not exported.
+`train.max_minutes` ends a run early on its wall clock: the step that crosses it is the last,
+as `train.steps` would be (`is_last_step`: evaluated, saved, exported); `budget_spent_at` says
+which.
 
 A stage may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
 starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_log(step)`
@@ -36,7 +39,7 @@ from ppo_jax.trainer.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.host.memory import release_host_memory
 from ppo_jax.trainer.placement import Placement
-from ppo_jax.trainer.preemption import StopSignals
+from ppo_jax.trainer.preemption import StopSignals, WallClockBudget
 from ppo_jax.trainer.resume import (
     format_changes, plan_resume, restore_planned, resume_changes, supersede_later,
 )
@@ -46,7 +49,7 @@ from ppo_jax.trainer.run_dir import (
 )
 from ppo_jax.trainer.tracking.loggers import Trackers
 from ppo_jax.trainer.tracking.metrics import MetricsWriter
-from ppo_jax.trainer.tracking.progress import progress_bar
+from ppo_jax.trainer.tracking.progress import progress_bar, trained_params_line
 
 
 class StageTrainer:
@@ -65,6 +68,8 @@ class StageTrainer:
     is_abstract = False  # True: built by `abstract()`, shapes in place of arrays
     preempted_at: int | None = None  # the step `train()` stopped at on SIGTERM / SIGINT
     saved_step: int | None = None  # the step of the checkpoint this run last wrote or restored
+    budget_spent_at: int | None = None  # the step `train()` ended at on `train.max_minutes`
+    budget = WallClockBudget(None)  # `train.max_minutes`, started by `train()`
 
     def __init__(self, cfg: Config, *, resume=False, resume_fallback: bool = False, devices=None):
         self.cfg = cfg
@@ -150,7 +155,8 @@ class StageTrainer:
         return {}
 
     def periodic_metrics(self, step: int) -> dict:
-        """Extra metrics merged into step `step`'s record (e.g. held-out evaluation)."""
+        """Extra metrics merged into step `step`'s record (e.g. held-out evaluation); the last
+        step of a run is `is_last_step(step)`."""
         return {}
 
     def after_log(self, step: int) -> None:
@@ -278,17 +284,33 @@ class StageTrainer:
                 f"step {n}: {', '.join(bad)} not finite; stopped before saving ({kept}). Check "
                 "learning rates, kl_coef and the reward scale")
 
+    def is_last_step(self, step: int) -> bool:
+        """Whether `step` ends the run: `train.steps`, or the one that spent `train.max_minutes`."""
+        return step == self.cfg.train.steps or step == self.budget_spent_at
+
+    def _check_budget(self, step: int) -> None:
+        """After step `step`: past `train.max_minutes` on any process's clock (collective with
+        several processes, so all stop at the same step), it is the last one; said once."""
+        if step < self.cfg.train.steps and self.budget.spent():
+            self.budget_spent_at = step
+            if self.process_index == 0:
+                print(f"train.max_minutes={self.cfg.train.max_minutes:g} spent at step {step} "
+                      f"of {self.cfg.train.steps}: it is the last step (evaluated, saved, "
+                      "exported)", flush=True)
+
     def _run_one(self) -> dict:
         cfg = self.cfg.train
         metrics = self.step()
         n = self.step_count
+        self._check_budget(n)
+        last = self.is_last_step(n)
         extra = self.periodic_metrics(n)
         metrics.update(extra)
-        if n % cfg.log_every == 0 or n == cfg.steps or extra or self._not_finite(metrics):
+        if n % cfg.log_every == 0 or last or extra or self._not_finite(metrics):
             self.writer.write(n, metrics)
         self._stop_if_not_finite(n, metrics)
         self.after_log(n)
-        if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
+        if (cfg.save_every and n % cfg.save_every == 0) or last:
             self.save()
         return metrics
 
@@ -296,17 +318,6 @@ class StageTrainer:
         """The frozen params of the trained model `name` (a LoRA model's base; {} without)."""
         frozen = getattr(self, "frozen", {})
         return frozen.get(name, {}) if name in ("actor", "critic") else frozen
-
-    def trained_params_line(self) -> str:
-        """"trained params: actor 4,884,480 of 134,515,584 (3.6%), ..." for each train state."""
-        parts = []
-        for name, state in self.state.items():
-            if getattr(state, "params", None) is None:
-                continue
-            trained = sum(int(x.size) for x in jax.tree.leaves(state.params))
-            total = trained + sum(int(x.size) for x in jax.tree.leaves(self.frozen_params(name)))
-            parts.append(f"{name} {trained:,} of {total:,} ({100 * trained / total:.1f}%)")
-        return "trained params: " + ", ".join(parts)
 
     def _log_start(self) -> None:
         """Step 0: the `start_metrics()` record, when there is one."""
@@ -322,7 +333,7 @@ class StageTrainer:
         show = self.cfg.train.progress if progress is None else progress
         if not (show and self.process_index == 0):
             return None
-        print(self.trained_params_line())
+        print(trained_params_line(self.state, self.frozen_params))
         return progress_bar(total=self.cfg.train.steps, initial=self.step_count, desc=self.name,
                             every=self.cfg.train.log_every)
 
@@ -344,12 +355,17 @@ class StageTrainer:
         lock, say "preempted at step N; resume with --resume" on stderr and return without
         exporting (`preempted_at` = N). A signal during the last step lets the run finish.
 
+        `train.max_minutes` (counted from this call, so a resume has a budget of its own) ends
+        the run after the step that crosses it, as if it were step `train.steps`; a later
+        `--resume` goes on towards `train.steps`.
+
         Raises:
           CheckpointWriteError: a checkpoint write failed (the metrics written stay).
           FloatingPointError: a step's losses were not finite (nothing of it saved).
         """
         cfg = self.cfg.train
-        self.preempted_at = None
+        self.preempted_at = self.budget_spent_at = None
+        self.budget = WallClockBudget(cfg.max_minutes)
         if self.step_count >= cfg.steps:
             if self.process_index == 0:
                 print(f"nothing to do: the run is at step {self.step_count} and train.steps="
@@ -362,13 +378,14 @@ class StageTrainer:
                 if self.step_count == 0:
                     self._log_start()
                 # the same condition on every process, so the collective runs in step
-                while self.step_count < cfg.steps and not signals.stop_agreed():
+                while (self.step_count < cfg.steps and self.budget_spent_at is None
+                       and not signals.stop_agreed()):
                     metrics = self._run_one()
                     history.append(metrics)
                     if bar is not None:
                         bar.set_postfix(**self.progress_postfix(metrics))
                         bar.update(1)
-                if self.step_count < cfg.steps:
+                if self.step_count < cfg.steps and self.budget_spent_at is None:
                     self._stop_on_signal()
             finally:
                 if bar is not None:

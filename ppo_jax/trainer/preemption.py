@@ -114,3 +114,22 @@ class StopSignals:
         """Whether any process of the run received a stop signal (collective with several
         processes: call it at the same step boundary on every one)."""
         return any_process(self.received is not None)
+
+
+class WallClockBudget:
+    """`train.max_minutes`: a wall-clock budget that ends a run at a step boundary, for
+    comparisons at equal wall time (docs/training.md "Held-out evaluation").
+
+    `WallClockBudget(minutes)` starts the clock (`time.monotonic`); `minutes=None` is no budget.
+    `spent()` is whether it has run out on any process (collective with several processes, as
+    `StopSignals.stop_agreed`: call it at the same step boundary on every one)."""
+
+    def __init__(self, minutes: float | None):
+        import time
+
+        self._now = time.monotonic
+        self.minutes = minutes
+        self.deadline = None if minutes is None else self._now() + 60.0 * minutes
+
+    def spent(self) -> bool:
+        return self.deadline is not None and any_process(self._now() >= self.deadline)

@@ -32,6 +32,7 @@ from ppo_jax.models.paged_attention_tpu import (
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.paged_cache import PagedView, init_paged_cache, paged_attention_reference
 from ppo_jax.models.tiny_random import tiny_config
+from tests.xla_env import xla_flags
 
 HD, PAGE, WIDTH, PAGES = 128, 16, 4, 40  # head_dim 128: the only one the kernel takes
 MIB = 2 ** 20
@@ -234,7 +235,7 @@ def test_interpret_mode_equals_the_paged_reference():
 
 @pytest.mark.slow  # default-run budget (13 s); `make test-slow`
 def test_a_mesh_split_equals_the_paged_reference():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(Path(__file__)), "mesh"], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.xla_env import xla_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
@@ -61,7 +63,7 @@ print("ok")
 
 
 def test_vocab_sharded_head_slices_local_columns_and_matches_full_logits():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.xla_env import xla_flags
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -28,7 +29,7 @@ PROCESS_TOL = 1e-4
 
 def launch(out: Path, meshes, *, devices: int, steps: int = 1, loop: str = "step",
            extra=(), cache: Path, process=None) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices),
                PPO_JAX_CACHE=str(cache), PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(HERE / "sharded_run.py"), "--out", str(out), "--steps", str(steps),
            "--loop", loop, *extra]
@@ -245,7 +246,7 @@ def test_sft_and_reward_model_steps_on_a_mesh_of_8_equal_one_device(tmp_path):
     pairs.write_text("".join(_json.dumps({"prompt": t, "chosen": f"it was {words[i % 4]}",
                                           "rejected": f"it was {words[4 + i % 4]}"}) + "\n"
                              for i, t in enumerate(topics)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                PPO_JAX_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, str(HERE / "sharded_stages.py"), "--out", str(tmp_path),
                              "--sft", str(sft), "--pairs", str(pairs), "--mesh", "1,1,1", "--mesh", "2,2,2"],

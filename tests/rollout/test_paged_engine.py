@@ -19,6 +19,7 @@ from ppo_jax.models.heads import init_model
 from ppo_jax.models.tiny_random import tiny_config
 from ppo_jax.rollout.engine import EngineSettings, PagedEngine, check_page_size, engine_layout
 from ppo_jax.rollout.sampler import SamplingSettings, generate
+from tests.xla_env import xla_flags
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -159,7 +160,7 @@ def test_a_page_size_that_does_not_divide_the_cache_length_is_refused():
 
 @pytest.mark.slow  # default-run budget (25 s; the mesh stays in the default run through tests/parallel/test_sharded_step.py's paged-engine step); `make test-slow`
 def test_a_2x2x2_mesh_equals_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "paged_engine_mesh.py")], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ from ppo_jax.models.functional import Model
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.tiny_random import tiny_config
 from ppo_jax.rollout.sampler import SamplingSettings, generate, prefill, sample
+from tests.xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 96
@@ -130,7 +131,7 @@ def test_a_group_whose_rows_differ_is_named(split):
 def test_shared_prefill_on_a_mesh_of_8_equals_one_device(tmp_path):
     """A 2x2x2 mesh (4 batch shards), n = 2 and 4 on 8 rows: 4 prefill rows split over the
     batch shards, or 2 rows replicated (`shard_rows` constrains only what divides)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("shared_prefill_mesh.py"))],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -81,6 +81,8 @@ def test_missing_config_file():
     (["ppo.lam_length_alpha=inf"], "ppo.lam_length_alpha=inf must be a finite number"),
     (["ppo.advantage_kwargs.critic_lam=1.0"], "ppo.advantage_kwargs.critic_lam: the trainer passes"),
     (["ppo.advantage_kwargs.lam_length_alpha=0.05"], "ppo.advantage_kwargs.lam_length_alpha"),
+    (["train.max_minutes=0"], "train.max_minutes=0.0 must be > 0 minutes"),
+    (["train.max_minutes=nan"], "train.max_minutes=nan must be > 0 minutes"),
     (["ppo.rollout_correction=is"], "config key 'ppo.rollout_correction': Invalid value 'is'"),
     (["ppo.rollout_correction=tis", "ppo.rollout_correction_cap=0.5"],
      "ppo.rollout_correction_cap=0.5"),

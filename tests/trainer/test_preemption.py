@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 from ppo_jax.trainer.checkpoint import finished_steps  # noqa: E402
 from ppo_jax.trainer.preemption import StopSignals  # noqa: E402
+from tests.xla_env import xla_flags  # noqa: E402
 
 TINY = ROOT / "configs/tiny.yaml"
 STEPS = 5
@@ -299,7 +300,7 @@ def two_processes(out: Path, *, resume: bool = False) -> list[Run]:
     """Two train.py processes (2 CPU devices each) joined over localhost, mesh (1, 2, 2)."""
     sets = [*TWO, "distributed.enabled=true", f"distributed.coordinator_address=localhost:{free_port()}",
             "distributed.num_processes=2"]
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {"XLA_FLAGS": xla_flags(2)}
     return [Run(out, *sets, f"distributed.process_id={i}", resume=resume, env=env, name=f".p{i}")
             for i in range(2)]
 

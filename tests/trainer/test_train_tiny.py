@@ -72,6 +72,40 @@ def test_resume_continues_at_the_next_step(run_dir):
     assert records[3]["data_position"] == 12  # the prompt order continues where it stopped
 
 
+def test_max_minutes_ends_the_run_at_the_step_that_spends_it(run_dir, tmp_path, capsys):
+    """train.max_minutes: the step that crosses the budget is the last (evaluated, saved and
+    exported, as train.steps would be) and equals that step of the run without a budget; a
+    `--resume` goes on towards train.steps and gives the unbudgeted run's next step."""
+    done, args = run_dir
+    out = tmp_path / "budgeted"
+    budgeted = [a if not a.startswith("train.output_dir=") else f"train.output_dir={out}" for a in args]
+    budgeted += ["--set", "eval.every=3", "--set", "train.save_every=0"]
+    assert train.main(budgeted + ["--set", "train.max_minutes=1e-9"]) == 0
+    assert "train.max_minutes=1e-09 spent at step 1 of 2" in capsys.readouterr().out
+    records, full = read_metrics(out), read_metrics(done)
+    assert [r["step"] for r in records] == [0, 1]
+    assert "eval/reward_mean" in records[1]  # the last step is evaluated though 1 % 3 != 0
+    assert records[1]["pg_loss"] == full[1]["pg_loss"] and records[1]["kl"] == full[1]["kl"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    assert (out / "actor_hf" / "config.json").is_file()
+    assert train.main(budgeted + ["--resume"]) == 0
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[2]["pg_loss"] == full[2]["pg_loss"]
+
+
+def test_a_wall_clock_budget_is_spent_on_its_own_clock():
+    from ppo_jax.trainer.preemption import WallClockBudget
+
+    assert not WallClockBudget(None).spent()
+    budget = WallClockBudget(2.0)
+    now = budget.deadline - 120.0
+    budget._now = lambda: now + 119.0
+    assert not budget.spent()
+    budget._now = lambda: now + 120.0
+    assert budget.spent()
+
+
 def test_bad_config_fails_before_loading(capsys):
     assert train.main(["--config", str(ROOT / "configs/tiny.yaml"), "--set", "ppo.kl_coeff=1"]) == 2
     assert "kl_coeff" in capsys.readouterr().err

@@ -91,6 +91,9 @@ def validate(cfg: Config) -> None:
     _validate_task(cfg)
     _validate_plain_instruction(cfg)
     _positive("train.steps", cfg.train.steps)
+    if cfg.train.max_minutes is not None and not cfg.train.max_minutes > 0:
+        raise ConfigError(f"train.max_minutes={cfg.train.max_minutes!r} must be > 0 minutes "
+                          "(or null: no wall-clock budget)")
     for name in ("data", "fsdp", "tensor"):
         size = getattr(cfg.mesh, name)
         if size == 0 or size < -1:

@@ -297,7 +297,7 @@ class EvalConfig:
     samples_per_prompt: int = opt(1, "responses per held-out prompt: reward and accuracy are "
                                   "their means; pass@k (k = this) when > 1")
     num_prompts: int = opt(32, "the first N prompts of the file (all of them when it has fewer)")
-    every: int = opt(5, "PPO steps between evaluations; 0 = off")
+    every: int = opt(5, "PPO steps between evaluations, and at the last step; 0 = off")
     at_start: bool = opt(True, "also evaluate the starting policy, logged as step 0 (not on "
                          "resume)")
     greedy: bool = opt(False, "argmax decoding (log-probs for the KL still at temperature)")
@@ -343,6 +343,10 @@ class TrainConfig:
     log_every: int = opt(1, "steps between metric lines")
     sample_every: int = opt(5, "log decoded sample responses every N steps (0 = never)")
     num_samples: int = opt(2, "sample responses logged each time")
+    max_minutes: Optional[float] = opt(
+        None, "wall-clock budget of this start, in minutes from the start of training (models "
+        "loaded; compiles counted): the step that crosses it is the last one (held-out eval, "
+        "checkpoint, export as at train.steps); null: train.steps alone")
     save_every: int = opt(10, "orbax checkpoint every N steps (0 = only at the end)")
     max_to_keep: int = opt(2, "checkpoints kept")
     export_hf: bool = opt(True, "write the final model as an HF directory")

@@ -220,7 +220,7 @@ class SupervisedTrainer(StageTrainer):
         return self.finish_eval(sums) if sums else {}
 
     def periodic_metrics(self, step: int) -> dict:
-        every, last = self.section_cfg.eval_every, step == self.cfg.train.steps
+        every, last = self.section_cfg.eval_every, self.is_last_step(step)
         if not len(self.eval_data["weight"]) or not (last or (every and step % every == 0)):
             return {}
         return {f"eval/{k}": v for k, v in self.evaluate().items()}

@@ -63,3 +63,19 @@ def progress_bar(*, total: int, initial: int, desc: str, every: int = 1, stream=
 
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
                 file=stream)
+
+
+def trained_params_line(state: dict, frozen_params) -> str:
+    """"trained params: actor 4,884,480 of 134,515,584 (3.6%), ..." for each train state of
+    `state` (`{name: TrainState}`); `frozen_params(name)` is the model's frozen rest (a LoRA
+    model's base; {} without)."""
+    import jax
+
+    parts = []
+    for name, train_state in state.items():
+        if getattr(train_state, "params", None) is None:
+            continue
+        trained = sum(int(x.size) for x in jax.tree.leaves(train_state.params))
+        total = trained + sum(int(x.size) for x in jax.tree.leaves(frozen_params(name)))
+        parts.append(f"{name} {trained:,} of {total:,} ({100 * trained / total:.1f}%)")
+    return "trained params: " + ", ".join(parts)

@@ -170,9 +170,11 @@ class PPOTrainer(StageTrainer):
         return self.evaluate() if self.cfg.eval.at_start else {}
 
     def periodic_metrics(self, step: int) -> dict:
-        """The evaluation every `eval.every` steps."""
+        """The evaluation every `eval.every` steps and at the last step (`train.steps`, or the
+        one that spent `train.max_minutes`)."""
         every = self.cfg.eval.every
-        return self.evaluate() if every and step % every == 0 else {}
+        due = every and (step % every == 0 or self.is_last_step(step))
+        return self.evaluate() if due else {}
 
     # ----------------------------------------------------------------------------------------
     def step(self) -> dict:
