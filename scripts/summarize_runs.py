@@ -2,8 +2,9 @@
 by /usr/bin/time next to the run directory, as scripts/compare_estimators.sh does).
 
 Columns: held-out reward at the start (step 0), at the last evaluation, its rise, the best
-evaluation and its step, KL at the end (mean of the last 5 steps), median seconds per step (steps 2 on; step 1 compiles), wall
-time and peak resident memory.
+evaluation and its step, KL at the end (mean of the last 5 steps), median seconds per step
+(steps 2 on; step 1 compiles), wall time, peak resident memory, the steps run, and the entropy
+per token and response length at the end (means of the last 5 steps).
 
 `--metric eval/accuracy` tabulates another held-out figure than `eval/reward_mean`.
 
@@ -24,7 +25,6 @@ from plot_run import read_metrics, series  # noqa: E402
 def row(run: Path, metric: str = "eval/reward_mean") -> str:
     rows = read_metrics(run)
     eval_steps, evals = series(rows, metric)
-    kl = [r["kl"] for r in rows if "kl" in r][-5:]
     steps = [r["time/step"] for r in rows if "time/step" in r][1:] or [float("nan")]
     timing = run.parent / f"{run.name}.time"
     wall, rss = "", ""
@@ -36,8 +36,15 @@ def row(run: Path, metric: str = "eval/reward_mean") -> str:
     best = max(range(len(evals)), key=lambda i: evals[i]) if evals else None
     best_text = f"{evals[best]:.3f} (step {eval_steps[best]})" if evals else ""
     return (f"| {run.name} | {start:.3f} | {end:.3f} | {end - start:+.3f} | {best_text} | "
-            f"{statistics.fmean(kl) if kl else float('nan'):.2f} | {statistics.median(steps):.1f} | "
-            f"{wall} | {rss} |")
+            f"{_last_mean(rows, 'kl'):.2f} | {statistics.median(steps):.1f} | "
+            f"{wall} | {rss} | {max(r['step'] for r in rows)} | "
+            f"{_last_mean(rows, 'entropy_per_token'):.2f} | {_last_mean(rows, 'response_length'):.1f} |")
+
+
+def _last_mean(rows: list[dict], key: str, last: int = 5) -> float:
+    """The mean of `key` over the last `last` records that have it (nan without any)."""
+    values = [r[key] for r in rows if key in r][-last:]
+    return statistics.fmean(values) if values else float("nan")
 
 
 def main(argv=None) -> int:
@@ -52,8 +59,8 @@ def main(argv=None) -> int:
         return 2
     what = "reward" if metric == "eval/reward_mean" else metric.split("/", 1)[1]
     print(f"| run | held-out {what}, start | at the end | rise | best (step) | KL (last 5 steps) | "
-          "s / step | wall | peak RSS |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "s / step | wall | peak RSS | steps | entropy / token (last 5) | response length (last 5) |")
+    print("|" + " --- |" * 12)
     for run in runs:
         try:
             print(row(run, metric))

@@ -176,9 +176,15 @@ def test_a_single_turn_is_generates_sampling_bit_for_bit(model):
     got = [np.asarray(x) for x in (out.response_ids, out.response_mask, out.logprobs)]
     ends = [e[0] + 1 if e else N for e in out.turn_ends]
     for b, end in enumerate(ends):
-        for g, w in zip(got, (want[0], want[1], want[2])):
+        for g, w in zip(got[:2], want[:2]):  # tokens and mask: bit for bit
             np.testing.assert_array_equal(g[b, :end], w[b, :end], err_msg=f"row {b}")
             assert not g[b, end:].any()
+        # log-probs: bit for bit under XLA's default backend optimisation; the test session
+        # compiles at level 0 (tests/conftest.py), where the two programs' log-softmax may
+        # round the last bit apart (one float32 ulp seen)
+        np.testing.assert_allclose(got[2][b, :end], want[2][b, :end], rtol=1e-6, atol=0,
+                                   err_msg=f"row {b}")
+        assert not got[2][b, end:].any()
         np.testing.assert_array_equal(out.action_mask[b], got[1][b])  # no observations
     by_seq = [b for b in range(4) if out.turn_ends[b] and got[0][b, ends[b] - 1] != stop]
     by_stop = [b for b in range(4) if out.turn_ends[b] and got[0][b, ends[b] - 1] == stop]

@@ -355,3 +355,8 @@ def test_summarize_runs_reads_the_eval_figures_of_the_tiny_run(run_dir, capsys):
     best_step, best = max(evals, key=lambda e: e[1])
     assert cells[1:4] == [f"{start:.3f}", f"{end:.3f}", f"{end - start:+.3f}"]
     assert cells[4] == f"{best:.3f} (step {best_step})"
+    steps = [r for r in rows if r["step"] > 0]
+    assert cells[9] == str(steps[-1]["step"])
+    last = steps[-5:]
+    assert cells[10] == f"{sum(r['entropy_per_token'] for r in last) / len(last):.2f}"
+    assert cells[11] == f"{sum(r['response_length'] for r in last) / len(last):.1f}"
