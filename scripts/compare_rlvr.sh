@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# PPO (critic), GRPO, Dr. GRPO, GSPO and DAPO on one wall-clock budget (docs/rlvr.md "Five
-# recipes, one budget"): each recipe of configs/rlvr/ on the chain sums of configs/rlvr.yaml for
+# PPO (critic), GRPO, Dr. GRPO, GSPO and DAPO on one wall-clock budget (docs/rlvr.md
+# "Measured: two terms of 1 or 2 digits"): each recipe of configs/rlvr/ on the chain sums of configs/rlvr.yaml for
 # MINUTES minutes of training (train.max_minutes: the step that crosses it is the last, and is
 # evaluated) or STEPS steps, whichever comes first; 64 responses a step (8 problems x 8
 # samples), held-out accuracy on 64 problems every 10 steps (same key every time); wall time
