@@ -235,8 +235,8 @@ def test_interpret_mode_equals_the_paged_reference():
 
 @pytest.mark.slow  # default-run budget (13 s); `make test-slow`
 def test_a_mesh_split_equals_the_paged_reference():
-    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.run([sys.executable, str(Path(__file__)), "mesh"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
