@@ -7,8 +7,9 @@ tests/trainer/test_update.py + test_critic_free.py, 2-core AMD EPYC: 206 s -> 14
 cache). Set JAX_COMPILATION_CACHE_DIR to keep your own.
 
 The tests compile hundreds of tiny programs, where XLA:CPU's LLVM optimisation takes longer
-than the programs run: the session adds `--xla_backend_optimization_level=0` to XLA_FLAGS
-unless XLA_FLAGS names a level (tests/trainer/test_update.py + test_critic_free.py, 2 workers
+than the programs run: the default run (`-m 'not slow'`) adds `--xla_backend_optimization_level=0`
+to XLA_FLAGS unless XLA_FLAGS names a level (`pytest_configure`; tests/trainer/test_update.py +
+test_critic_free.py, 2 workers
 on the 2-core Intel Xeon: 115 s -> 83 s). Subprocesses that need several CPU devices take
 these flags too (`tests/xla_env.xla_flags`). Training, benchmarks and `train.py` keep XLA's
 default.
