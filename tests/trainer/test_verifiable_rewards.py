@@ -96,6 +96,29 @@ def test_verifier_rewards_add_the_weighted_format_reward_and_report_components()
     np.testing.assert_array_equal(mv["format"], [1, 0])
 
 
+def test_chain_sum_partial_credit_is_off_unless_asked_and_never_counts_as_accuracy():
+    # chain_sum's scorer gives len(right) / len(given) to a wrong answer that contains the
+    # right one (reasoning-gym's compute_decimal_reward): on 2 + 1 = 3, "31" earns 1/2 and
+    # "3333" 1/4. The reward counts only full credit unless partial_credit is on.
+    rows = [_chain_entry("2 + 1", "3")] * 4
+    responses = ["<answer>3</answer>", "<answer>31</answer>", "<answer>3333</answer> or 3",
+                 "<answer>12</answer>"]
+    assert [verifiers.task_score(r, rows[0]) for r in responses] == [1.0, 0.5, 0.25, 0.0]
+    exact = get_reward_function("reasoning_gym", format_weight=0.1)(["q"] * 4, responses,
+                                                                   rows=rows)
+    np.testing.assert_allclose(exact["score"], [1.1, 0.1, 0.1, 0.1], rtol=1e-6)
+    np.testing.assert_array_equal(exact["accuracy"], [1, 0, 0, 0])
+    np.testing.assert_array_equal(exact["accuracy_format_free"], [1, 0, 1, 0])
+    assert "task_score" not in exact
+    part = get_reward_function("reasoning_gym", format_weight=0.1, partial_credit=True)(
+        ["q"] * 4, responses, rows=rows)
+    np.testing.assert_allclose(part["score"], [1.1, 0.6, 0.35, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(part["task_score"], [1.0, 0.5, 0.25, 0.0])
+    np.testing.assert_array_equal(part["accuracy"], [1, 0, 0, 0])  # full credit only
+    with pytest.raises(TypeError, match="partial_credit must be true or false, got 'yes'"):
+        get_reward_function("reasoning_gym", partial_credit="yes")
+
+
 def test_score_texts_passes_rows_only_to_functions_that_take_them():
     decode = lambda ids, mask: [f"<answer>{int(i[0])}</answer>" for i in ids]  # noqa: E731
     ids, mask = np.array([[3], [4]]), np.ones((2, 1))

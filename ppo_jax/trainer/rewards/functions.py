@@ -135,19 +135,41 @@ def response_length() -> RewardFunction:
 
 
 @register_reward_function("reasoning_gym")
-def reasoning_gym_reward(format_weight: float = 0.0) -> RewardFunction:
-    """Verifiable reward of reasoning-gym problems (`data.prompts: task`): the task's own
-    `score_answer` on the response's `<answer>...</answer>` (`verifiers.task_score`), plus
-    `format_weight` when the tagged answer is there. Components: `accuracy`, `format`,
-    `accuracy_format_free` (`score_answer` on the response's last number, tag or not)."""
+def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = False) -> RewardFunction:
+    """Verifiable reward of reasoning-gym problems (`data.prompts: task`): 1 when the task's own
+    `score_answer` on the response's `<answer>...</answer>` (`verifiers.task_score`) gives full
+    credit, else 0, plus `format_weight` when the tagged answer is there.
+
+    `partial_credit=True` rewards the task's score itself, partial credit included. Off by
+    default: some tasks' partial credit can be farmed. chain_sum's scorer gives
+    `len(answer) / len(response's answer)` to any answer that CONTAINS the right one as a
+    substring, so "<answer>51034</answer>" earns 0.2 on "1 + 2 =", and GRPO's group-normalised
+    advantages turn that 0.2 into a full-sized signal: the 1-2 digit run learnt ever longer
+    numbers (docs/rlvr.md, "Why GRPO drifted").
+
+    Components (each `[n]`): `accuracy` (1 where fully right), `format`, `accuracy_format_free`
+    (fully right on the response's last number, tag or not) and, with partial credit,
+    `task_score`. The accuracies count full credit only, whatever `partial_credit` says.
+
+    Raises:
+      TypeError: `partial_credit` not a bool (naming `reward.function_kwargs.partial_credit`).
+    """
+    if not isinstance(partial_credit, bool):
+        raise TypeError("reward.function_kwargs.partial_credit must be true or false, got "
+                        f"{partial_credit!r}")
 
     def score(prompts: list[str], responses: list[str], *, rows: list[dict]) -> dict:
         del prompts
         pairs = list(zip(responses, rows))
-        accuracy = np.asarray([verifiers.task_score(r, row) for r, row in pairs])
+        task = np.asarray([verifiers.task_score(r, row) for r, row in pairs], np.float32)
         free = np.asarray([verifiers.task_score(r, row, extract=verifiers.format_free_answer)
                            for r, row in pairs])
-        return _with_format(accuracy, free, responses, format_weight)
+        accuracy = (task >= 1.0).astype(np.float32)
+        out = _with_format(accuracy, (free >= 1.0).astype(np.float32), responses, format_weight)
+        if partial_credit:
+            out["score"] = task + format_weight * out["format"]
+            out["task_score"] = task
+        return out
 
     return score
 
