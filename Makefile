@@ -21,7 +21,7 @@ train:
 	.venv/bin/python train.py $(ARGS)
 
 # RL with verifiable rewards (docs/rlvr.md): GRPO on reasoning-gym's chain sums, held-out
-# accuracy every 5 steps; writes runs/rlvr
+# accuracy every 10 steps; writes runs/rlvr
 rlvr:
 	scripts/setup_venv.sh gguf,rlvr
 	.venv/bin/python train.py --config configs/rlvr.yaml $(ARGS)

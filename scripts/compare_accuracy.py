@@ -88,6 +88,16 @@ def base_source(cfg, given: str | None) -> Path:
     return Path(cfg.model.lora.adapter) if cfg.model.lora.adapter else path
 
 
+def shown_path(path) -> str:
+    """`path` as the JSON records it: relative to the working directory when it lies under it
+    (a checkout's `.cache/...`), else as given, so no machine's own path lands in a result."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 # the figures of one actor on one seed, in the order printed, and their row labels
 FIGURES = {"accuracy": "accuracy (verifier, tagged answer)", "format": "format rate (closed tag)",
            "accuracy_format_free": "format-free accuracy (last number)",
@@ -228,7 +238,7 @@ def base_only(args, result, plain: str | None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
-            "base": str(base), "config": args.config, "overrides": args.overrides,
+            "base": shown_path(base), "config": args.config, "overrides": args.overrides,
             "num_prompts": len(texts), "seeds": args.seeds, "accuracy": acc,
             "mean": float(np.mean(acc)), "plain_instruction": plain, "figures": table},
             indent=2) + "\n")
@@ -285,7 +295,7 @@ def main(argv=None) -> int:
           f"{result['max_rise']:+.3f})")
     print(figure_table(table, ["base", "trained"]) + "\n" + plain_note(plain))
     if args.json:
-        meta = {"trained": args.trained, "base": str(base), "config": args.config,
+        meta = {"trained": args.trained, "base": shown_path(base), "config": args.config,
                 "num_prompts": len(texts), "seeds": args.seeds, "plain_instruction": plain}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({**meta, **result, "figures": table},

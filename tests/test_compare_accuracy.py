@@ -112,3 +112,12 @@ def test_a_base_other_than_the_configs_actor_is_refused_by_name(tiny_checkpoint,
                             "--seeds", "0"])
         err = capsys.readouterr().err
         assert code == 2 and f"--base {base!r}" in err and "model.actor 'tiny-random'" in err
+
+
+def test_the_json_names_a_model_under_the_working_directory_by_its_relative_path(tmp_path,
+                                                                               monkeypatch):
+    shown_path = _script().shown_path
+    (tmp_path / ".cache/model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert shown_path(tmp_path / ".cache/model") == ".cache/model"
+    assert shown_path("/elsewhere/model") == "/elsewhere/model"  # outside: as given
