@@ -104,8 +104,8 @@ class ModelsConfig:
 @dataclass
 class TaskConfig:
     """A reasoning-gym procedural task as the prompts and their verifier (`data.prompts: task`,
-    `eval.prompts: task`; `reward.function: reasoning_gym` scores with the task's own
-    `score_answer`; trainer/data/tasks.py)."""
+    `eval.prompts: task`; `reward.function: reasoning_gym` pays 1 where the task's own
+    `score_answer` gives full credit; trainer/data/tasks.py)."""
 
     name: Optional[str] = opt(None, "reasoning-gym dataset, e.g. chain_sum, basic_arithmetic, "
                               "leg_counting, gsm_symbolic, countdown; null: no task")
