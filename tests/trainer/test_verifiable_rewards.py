@@ -4,6 +4,8 @@ as prompt sets with a disjoint held-out split, and the held-out accuracy / pass@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from ppo_jax.trainer.rewards.functions import (
 )
 from ppo_jax.trainer.data.tasks import disjoint, held_out_records, task_splits
 
+ROOT = Path(__file__).resolve().parents[2]
 CHAIN = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
 
 
@@ -115,8 +118,12 @@ def test_chain_sum_partial_credit_is_off_unless_asked_and_never_counts_as_accura
     np.testing.assert_allclose(part["score"], [1.1, 0.6, 0.35, 0.1], rtol=1e-6)
     np.testing.assert_allclose(part["task_score"], [1.0, 0.5, 0.25, 0.0])
     np.testing.assert_array_equal(part["accuracy"], [1, 0, 0, 0])  # full credit only
-    with pytest.raises(TypeError, match="partial_credit must be true or false, got 'yes'"):
-        get_reward_function("reasoning_gym", partial_credit="yes")
+    from ppo_jax.trainer.stages.ppo.checks import check_names
+
+    cfg = load_config(ROOT / "configs/rlvr/tiny.yaml",
+                      ["reward.function_kwargs.partial_credit=sometimes"])
+    with pytest.raises(ConfigError, match="partial_credit must be true or false, got .sometimes."):
+        check_names(cfg)  # train.py's check before anything compiles
 
 
 def test_score_texts_passes_rows_only_to_functions_that_take_them():

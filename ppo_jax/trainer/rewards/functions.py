@@ -152,11 +152,12 @@ def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = Fals
     `task_score`. The accuracies count full credit only, whatever `partial_credit` says.
 
     Raises:
-      TypeError: `partial_credit` not a bool (naming `reward.function_kwargs.partial_credit`).
+      ValueError: `partial_credit` not a bool (naming `reward.function_kwargs.partial_credit`;
+        the config checks raise it as a ConfigError before anything compiles).
     """
     if not isinstance(partial_credit, bool):
-        raise TypeError("reward.function_kwargs.partial_credit must be true or false, got "
-                        f"{partial_credit!r}")
+        raise ValueError("reward.function_kwargs.partial_credit must be true or false, got "
+                         f"{partial_credit!r}")
 
     def score(prompts: list[str], responses: list[str], *, rows: list[dict]) -> dict:
         del prompts
