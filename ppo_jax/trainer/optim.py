@@ -97,11 +97,26 @@ def make_optimizer(peak_lr: float, *, schedule: str = "constant", warmup_steps: 
 
 
 def optimizer_from_config(optim_cfg, peak_lr: float, total_steps: int, *,
-                          backbone_lr_scale: float = 1.0) -> optax.GradientTransformation:
+                          backbone_lr_scale: float = 1.0,
+                          heads: Sequence[str] = ("score",)) -> optax.GradientTransformation:
     """`make_optimizer` with the schedule and AdamW settings of an `OptimConfig` (every stage
     builds its optimisers through this)."""
     o = optim_cfg
     return make_optimizer(peak_lr, schedule=o.schedule, warmup_steps=o.warmup_steps,
                           total_steps=total_steps, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
                           eps=o.eps, max_grad_norm=o.max_grad_norm,
-                          backbone_lr_scale=backbone_lr_scale)
+                          backbone_lr_scale=backbone_lr_scale, heads=heads)
+
+
+def actor_optimizer(optim_cfg, total_steps: int, *, shared_critic: bool) -> optax.GradientTransformation:
+    """The PPO actor's optimiser: AdamW at `optim.actor_lr`; with `shared_critic` and
+    `optim.value_head_lr` set, the params under `value_head` at `value_head_lr` and the
+    backbone at `actor_lr` (`backbone_lr_scale = actor_lr / value_head_lr`), so a value head
+    that starts from zeros can learn at a critic's rate while the policy moves at the actor's.
+    `value_head_lr` null keeps TRL 0.11's one rate for both."""
+    o = optim_cfg
+    head_lr = o.value_head_lr
+    if not shared_critic or head_lr is None:
+        return optimizer_from_config(o, o.actor_lr, total_steps)
+    return optimizer_from_config(o, head_lr, total_steps, backbone_lr_scale=o.actor_lr / head_lr,
+                                 heads=("value_head",))

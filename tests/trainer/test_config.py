@@ -90,6 +90,8 @@ def test_missing_config_file():
     (["ppo.rollout_correction=mis", "ppo.rollout_correction_cap=inf"],
      "ppo.rollout_correction_cap=inf"),
     (["stage=sft", "sft.data=x.jsonl", "sft.backbone_lr_scale=0.5"], "sft.backbone_lr_scale=0.5"),
+    (["optim.value_head_lr=1e-4"], "optim.value_head_lr=0.0001 sets the learning rate"),
+    (["model.shared_critic=true", "optim.value_head_lr=0"], "optim.value_head_lr=0.0 must be > 0"),
     (["stage=reward_model", "model.reward_model=m", "reward_model.data=x.jsonl",
       "reward_model.backbone_lr_scale=-1"], "reward_model.backbone_lr_scale=-1.0"),
 ])

@@ -6,7 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from ppo_jax.trainer.optim import head_labels, make_optimizer, make_schedule, stop_backbone_gradient
+from ppo_jax.trainer.config import load_config
+from ppo_jax.trainer.optim import (actor_optimizer, head_labels, make_optimizer, make_schedule,
+                                   stop_backbone_gradient)
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
@@ -85,3 +87,32 @@ def test_stop_backbone_gradient_leaves_only_the_head_gradient():
     np.testing.assert_allclose(frozen["score"]["kernel"], full["score"]["kernel"])
     np.testing.assert_array_equal(frozen["backbone"]["w"], 0.0)
     np.testing.assert_array_equal(frozen["backbone"]["b"], 0.0)
+
+
+@pytest.mark.parametrize("head_lr", [None, 1e-3])
+def test_a_shared_value_head_trains_at_its_own_rate_and_the_backbone_at_actor_lr(head_lr):
+    # Adam's updates are linear in the learning rate and the clip sees every gradient: with
+    # optim.value_head_lr the value head's updates are those of one AdamW at value_head_lr, the
+    # backbone's those of one AdamW at actor_lr, at every step; null: one AdamW at actor_lr.
+    sets = ["model.shared_critic=true", "optim.actor_lr=2e-5"]
+    optim = load_config(None, sets + ([f"optim.value_head_lr={head_lr}"] if head_lr else [])).optim
+    params = {"backbone": {"w": jnp.array([1.0, -2.0]), "b": jnp.array(0.5)},
+              "value_head": {"kernel": jnp.array([[3.0], [-1.0]]), "bias": jnp.zeros((1,))}}
+    tx = actor_optimizer(optim, 5, shared_critic=True)
+    at_actor, at_head = (make_optimizer(lr, total_steps=5) for lr in (2e-5, head_lr or 2e-5))
+    states = [t.init(params) for t in (tx, at_actor, at_head)]
+    for k in range(3):
+        grads = jax.tree.map(lambda x: jnp.cos(x * (k + 1.0)) + 0.2, params)
+        (u, sa), (ua, sb), (uh, sc) = (t.update(grads, st, params) for t, st in
+                                       zip((tx, at_actor, at_head), states))
+        states = [sa, sb, sc]
+        np.testing.assert_allclose(u["value_head"]["kernel"], uh["value_head"]["kernel"], rtol=1e-6)
+        np.testing.assert_allclose(u["backbone"]["w"], ua["backbone"]["w"], rtol=1e-6)
+    # the bias's gradient is 1.2 at every step (cos 0 + 0.2; the clip rescales it a little):
+    # Adam moves it by the head's rate
+    assert abs(float(u["value_head"]["bias"][0])) == pytest.approx(head_lr or 2e-5, rel=1e-2)
+    # without a shared critic value_head_lr does not apply: one AdamW at actor_lr
+    separate = actor_optimizer(optim, 5, shared_critic=False)
+    u, _ = separate.update(grads, separate.init(params), params)
+    ua, _ = at_actor.update(grads, at_actor.init(params), params)
+    np.testing.assert_allclose(u["value_head"]["kernel"], ua["value_head"]["kernel"], rtol=1e-6)

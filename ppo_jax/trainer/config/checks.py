@@ -35,6 +35,18 @@ def _positive(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r} must be > 0")
 
 
+def _validate_value_head_lr(cfg: Config) -> None:
+    lr = cfg.optim.value_head_lr
+    if lr is None:
+        return
+    if not (cfg.stage == "ppo" and cfg.model.shared_critic):
+        raise ConfigError(f"optim.value_head_lr={lr!r} sets the learning rate of the value head "
+                          "on the actor: it needs stage=ppo and model.shared_critic=true "
+                          f"(stage={cfg.stage!r}, model.shared_critic={cfg.model.shared_critic});"
+                          " a separate critic trains at optim.critic_lr")
+    _positive("optim.value_head_lr", lr)
+
+
 def validate(cfg: Config) -> None:
     """Check the relations between fields.
 
@@ -81,6 +93,7 @@ def validate(cfg: Config) -> None:
     if cfg.stage == "ppo" and cfg.model.shared_critic and cfg.model.critic:
         raise ConfigError(f"model.critic={cfg.model.critic!r} cannot be used with "
                           "model.shared_critic=true (the value head sits on the actor)")
+    _validate_value_head_lr(cfg)
     if p.critic_warmup_steps and cfg.model.shared_critic:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")

@@ -232,6 +232,9 @@ class OptimConfig:
 
     actor_lr: float = opt(2.0e-5, "peak learning rate of the actor")
     critic_lr: float = opt(1.0e-4, "peak learning rate of the critic")
+    value_head_lr: Optional[float] = opt(None, "model.shared_critic only: peak learning rate of "
+                                         "the value head, the backbone keeping actor_lr; null: "
+                                         "actor_lr for both (TRL's one optimiser)")
     schedule: Schedule = opt("constant", "constant, or cosine (decays to 0 over train.steps)")
     warmup_steps: int = opt(0, "linear warmup, in optimiser steps")
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay")

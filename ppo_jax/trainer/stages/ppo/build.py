@@ -23,7 +23,7 @@ from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.config import Config
 from ppo_jax.trainer.data.prompts import plain_instruction_config
 from ppo_jax.trainer.loading.models import prompt_set
-from ppo_jax.trainer.optim import optimizer_from_config
+from ppo_jax.trainer.optim import actor_optimizer, optimizer_from_config
 from ppo_jax.trainer.state import full_params
 from ppo_jax.trainer.stages.ppo import dynamic, samplers, steps, text_rewards
 from ppo_jax.trainer.stages.ppo.evaluation import (
@@ -64,7 +64,7 @@ def build_params(cfg: Config, place, models) -> PPOParams:
     base) and the reward model go to host memory between experience passes."""
     p = cfg.ppo
     opt_steps = cfg.train.steps * p.ppo_epochs * (p.batch_size // p.mini_batch_size)
-    actor_tx = optimizer_from_config(cfg.optim, cfg.optim.actor_lr, opt_steps)
+    actor_tx = actor_optimizer(cfg.optim, opt_steps, shared_critic=cfg.model.shared_critic)
     critic_tx = optimizer_from_config(cfg.optim, cfg.optim.critic_lr, opt_steps)
     state = {
         "actor": place.create_state(models.actor.params, actor_tx),
