@@ -57,13 +57,17 @@ def test_tiny_rlvr_config_runs_and_logs_accuracy_and_pass_at_k(tmp_path, monkeyp
     assert config["data"]["task"]["name"] == "chain_sum" and config["ppo"]["advantage_estimator"] == "grpo"
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo", "dapo", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo", "dapo", "ppo", "ppo_shared"])
 def test_recipe_configs_load_on_the_rlvr_base(name):
     cfg = load_config(ROOT / f"configs/rlvr/{name}.yaml")
     assert cfg.data.prompts == "task" and cfg.reward.function == "reasoning_gym"
     assert cfg.generation.samples_per_prompt == 8 and cfg.train.output_dir == f"runs/rlvr_{name}"
     want = {"gspo": ("gspo", 3e-4), "dapo": ("ppo_clip", 0.2)}.get(name, ("ppo_clip", 0.2))
     assert (cfg.ppo.policy_loss, cfg.ppo.cliprange) == want
+    if name == "ppo_shared":  # ppo.yaml's critic on the actor, its head at its own rate
+        assert cfg.model.shared_critic and cfg.ppo.advantage_estimator == "gae"
+        assert cfg.optim.value_head_lr == 1e-3 and cfg.ppo.critic_warmup_steps == 0
+        assert cfg.ppo.dynamic_sampling and (cfg.ppo.lam, cfg.ppo.critic_lam) == (1.0, 1.0)
 
 
 def test_select_rollout_keeps_the_shape_and_exactly_the_informative_groups():
