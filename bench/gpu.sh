@@ -27,12 +27,16 @@
 # optax, orbax-checkpoint, chex, transformers, tokenizers, safetensors, numpy, pyarrow, tqdm):
 #   here:   bench/gpu_wheels.sh .whl      (omegaconf, tensorboardX, vaderSentiment wheels, <1 MB)
 #   there:  PPO_BENCH_PYTHON=python3 PPO_BENCH_WHEELS=.whl bench/gpu.sh --out OUT
-# Environment: PPO_BENCH_SHAPE (smollm2 | llama1b: Llama-3.2-1B's decoder with SmolLM2's
-# vocabulary, for the PPO step; default smollm2; the shapes: configs/model_shapes/), PPO_BENCH_PYTHON, PPO_BENCH_WHEELS (a folder
-# of wheels installed, without their dependencies, into a temporary folder put first on
-# PYTHONPATH), PPO_BENCH_JAX_EXTRA (cuda12 | tpu | none), PPO_BENCH_COMMIT (recorded as the
-# code's commit where the tree has no .git), PPO_JAX_CACHE (where the tokenizer, random models
-# and XLA compilation cache go; default .cache).
+# Environment:
+#   PPO_BENCH_SHAPE    smollm2 | llama1b (Llama-3.2-1B's decoder with SmolLM2's vocabulary), for
+#                      the PPO step; default smollm2; the shapes: configs/model_shapes/
+#   PPO_BENCH_CONFIGS  the PPO step's configurations, in order (default "jax-shared jax-separate");
+#                      one per call keeps a short lease's finished figures
+#   PPO_BENCH_PYTHON, PPO_BENCH_WHEELS (a folder of wheels installed, without their dependencies,
+#                      into a temporary folder put first on PYTHONPATH)
+#   PPO_BENCH_JAX_EXTRA  cuda12 | tpu | none
+#   PPO_BENCH_COMMIT   recorded as the code's commit where the tree has no .git
+#   PPO_JAX_CACHE      where the tokenizer, random models and XLA compilation cache go (default .cache)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -113,7 +117,8 @@ fi
 mkdir -p "$out"
 for bench in "${benches[@]}"; do
   case "$bench" in
-    ppo_step) "$py" bench/ppo_step.py --configs jax-shared jax-separate --dtype bfloat16 \
+    ppo_step) read -r -a configs <<<"${PPO_BENCH_CONFIGS:-jax-shared jax-separate}"
+              "$py" bench/ppo_step.py --configs "${configs[@]}" --dtype bfloat16 \
                 --warmup 1 --rounds 1 "${ppo_step[@]}" --json "$out/ppo_step.json" ;;
     engine) "$py" bench/engine.py --workload heavy --dtype bfloat16 "${engine[@]}" \
               --json "$out/engine.json" ;;
