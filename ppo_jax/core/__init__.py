@@ -23,6 +23,7 @@ from ppo_jax.core.gae import GAE_METHODS, compute_gae
 from ppo_jax.core.decoupled_gae import decoupled_gae, length_adaptive_lam
 from ppo_jax.core import estimators, outcome  # registers the advantage estimators
 from ppo_jax.core.estimators import needs_greedy_baseline, needs_groups, uses_critic
+from ppo_jax.core.outcome import group_baseline_explained_variance
 from ppo_jax.core.kl import KL_ESTIMATORS, check_estimator, full_kl, kl_penalty, sequence_kl
 from ppo_jax.core.kl_control import (
     KL_CONTROLLER_KINDS,
@@ -108,6 +109,7 @@ __all__ = [
     "get_policy_loss",
     "get_reward_shaping",
     "get_value_loss",
+    "group_baseline_explained_variance",
     "group_rows",
     "gspo_loss",
     "informative_groups",

@@ -1,4 +1,5 @@
-"""Critic-free advantage estimators: GRPO, Dr. GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax.
+"""Critic-free advantage estimators: GRPO, Dr. GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax;
+and the explained variance of a group's leave-one-out baseline, a critic's reference.
 
 Shapes: ``B`` rows (responses), ``T`` response tokens; ``mask [B, T]`` 0/1 (1 on real tokens,
 the stop token included); ``group_ids [B]`` int (rows answering the same prompt share an id in
@@ -26,7 +27,7 @@ import numpy as np
 
 from ppo_jax.core import validation as V
 from ppo_jax.core.gae import compute_gae
-from ppo_jax.core.masked import masked_whiten, safe_divide
+from ppo_jax.core.masked import explained_variance, masked_whiten, safe_divide
 from ppo_jax.core.rewards import last_valid_onehot
 
 GRPO_EPS = 1e-6  # verl ``compute_grpo_outcome_advantage(epsilon=1e-6)``
@@ -152,6 +153,52 @@ def rloo(scores: jax.Array, group_ids: jax.Array, mask: jax.Array, **unused) -> 
     adv_row = jnp.where(has_baseline, scores - safe_divide(others, count - 1), 0)
     adv = _broadcast(adv_row, valid)
     return adv, adv
+
+
+def group_baseline_explained_variance(returns: jax.Array, group_ids: jax.Array,
+                                      mask: jax.Array) -> jax.Array:
+    """The explained variance (``masked.explained_variance``) of ``returns`` by a prompt-level
+    baseline: on every real token of row ``i``, ``b_i`` = the mean, over the other real rows of
+    ``i``'s group, of their return at their first real token (RLOO's leave-one-out baseline).
+
+    The reference for a critic's ``values_explained_variance`` when every prompt is sampled
+    ``n`` times: what a critic scores that knows each prompt's expected return from its
+    ``n - 1`` other samples alone and nothing of the response. With gamma = lambda = 1 and the
+    score as the only reward, every token's return is the row's score and ``b_i`` the others'
+    mean score. Leave-one-out, ``b_i`` holds nothing of row ``i``: where the prompts do not
+    differ (all scores independent, one mean) it is about ``-1 / (n - 1)``, not 0. A row with
+    no other real row in its group gets the mean first-token return of all real rows. Worked
+    case, one-token rows, groups ``[1, 0, 0, 1]`` and ``[1, 1]``: ``b = [1/3, 2/3, 2/3, 1/3,
+    1, 1]``, ``Var(R) = 2/9``, ``Var(R - b) = 8/27``: ``-1/3``.
+    Source: the baseline of Ahmadian et al. 2024 (RLOO, eq. 6), the diagnostic of OpenAI
+    Baselines' ``explained_variance``.
+
+    Args:
+      returns: ``[B, T]`` float critic targets (the experience's returns).
+      group_ids: ``[B]`` int group ids (``group_ids_for``).
+      mask: ``[B, T]`` 0/1 (the tokens the returns are over).
+
+    Returns:
+      Scalar float (at least float32); 0 where the returns do not vary.
+
+    Raises:
+      ValueError: ``mask`` not rank 2; ``returns`` not float ``[B, T]``; ``group_ids`` not int
+        ``[B]``.
+    """
+    returns = V.as_float("returns", returns, ndim=2)
+    valid = V.as_valid("mask", mask)
+    if returns.shape != valid.shape:
+        raise ValueError(f"returns {tuple(returns.shape)} and mask {tuple(valid.shape)} must have "
+                         "one shape [B, T]")
+    first = jnp.argmax(valid, axis=1)
+    row_return = jnp.take_along_axis(returns, first[:, None], axis=1)[:, 0]
+    row_return, group_ids, valid = _outcome_args(row_return, group_ids, valid)
+    member = jnp.any(valid, axis=1)
+    count, total = _group_sums(group_ids, member, jnp.ones_like(row_return), row_return)
+    overall = safe_divide(jnp.sum(jnp.where(member, row_return, 0)), jnp.sum(member))
+    others = safe_divide(total - row_return, count - 1)
+    baseline = jnp.where(member & (count > 1), others, overall)
+    return explained_variance(_broadcast(baseline, valid), returns, valid)
 
 
 def discounted_returns(rewards: jax.Array, mask: jax.Array, *, gamma: Any = 1.0) -> jax.Array:

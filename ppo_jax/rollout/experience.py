@@ -28,6 +28,7 @@ from ppo_jax.core import (
     compact_actions,
     expand_actions,
     explained_variance,
+    group_baseline_explained_variance,
     get_advantage_estimator,
     get_reward_shaping,
     masked_mean,
@@ -91,6 +92,9 @@ class ExperienceSettings:
     # the longest response the sampler may give (generation.max_new_tokens): L_max of the
     # overlong punishment; None: the rollout's response width (as UpdateSettings' field)
     max_response_length: Optional[int] = None
+    # rows per prompt (generation.samples_per_prompt); above 1, a critic's stats add its
+    # group-baseline reference (`group_baseline_explained_variance`)
+    samples_per_prompt: int = 1
 
     def shaping_fixed_kwargs(self, kl_coef) -> dict:
         """The trainer's own keyword arguments of a reward-shaping call."""
@@ -207,6 +211,18 @@ def _shaped_returns(raw_scores, ended, logprobs, ref_logprobs, values, actions, 
             group_ids)
 
 
+def _critic_stats(values, returns, mask, group_ids, s: ExperienceSettings) -> dict[str, jax.Array]:
+    """`values_explained_variance` (and, with groups, its leave-one-out group reference) for an
+    estimator with a critic; nothing for a critic-free one."""
+    if not uses_critic(get_advantage_estimator(s.advantage_estimator)):
+        return {}
+    stats = {"values_explained_variance": explained_variance(values, returns, mask)}
+    if group_ids is not None:
+        stats["group_baseline_explained_variance"] = group_baseline_explained_variance(
+            returns, group_ids, mask)
+    return stats
+
+
 def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended, *,
                     settings: ExperienceSettings, group_ids=None, baseline_scores=None,
                     rollout_logprobs=None,
@@ -240,7 +256,10 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
       `(experience, new_kl_state, stats)`. The KL controller is updated with this batch's KL
       (mean over sequences of the summed per-token k1), as TRL does after each step. With an
       estimator that uses a critic, stats hold `values_explained_variance`
-      (`core.explained_variance` of the values against the returns, the critic's targets).
+      (`core.explained_variance` of the values against the returns, the critic's targets) and,
+      with `settings.samples_per_prompt` > 1, `group_baseline_explained_variance` (its
+      reference: the leave-one-out mean return of the prompt's other samples,
+      `core.group_baseline_explained_variance`).
 
     Raises:
       ValueError: the batch is not a multiple of micro_batch_size; an unknown estimator or
@@ -278,8 +297,7 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         **_row_stats("advantages", advantages, mask),
         **_row_stats("returns", returns, mask),
         **_row_stats("values", values, mask),
-        **({"values_explained_variance": explained_variance(values, returns, mask)}
-           if uses_critic(get_advantage_estimator(s.advantage_estimator)) else {}),
+        **_critic_stats(values, returns, mask, group_ids if s.samples_per_prompt > 1 else None, s),
     }
     if rollout_logprobs is None:
         rollout_logprobs = logprobs

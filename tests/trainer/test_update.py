@@ -494,3 +494,31 @@ def test_decoupled_lambdas_reach_the_experience_and_the_critic_explained_varianc
                                    rtol=1e-4, atol=1e-5)
     _, _, free = experience(models, ExperienceSettings(**base, advantage_estimator="rloo"))
     assert "values_explained_variance" not in free and "values_mean" in free
+
+
+def test_a_critic_with_several_samples_per_prompt_logs_its_group_baseline_reference(models):
+    """`samples_per_prompt` > 1 (rows 0-1 and 2-3 one prompt each): the stats add
+    `group_baseline_explained_variance`, the returns explained by the other sample's first-token
+    return, here recomputed in numpy; with one sample per prompt, or a critic-free estimator,
+    it is absent."""
+    ag, ap, cg, cp = models
+    q, qm, r, rm = rollout()
+    kl = init_kl_controller("fixed", 0.0, 6.0, 10000)
+    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=2), gamma=1.0, lam=1.0,
+                                  samples_per_prompt=2)
+    exp, _, stats = jax.jit(lambda ap, cp: make_experience(
+        models_of(ag, ap, ap, cg, cp), Rollout(q, qm, r, rm), kl, jnp.asarray([1.0, 0.0, 1.0, 1.0]),
+        jnp.ones(B, bool), settings=settings, group_ids=jnp.asarray([0, 0, 1, 1], jnp.int32)))(ap, cp)
+    mask, ret = np.asarray(exp.action_mask) > 0, np.asarray(exp.returns, np.float64)
+    first = ret[:, 0]  # every row's first token is real
+    baseline = first[[1, 0, 3, 2]]  # the other sample of the same prompt
+    pred = np.broadcast_to(baseline[:, None], ret.shape)[mask]
+    want = 1 - np.var(ret[mask] - pred) / np.var(ret[mask])
+    np.testing.assert_allclose(stats["group_baseline_explained_variance"], want, rtol=1e-4,
+                               atol=1e-5)
+    _, _, one = experience(models)
+    assert "group_baseline_explained_variance" not in one and "values_explained_variance" in one
+    free = ExperienceSettings(forward=ForwardSettings(micro_batch_size=2), advantage_estimator="rloo",
+                              samples_per_prompt=2)
+    _, _, free_stats = experience(models, free)
+    assert "group_baseline_explained_variance" not in free_stats

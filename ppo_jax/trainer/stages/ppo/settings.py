@@ -70,7 +70,8 @@ def experience_settings(cfg: Config, forward: ForwardSettings, *,
         advantage_kwargs=static_kwargs(p.advantage_kwargs), shared_critic=shared_critic,
         reward_shaping=p.reward_shaping, reward_shaping_kwargs=static_kwargs(p.reward_shaping_kwargs),
         overlong_buffer=p.overlong_buffer, overlong_penalty_factor=p.overlong_penalty_factor,
-        max_response_length=cfg.generation.max_new_tokens)
+        max_response_length=cfg.generation.max_new_tokens,
+        samples_per_prompt=cfg.generation.samples_per_prompt)
 
 
 def update_settings(cfg: Config, *, shared_critic: bool, mesh=None) -> UpdateSettings:
