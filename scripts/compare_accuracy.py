@@ -153,10 +153,11 @@ def _mean(values) -> float | None:
     return None if values is None else float(np.mean(values))
 
 
-def accuracies(source: Path, cfg, seeds, reward_fn) -> tuple[list[dict], list[list[str]], list[str]]:
+def accuracies(source: Path, cfg, seeds, reward_fn) -> tuple[list[dict], list[dict], list[str]]:
     """Load the actor at `source` (an HF or adapter directory, `load_actor`) once; per seed its
     `FIGURES` over the held-out problems (a figure the reward does not report, or the plain
-    pass without task prompts, is None) and the responses; the problems' prompts."""
+    pass without task prompts, is None) and the responses (`{"tagged": [...], "plain": [...]
+    or None}`); the problems' prompts."""
     loaded, tok_dir = load_actor(cfg, source)
     tokenizer, model_cfg = load_tokenizer(tok_dir), loaded.cfg
     actor = (loaded.graphdef, join(loaded.frozen, loaded.params), tokenizer, model_cfg)
@@ -166,11 +167,12 @@ def accuracies(source: Path, cfg, seeds, reward_fn) -> tuple[list[dict], list[li
     for seed in seeds:
         text, parts = answers(actor, cfg, prompts, seed, reward_fn)
         fig = {name: _mean(parts.get(name)) for name in FIGURES}
+        plain_text = None
         if plain is not None:
-            _, plain_parts = answers(actor, plain_cfg, plain, seed, reward_fn)
+            plain_text, plain_parts = answers(actor, plain_cfg, plain, seed, reward_fn)
             fig["accuracy_plain"] = _mean(plain_parts.get("accuracy_format_free"))
         out.append(fig)
-        responses.append(text)
+        responses.append({"tagged": text, "plain": plain_text})
     return out, responses, prompts[2]
 
 
@@ -257,7 +259,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, help="held-out problems (default eval.num_prompts)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, as train.py's (repeatable)")
-    parser.add_argument("--show", type=int, default=2, help="print this many problems' answers")
+    parser.add_argument("--show", type=int, default=2, help="print this many problems' answers "
+                        "(the first seed's; under the plain instruction too, where it ran)")
     parser.add_argument("--json", help="write the figures to this file")
     return parser.parse_args(argv)
 
@@ -283,7 +286,12 @@ def main(argv=None) -> int:
         return base_only(args, results[0], plain)
     (before, b_text, texts, base), (after, a_text, _, _) = results
     for i in range(min(args.show, len(texts))):
-        print(f"problem: {texts[i]}\n  base:    {b_text[0][i]!r}\n  trained: {a_text[0][i]!r}\n")
+        print(f"problem: {texts[i]}\n  base:    {b_text[0]['tagged'][i]!r}\n"
+              f"  trained: {a_text[0]['tagged'][i]!r}")
+        if b_text[0]["plain"] is not None:
+            print(f"  plain instruction, base:    {b_text[0]['plain'][i]!r}\n"
+                  f"  plain instruction, trained: {a_text[0]['plain'][i]!r}")
+        print()
     result = figures(args.seeds, [f["accuracy"] for f in before], [f["accuracy"] for f in after])
     table = figure_means({"base": before, "trained": after})
     for r in result["per_seed"]:

@@ -31,7 +31,7 @@ import statistics
 import sys
 from pathlib import Path
 
-NAMES = ["make_rlvr", "grpo", "dr_grpo", "gspo", "dapo", "ppo", "ppo_shared"]
+NAMES = ["make_rlvr", "grpo", "dr_grpo", "gspo", "dapo", "ppo", "ppo_shared_no_overlong", "ppo_shared"]
 FREE, PLAIN = "accuracy_format_free", "accuracy_plain"
 
 

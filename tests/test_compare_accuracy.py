@@ -43,6 +43,9 @@ def test_the_same_actor_twice_has_zero_rise_on_every_seed(tiny_checkpoint, tmp_p
     for title in script.FIGURES.values():
         assert title in printed
     assert f"(plain instruction: {PLAIN_INSTRUCTION!r}" in printed
+    shown = [line for line in printed.splitlines() if line.startswith("  plain instruction, ")]
+    assert len(shown) == 4  # --show 2: base and trained, here the same actor twice
+    assert shown[0].split(":", 1)[1].strip() == shown[1].split(":", 1)[1].strip()
     fig = script.figures([0, 1], [0.1, 0.3], [0.5, 0.4])
     assert [r["rise"] for r in fig["per_seed"]] == pytest.approx([0.4, 0.1])
     assert (fig["mean_before"], fig["mean_after"], fig["mean_rise"]) == pytest.approx((0.2, 0.45, 0.25))
