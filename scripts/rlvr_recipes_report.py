@@ -152,7 +152,7 @@ def plot(data: dict, summaries: dict, means: dict, out: Path) -> None:
             axes[0, 1].plot([x[i]] * len(seeds), [s[key] for s in seeds], "k.")
     axes[0, 1].axhline(means[names[0]]["free_base"], color="C7", linestyle=":", label="base, format-free")
     axes[0, 1].axhline(means[names[0]]["plain_base"], color="C8", linestyle=":", label="base, plain")
-    axes[0, 1].set_xticks([i + 0.2 for i in range(len(names))], names, rotation=20)
+    axes[0, 1].set_xticks([i + 0.2 for i in range(len(names))], names, rotation=30, ha="right")
     titles = ["held-out format-free accuracy (one key) vs minutes", "after training, 3 sampling seeds",
               "response length (tokens)", "entropy per token"]
     for ax, title in zip(axes.flat, titles):
