@@ -126,6 +126,37 @@ def test_chain_sum_partial_credit_is_off_unless_asked_and_never_counts_as_accura
         check_names(cfg)  # train.py's check before anything compiles
 
 
+def test_chain_sum_reward_on_the_last_number_needs_no_tag():
+    # answer=last_number scores the last number of the response, tag or not; the tagged
+    # accuracy is still logged, and the closed tag still earns format_weight.
+    rows = [_chain_entry("4 - 1", "3")] * 5
+    responses = ["<answer>3</answer>", "4 - 1 = 3", "<answer>3</answer> since 4 - 1",
+                 "three", "<answer>4 - 1 = 3"]
+    free = get_reward_function("reasoning_gym", format_weight=0.1, answer="last_number")(
+        ["q"] * 5, responses, rows=rows)
+    np.testing.assert_allclose(free["score"], [1.1, 1.0, 0.1, 0.0, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(free["accuracy"], [1, 0, 1, 0, 0])
+    np.testing.assert_array_equal(free["accuracy_format_free"], [1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(free["format"], [1, 0, 1, 0, 0])
+    assert free["score"].dtype == np.float32
+    tag = get_reward_function("reasoning_gym", format_weight=0.1)(["q"] * 5, responses,
+                                                                 rows=rows)
+    np.testing.assert_allclose(tag["score"], [1.1, 0.0, 1.1, 0.0, 0.0], rtol=1e-6)
+    # partial credit on the last number: "31" holds the right "3" (1/2)
+    part = get_reward_function("reasoning_gym", partial_credit=True, answer="last_number")(
+        ["q"], ["4 - 1 = 31"], rows=rows[:1])
+    np.testing.assert_allclose(part["score"], [0.5])
+    from ppo_jax.trainer.stages.ppo.checks import check_names
+
+    cfg = load_config(ROOT / "configs/rlvr/tiny.yaml", ["reward.function_kwargs.answer=boxed"])
+    with pytest.raises(ConfigError, match="answer must be one of .*'tag', 'last_number'.*boxed"):
+        check_names(cfg)
+    cfg = load_config(ROOT / "configs/rlvr/ppo_shared_format_free.yaml")
+    assert cfg.data.response_prefix is None
+    assert cfg.reward.function_kwargs["answer"] == "last_number"
+    check_names(cfg)
+
+
 def test_score_texts_passes_rows_only_to_functions_that_take_them():
     decode = lambda ids, mask: [f"<answer>{int(i[0])}</answer>" for i in ids]  # noqa: E731
     ids, mask = np.array([[3], [4]]), np.ones((2, 1))

@@ -134,8 +134,12 @@ def response_length() -> RewardFunction:
     return score
 
 
+REWARD_ANSWERS = ("tag", "last_number")  # reasoning_gym's reward.function_kwargs.answer
+
+
 @register_reward_function("reasoning_gym")
-def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = False) -> RewardFunction:
+def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = False,
+                         answer: str = "tag") -> RewardFunction:
     """Verifiable reward of reasoning-gym problems (`data.prompts: task`): 1 when the task's own
     `score_answer` on the response's `<answer>...</answer>` (`verifiers.task_score`) gives full
     credit, else 0, plus `format_weight` when the tagged answer is there.
@@ -151,13 +155,22 @@ def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = Fals
     (fully right on the response's last number, tag or not) and, with partial credit,
     `task_score`. The accuracies count full credit only, whatever `partial_credit` says.
 
+    `answer="last_number"` scores the response's last number instead (tag or not: the
+    `accuracy_format_free` part, `verifiers.format_free_answer`), so the reward cannot be
+    raised by the answer's format alone; `accuracy` still logs the tagged answer's credit, and
+    `format_weight` still pays for a closed tag. (docs/rlvr.md, "A reward without the tag".)
+
     Raises:
-      ValueError: `partial_credit` not a bool (naming `reward.function_kwargs.partial_credit`;
-        the config checks raise it as a ConfigError before anything compiles).
+      ValueError: `partial_credit` not a bool (naming `reward.function_kwargs.partial_credit`),
+        or `answer` not one of `REWARD_ANSWERS` (naming `reward.function_kwargs.answer`); the
+        config checks raise them as ConfigErrors before anything compiles.
     """
     if not isinstance(partial_credit, bool):
         raise ValueError("reward.function_kwargs.partial_credit must be true or false, got "
                          f"{partial_credit!r}")
+    if answer not in REWARD_ANSWERS:
+        raise ValueError(f"reward.function_kwargs.answer must be one of {REWARD_ANSWERS}, got "
+                         f"{answer!r}")
 
     def score(prompts: list[str], responses: list[str], *, rows: list[dict]) -> dict:
         del prompts
@@ -167,9 +180,12 @@ def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = Fals
                            for r, row in pairs])
         accuracy = (task >= 1.0).astype(np.float32)
         out = _with_format(accuracy, (free >= 1.0).astype(np.float32), responses, format_weight)
+        credit = task if answer == "tag" else free.astype(np.float32)
+        if not partial_credit:
+            credit = (credit >= 1.0).astype(np.float32)
+        out["score"] = credit + format_weight * out["format"]
         if partial_credit:
-            out["score"] = task + format_weight * out["format"]
-            out["task_score"] = task
+            out["task_score"] = credit
         return out
 
     return score
