@@ -151,10 +151,11 @@ def test_chain_sum_reward_on_the_last_number_needs_no_tag():
     cfg = load_config(ROOT / "configs/rlvr/tiny.yaml", ["reward.function_kwargs.answer=boxed"])
     with pytest.raises(ConfigError, match="answer must be one of .*'tag', 'last_number'.*boxed"):
         check_names(cfg)
-    cfg = load_config(ROOT / "configs/rlvr/ppo_shared_format_free.yaml")
-    assert cfg.data.response_prefix is None
-    assert cfg.reward.function_kwargs["answer"] == "last_number"
-    check_names(cfg)
+    for recipe in ("ppo_shared_format_free", "dapo_format_free"):
+        cfg = load_config(ROOT / f"configs/rlvr/{recipe}.yaml")
+        assert cfg.data.response_prefix is None
+        assert cfg.reward.function_kwargs == {"format_weight": 0.1, "answer": "last_number"}
+        check_names(cfg)
 
 
 def test_score_texts_passes_rows_only_to_functions_that_take_them():
