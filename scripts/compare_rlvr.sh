@@ -9,7 +9,8 @@
 # format-free and plain-instruction accuracy), a plot (scripts/plot_run.py) and a table
 # (scripts/summarize_runs.py).
 # Usage: scripts/compare_rlvr.sh [RECIPE ...]
-#   [env: OUT=runs/rlvr_recipes MINUTES=45 STEPS=1000 SEED=0 PLOT=docs/rlvr_recipes.png]
+#   [env: OUT=runs/rlvr_recipes MINUTES=45 STEPS=1000 SEED=0 PLOT=docs/rlvr_recipes.png
+#    ARGS="--set key=value ..." (more overrides for train.py, after the ones above)]
 # (default: all five); a run whose OUT/NAME.time exists is skipped. Run it alone on the
 # machine: a second job shares the cores and the budget buys fewer steps.
 set -euo pipefail
@@ -30,7 +31,7 @@ for name in "${recipes[@]}"; do
   /usr/bin/time -f "$name: %e s wall, peak RSS %M kB" -o "$run.time" \
     "$py" train.py --config "configs/rlvr/$name.yaml" --set "train.steps=$STEPS" \
       --set "train.max_minutes=$MINUTES" --set "train.seed=$SEED" --set train.save_every=0 --set train.progress=false \
-      --set "train.output_dir=$run"
+      --set "train.output_dir=$run" ${ARGS:-}
   cat "$run.time"
   "$py" scripts/compare_accuracy.py "$run/actor_hf" --config "configs/rlvr/$name.yaml" \
     --seeds 0 1 2 --show 0 --json "$run.accuracy.json"
