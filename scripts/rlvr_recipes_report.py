@@ -31,8 +31,9 @@ import statistics
 import sys
 from pathlib import Path
 
-NAMES = ["make_rlvr", "grpo", "dr_grpo", "gspo", "dapo", "ppo", "ppo_shared_no_overlong", "ppo_shared",
-         "dapo_format_free", "dapo_format_free_format_weight0", "ppo_shared_format_free"]
+NAMES = ["make_rlvr", "grpo", "dr_grpo", "gspo", "dapo", "ppo", "ppo_no_critic_warmup", "ppo_shared_no_overlong",
+         "ppo_shared", "dapo_format_free", "dapo_format_free_format_weight0", "ppo_shared_format_free",
+         "ppo_shared_format_free_format_weight0"]
 FREE, PLAIN = "accuracy_format_free", "accuracy_plain"
 
 
@@ -134,7 +135,8 @@ def plot(data: dict, summaries: dict, means: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    colours = {name: f"C{i}" for i, name in enumerate(means)}
+    palette = plt.get_cmap("tab20").colors  # 20 colours: one per recipe, however many
+    colours = {name: palette[i % len(palette)] for i, name in enumerate(means)}
     for (name, seed), run in data.items():
         style = dict(color=colours[name], linestyle="--" if seed else "-",
                      label=f"{name}, seed {seed}")
