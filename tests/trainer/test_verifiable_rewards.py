@@ -154,7 +154,7 @@ def test_chain_sum_reward_on_the_last_number_needs_no_tag():
     for recipe in ("ppo_shared_format_free", "dapo_format_free"):
         cfg = load_config(ROOT / f"configs/rlvr/{recipe}.yaml")
         assert cfg.data.response_prefix is None
-        assert cfg.reward.function_kwargs == {"format_weight": 0.1, "answer": "last_number"}
+        assert cfg.reward.function_kwargs == {"format_weight": 0.0, "answer": "last_number"}
         check_names(cfg)
 
 
