@@ -143,12 +143,18 @@ def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax
     return jnp.where(valid, whitened, 0)
 
 
+_EV_RELATIVE_TOLERANCE = 1e-10  # Var(returns) below this x the mean squares is rounding, not signal
+
+
 def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
     """How much of the returns' variance the critic's values explain, over valid tokens:
     ``1 - Var(returns - values) / Var(returns)`` (population variances, ``masked_var``).
 
     1: the values equal the returns; 0: no better than a constant; negative: worse than one.
-    Where ``Var(returns) = 0`` (nothing to explain, no valid token included) it is 0, finite.
+    Where ``Var(returns)`` is 0 or at rounding level, at most ``1e-10 x (mean(returns^2) +
+    mean(values^2))`` (nothing to explain: every response got the same score, whose float32
+    returns ``A + V`` differ only in their last bits; no valid token), it is 0, finite: the
+    plain ratio there read -2e13 in an RLVR run where all 64 scores were 0.1.
     Source: the critic diagnostic of OpenAI Baselines / Stable-Baselines3
     (``explained_variance(y_pred, y_true)``), here masked.
 
@@ -167,5 +173,6 @@ def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -
     returns, _ = _prepare(returns, valid)
     var_returns = masked_var(returns, valid, unbiased=False)
     var_error = masked_var(returns - values, valid, unbiased=False)
-    ok = var_returns > 0
+    scale = masked_mean(returns * returns, valid) + masked_mean(values * values, valid)
+    ok = var_returns > _EV_RELATIVE_TOLERANCE * scale
     return jnp.where(ok, 1 - var_error / jnp.where(ok, var_returns, 1), 0)

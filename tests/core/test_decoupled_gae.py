@@ -193,3 +193,19 @@ def test_explained_variance_is_zero_when_the_returns_do_not_vary():
     ones = jnp.ones(MASK.shape, jnp.float32)
     assert float(core.explained_variance(0.5 * ones, ones, MASK)) == 0.0
     assert float(core.explained_variance(ones, ones, np.zeros_like(MASK))) == 0.0
+
+
+def test_explained_variance_is_zero_when_the_returns_vary_only_by_rounding():
+    """Every response scored 0.1: float32 returns ``(0.1 - V) + V`` differ in their last bits,
+    and the plain ratio of a rounding-level Var(R) is a huge negative number."""
+    values = np.random.default_rng(0).uniform(0.0, 1.0, MASK.shape).astype(np.float32)
+    returns = (np.float32(0.1) - values) + values
+    v, r = values[MASK > 0], returns[MASK > 0]
+    assert 0 < np.var(r) < 1e-12 and 1 - np.var(r - v) / np.var(r) < -1e3  # the case is real
+    assert float(core.explained_variance(values, returns, MASK)) == 0.0
+    # a small but real spread is still measured
+    spread = returns + np.float32(1e-3) * np.arange(MASK.shape[1], dtype=np.float32)
+    got = float(core.explained_variance(values, spread, MASK))
+    want = _np_explained_variance(values.astype(np.float64), spread.astype(np.float64), MASK)
+    np.testing.assert_allclose(got, want, rtol=1e-3)
+
