@@ -208,4 +208,3 @@ def test_explained_variance_is_zero_when_the_returns_vary_only_by_rounding():
     got = float(core.explained_variance(values, spread, MASK))
     want = _np_explained_variance(values.astype(np.float64), spread.astype(np.float64), MASK)
     np.testing.assert_allclose(got, want, rtol=1e-3)
-
