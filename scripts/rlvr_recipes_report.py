@@ -31,7 +31,7 @@ import statistics
 import sys
 from pathlib import Path
 
-NAMES = ["make_rlvr", "grpo", "dr_grpo", "gspo", "dapo", "ppo", "ppo_no_critic_warmup",
+NAMES = ["make_rlvr", "grpo", "dr_grpo", "gspo", "dapo", "ppo_critic_warmup2", "ppo",
          "ppo_shared_no_overlong", "ppo_shared", "dapo_format_free", "dapo_format_free_format_weight0",
          "ppo_shared_format_free", "ppo_shared_format_free_format_weight0"]
 FREE, PLAIN = "accuracy_format_free", "accuracy_plain"

@@ -68,6 +68,8 @@ def test_recipe_configs_load_on_the_rlvr_base(name):
         assert cfg.model.shared_critic and cfg.ppo.advantage_estimator == "gae"
         assert cfg.optim.value_head_lr == 1e-3 and cfg.ppo.critic_warmup_steps == 0
         assert cfg.ppo.dynamic_sampling and (cfg.ppo.lam, cfg.ppo.critic_lam) == (1.0, 1.0)
+    if name == "ppo":  # no value pre-training: it lost on both seeds (docs/rlvr.md)
+        assert cfg.ppo.critic_warmup_steps == 0 and not cfg.model.shared_critic
 
 
 def test_select_rollout_keeps_the_shape_and_exactly_the_informative_groups():
