@@ -31,9 +31,11 @@ import statistics
 import sys
 from pathlib import Path
 
-NAMES = ["make_rlvr", "grpo", "dr_grpo", "gspo", "dapo", "ppo_critic_warmup2", "ppo",
-         "ppo_shared_no_overlong", "ppo_shared", "dapo_format_free", "dapo_format_free_format_weight0",
-         "ppo_shared_format_free", "ppo_shared_format_free_format_weight0"]
+NAMES = ["make_rlvr", "make_rlvr_token_mean", "grpo", "dr_grpo", "gspo_paper",
+         "gspo_paper_overlong", "gspo_paper_overlong_dynamic_sampling", "gspo", "dapo",
+         "ppo_critic_warmup2", "ppo", "ppo_shared_no_overlong", "ppo_shared", "dapo_format_free",
+         "dapo_format_free_format_weight0", "ppo_shared_format_free",
+         "ppo_shared_format_free_format_weight0"]
 FREE, PLAIN = "accuracy_format_free", "accuracy_plain"
 
 
@@ -134,7 +136,7 @@ def plot(data: dict, summaries: dict, means: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplots(2, 2, figsize=(16, 9))
     palette = plt.get_cmap("tab20").colors  # 20 colours: one per recipe, however many
     colours = {name: palette[i % len(palette)] for i, name in enumerate(means)}
     for (name, seed), run in data.items():
@@ -161,11 +163,11 @@ def plot(data: dict, summaries: dict, means: dict, out: Path) -> None:
     for ax, title in zip(axes.flat, titles):
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="center right", fontsize=7)  # the runs
     axes[0, 1].legend(fontsize=7)
     axes[1, 0].set_xlabel("PPO step")
     axes[1, 1].set_xlabel("PPO step")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.8, 1))  # the right fifth for the runs' legend
     fig.savefig(out, dpi=80)
 
 
