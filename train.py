@@ -39,6 +39,8 @@ SIGTERM (or Ctrl-C) during training stops every process after the step in progre
 and exits 0 with "preempted at step N; resume with --resume" on stderr; a second Ctrl-C kills
 at once, unsaved. A checkpoint that cannot be written exits 1 naming the step and the cause; a
 step whose losses are not finite exits 1 naming the metrics, the step and the checkpoint kept.
+A reward function or environment that fails mid-run exits 1 naming it, the step and the
+checkpoint kept (one that fails its check at load exits 2 before any model loads).
 """
 
 from __future__ import annotations
@@ -126,10 +128,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from ppo_jax.trainer.checkpoint import CheckpointWriteError
+    from ppo_jax.trainer.faults import UserCodeError
 
     try:
         history = trainer.train()
-    except (CheckpointWriteError, FloatingPointError) as e:  # a write failed; a non-finite step
+    except (CheckpointWriteError, FloatingPointError, UserCodeError) as e:  # a write failed; a
+        # non-finite step; a reward function or an environment that failed mid-run
         print(f"error: {e}", file=sys.stderr)
         return 1
     if trainer.preempted_at is not None:  # SIGTERM / SIGINT: saved, said so on stderr

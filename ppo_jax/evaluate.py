@@ -25,7 +25,11 @@ and sampling settings are what is evaluated); a run logged with `eval.every: 0` 
 all the same. The figures are
 printed one per line; `--json` prints them as JSON, `--json PATH` writes them there. Bad input
 (no such run, step or actor; a run without held-out prompts) prints `error: ...` naming it and
-exits 2 before any model loads.
+exits 2 before any model loads. A checkpoint that cannot be read (a missing, truncated or
+damaged file, found as `train.py --resume` finds it) prints one line, exit 2: `error: checkpoint
+of step N cannot be read: FILE: CAUSE; the step trained under CONFIG; earlier checkpoints: steps
+[...] (give one with --step M)` (a missing or cut metadata file before any model loads); one
+that reads but does not fit the config the step trained under says it `does not fit`, exit 2.
 """
 
 from __future__ import annotations
@@ -39,14 +43,14 @@ from pathlib import Path
 
 from ppo_jax.trainer.config import Config, ConfigError
 from ppo_jax.saved_actor import (
-    actor_dir_kind, build_trainer, read_run_config, restore_step, run_config_path, set_actor,
-    step_or_latest, with_adapter,
+    EXIT_STATUS, actor_dir_kind, build_trainer, read_run_config, restore_step, run_config_path,
+    set_actor, step_or_latest, with_adapter,
 )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ppo_jax.evaluate",
-                                description=__doc__.splitlines()[0])
+                                description=__doc__.splitlines()[0], epilog=EXIT_STATUS)
     p.add_argument("--run", required=True, help="run directory (train.output_dir of the run)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="checkpoint step (default: the latest; 0: the "

@@ -34,7 +34,12 @@ batch under that key, so a seed gives the same answers whatever the batch size.
 Output: per prompt `>>> prompt` and the response; `--json` prints one JSON record per line
 instead (`prompt`, `response`, `response_ids`, `ended`, `logprob`). Bad input (a missing
 directory or file, a step with no checkpoint, a flag out of range) prints `error: ...` naming
-it and exits 2 before any model loads.
+it and exits 2 before any model loads. A checkpoint that cannot be read (a missing, truncated
+or damaged file, found as `train.py --resume` finds it) prints one line, exit 2:
+`error: checkpoint of step N cannot be read: FILE: CAUSE; the step trained under CONFIG;
+earlier checkpoints: steps [...] (give one with --step M)` (a missing or cut metadata file
+before any model loads); one that reads but does not fit the config the step trained under
+(other model settings, a `--set model.*`) says it `does not fit` that config, exit 2.
 """
 
 from __future__ import annotations
@@ -54,8 +59,8 @@ from ppo_jax.rollout.weights import cast_floats
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.data.prompts import PromptSet, left_pad, read_prompt_records, tokenize_prompts
 from ppo_jax.saved_actor import (
-    actor_dir_kind, adapter_overrides, build_trainer, check_actor_stage, check_step, load_actor,
-    read_run_config, restore_step, run_of, step_or_latest, trainer_actor,
+    EXIT_STATUS, actor_dir_kind, adapter_overrides, build_trainer, check_actor_stage, check_step,
+    load_actor, read_run_config, restore_step, run_of, step_or_latest, trainer_actor,
 )
 from ppo_jax.trainer.loading.models import pad_token_id, stop_token_ids
 from ppo_jax.trainer.state import full_params
@@ -75,7 +80,7 @@ class Session:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ppo_jax.generate",
-                                description=__doc__.splitlines()[0])
+                                description=__doc__.splitlines()[0], epilog=EXIT_STATUS)
     p.add_argument("actor", nargs="?", help="an HF directory (<run>/actor_hf) or a PEFT adapter "
                    "directory (<run>/actor_adapter)")
     p.add_argument("--run", help="run directory: its config gives the settings; without an actor "

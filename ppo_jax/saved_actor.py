@@ -3,10 +3,10 @@ and `python -m ppo_jax.evaluate` evaluates.
 
 Three sources, each loaded by the trainer's own code so nothing drifts from what ran:
 - an HF directory (`<run>/actor_hf`, written at the end of a run, or any local causal LM):
-  `setup.load_split`, as the trainer loads `model.actor`;
+  `trainer.loading.models.load_split`, as the trainer loads `model.actor`;
 - a PEFT adapter directory (`<run>/actor_adapter` of a LoRA run): the run's `model.actor` with
-  the adapter as `model.lora.adapter` (`lora_models.adapters_from`), as a LoRA run that starts
-  from an adapter loads it;
+  the adapter as `model.lora.adapter` (`trainer.loading.lora.adapters_from`), as a LoRA run
+  that starts from an adapter loads it;
 - a checkpoint step of a run directory: the stage's trainer built from the run's config of
   that step (its `_check_inputs` and `_build`, as `StageTrainer.__init__` runs them, but
   without touching the run directory: no lock, no config or metrics written), its train state
@@ -20,7 +20,13 @@ from step k + 1; `run_dir.config_of_step`). An exported actor (`actor_hf`, `acto
 written after the run's last step) reads the config of the run's newest checkpoint.
 
 Bad input (a missing directory, a directory that is no run or no model, a step with no
-checkpoint) raises `ConfigError` naming the flag and the path before any model loads.
+checkpoint) raises `ConfigError` naming the flag and the path before any model loads. A
+checkpoint that cannot be read (a missing, truncated or damaged file: `checkpoint.damage_of`, as
+`train.py --resume` finds it) raises `CheckpointReadError` naming the step, the file, the cause,
+the config the step trained under and the run's earlier checkpoints (`damaged`; a missing or cut
+metadata file before any model loads, `check_step`); one that reads but does not fit the train
+state of that config (other model settings, a `--set`) raises `ConfigError` saying so
+(`restore_step`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import jax
 
 from ppo_jax.models.functional import Model
 from ppo_jax.models.peft_io import CONFIG_FILE as ADAPTER_CONFIG
-from ppo_jax.trainer.checkpoint import Checkpointer, finished_steps
+from ppo_jax.trainer.checkpoint import (
+    Checkpointer, CheckpointReadError, check_files, finished_steps, misfit,
+)
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.loading.lora import LoadedModel, adapters_from, base_dtype, lora_settings
 from ppo_jax.trainer.loading.models import actor_kind, load_split, resolve_model_path
@@ -45,6 +53,10 @@ from ppo_jax.trainer.state import full_params
 
 RUN_CONFIG = "config.json"  # written by the trainer into `train.output_dir`
 ACTOR_STAGES = ("ppo", "sft")  # stages whose trained model is an actor (a causal LM)
+# the exit status of `python -m ppo_jax.generate` / `evaluate` on what this module raises (--help)
+EXIT_STATUS = ("exit status 2: bad input, or a checkpoint that cannot be read (one error: line "
+               "naming its step, file, cause and the config the step trained under) or that does "
+               "not fit that config")
 
 
 def run_config_path(run_dir: str | Path, key: str = "--run") -> Path:
@@ -116,11 +128,13 @@ def actor_dir_kind(path: str | Path, key: str) -> str:
 
 
 def check_step(run_dir: str | Path, step: int, key: str = "--step") -> int:
-    """`step` when `<run_dir>/checkpoints/<step>` is a finished checkpoint, or 0 (the starting
-    actor, no checkpoint read).
+    """`step` when `<run_dir>/checkpoints/<step>` is a finished checkpoint whose metadata files
+    read (`checkpoint.check_files`, no model needed), or 0 (the starting actor, no checkpoint
+    read).
 
     Raises:
       ConfigError: naming `key`, the step and the steps the run holds.
+      CheckpointReadError: a metadata file of the checkpoint is missing or damaged (`damaged`).
     """
     if step == 0:
         return 0
@@ -129,16 +143,33 @@ def check_step(run_dir: str | Path, step: int, key: str = "--step") -> int:
         held = f"steps {steps}" if steps else "no checkpoint"
         raise ConfigError(f"{key} {step}: {Path(run_dir) / 'checkpoints'} holds {held} (0 is the "
                           "starting actor)")
+    try:
+        check_files(step, Path(run_dir) / "checkpoints" / str(step))
+    except CheckpointReadError as e:
+        raise damaged(run_dir, e) from None
     return step
 
 
+def damaged(run_dir: str | Path, error: CheckpointReadError) -> CheckpointReadError:
+    """`error` (a checkpoint of the run in `run_dir` that cannot be read: step, file, cause) with,
+    on the same line, the config the step trained under (`run_config_at`) and the run's earlier
+    checkpoints, which `--step` can name instead."""
+    earlier = [s for s in finished_steps(Path(run_dir) / "checkpoints") if s < error.step][::-1]
+    other = (f"earlier checkpoints: steps {earlier} (give one with --step {earlier[0]})"
+             if earlier else "no earlier checkpoint (--step 0 is the starting actor)")
+    cause = " ".join(error.cause.split())  # one line
+    return CheckpointReadError(error.step, error.file, f"{cause}; the step trained under "
+                               f"{run_config_at(run_dir, error.step)}; {other}")
+
+
 def step_or_latest(run_dir: str | Path, step: Optional[int], key: str = "--run") -> int:
-    """`step` of the run in `run_dir` checked (`check_step`), or when None the run's newest
-    checkpoint step.
+    """`step` of the run in `run_dir`, or when None the run's newest checkpoint step, checked
+    (`check_step`).
 
     Raises:
       ConfigError: no run there (`run_config_path`); naming the step, or the run's checkpoint
         directory when it holds none.
+      CheckpointReadError: see `check_step`.
     """
     run_config_path(run_dir, key)
     if step is not None:
@@ -148,7 +179,7 @@ def step_or_latest(run_dir: str | Path, step: Optional[int], key: str = "--run")
         raise ConfigError(f"{key} {str(run_dir)!r}: no checkpoint under "
                           f"{Path(run_dir) / 'checkpoints'}; give --step 0 (the starting actor) "
                           "or an actor directory")
-    return steps[-1]
+    return check_step(run_dir, steps[-1])
 
 
 def adapter_overrides(adapter_dir: str | Path, base: Optional[str]) -> list[str]:
@@ -190,8 +221,8 @@ def with_adapter(cfg: Config, adapter_dir: str | Path) -> Config:
 def load_actor(cfg: Config, source: str | Path, *, kind: str = "causal_lm", lora: bool = False,
                sharding_fn=None) -> tuple[LoadedModel, Path]:
     """The actor at `source` (an HF directory, or a PEFT adapter on `cfg.model.actor`) loaded as
-    the trainer loads `model.actor` (`setup.build_models`): `model.param_dtype` / `dtype` /
-    `remat`, a LoRA base in `model.frozen_param_dtype`.
+    the trainer loads `model.actor` (`trainer.loading.models.build_models`): `model.param_dtype`
+    / `dtype` / `remat`, a LoRA base in `model.frozen_param_dtype`.
 
     Args:
       kind: the model kind ("causal_lm"; "causal_lm_value" for a shared-critic run's train
@@ -203,7 +234,7 @@ def load_actor(cfg: Config, source: str | Path, *, kind: str = "causal_lm", lora
 
     Returns:
       `(LoadedModel, tokenizer directory)`: params split into trained and frozen as the
-      trainer's (`lora_models.split_trained`).
+      trainer's (`trainer.loading.lora.split_trained`).
 
     Raises:
       ConfigError / FileNotFoundError / ValueError: a missing model, an adapter that does not
@@ -248,20 +279,26 @@ def build_trainer(cfg: Config, devices=None):
 
 def restore_step(trainer, run_dir: str | Path, step: int) -> None:
     """Read the train state of checkpoint `step` of `run_dir` into `trainer` (built by
-    `build_trainer` from that run's config); step 0 leaves the starting state.
+    `build_trainer` from the config the step trained under, `run_config_at`); step 0 leaves the
+    starting state.
 
     Raises:
-      ConfigError: the checkpoint does not fit the trainer's state (other model settings).
+      CheckpointReadError: a file of the checkpoint is missing, truncated or damaged
+        (`checkpoint.damage_of`), named with the step, the cause and the config (`damaged`).
+      ConfigError: the checkpoint reads but does not fit the trainer's state (other model
+        settings, or a `--set`), naming the config the step trained under (`checkpoint.misfit`).
     """
     if step == 0:
         return
     checkpointer = Checkpointer(Path(run_dir) / "checkpoints")
     try:
         trainer.state, meta = checkpointer.restore(step, trainer.state)
+    except CheckpointReadError as e:  # damage, not a mismatch
+        raise damaged(run_dir, e) from None
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"checkpoint {checkpointer.directory / str(step)} does not fit the "
-                          f"train state of {run_dir}/{RUN_CONFIG} ({type(e).__name__}: "
-                          f"{str(e)[:300]})") from None
+        raise ConfigError(misfit(checkpointer.directory / str(step), e, "the train state of "
+                                 f"{run_config_at(run_dir, step)} (the config step {step} "
+                                 "trained under, with any --set)")) from None
     finally:
         checkpointer.close()
     trainer.step_count = trainer.saved_step = int(meta["step"])
@@ -272,6 +309,7 @@ def trainer_at_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (
 
     Raises:
       ConfigError: see `read_run_config`, `check_step`; as `build_trainer` and `restore_step`.
+      CheckpointReadError: a damaged checkpoint, see `check_step` and `restore_step`.
     """
     cfg = read_run_config(run_dir, overrides, step=step)
     check_step(run_dir, step)

@@ -58,7 +58,8 @@ from ppo_jax.rollout.sampler import generate
 from ppo_jax.trainer.config import ConfigError, load_config
 from ppo_jax.trainer.data.prompts import plain_instruction_config
 from ppo_jax.trainer.data.tasks import PLAIN_INSTRUCTION, TASK_SOURCE
-from ppo_jax.trainer.rewards.functions import get_reward_function, score_texts
+from ppo_jax.trainer.rewards.calls import score_texts
+from ppo_jax.trainer.rewards.functions import get_reward_function
 from ppo_jax.saved_actor import actor_dir_kind, load_actor
 from ppo_jax.trainer.loading.models import build_prompts, pad_token_id, resolve_model_path, stop_token_ids
 

@@ -100,6 +100,43 @@ def _render_section(key, f, default_obj, given_obj, depth: int, given_column: bo
     return lines
 
 
+NO_EFFECT_HEADING = "Settings refused where they have no effect"
+
+
+def _no_effect_section() -> list[str]:
+    """The table of `config.no_effect.NO_EFFECT`: key | refused when | why, one row per key
+    (a run of keys with the same condition and reason shares a row), and one error it gives."""
+    from ppo_jax.trainer.config import Config
+    from ppo_jax.trainer.config.no_effect import NO_EFFECT, check_no_effect
+
+    table = _relative(inspect.getsourcefile(check_no_effect))
+    example = Config()
+    example.ppo.advantage_estimator = "grpo"
+    row = next(r for r in NO_EFFECT if r.key == "ppo.vf_coef" and r.when.holds(example))
+    lines = [
+        "", f"## {NO_EFFECT_HEADING}", "",
+        "A setting that differs from its default where nothing reads it is refused at load "
+        "(exit 2, before anything is compiled or written), the error naming it, its value, "
+        "the settings that leave it unread, why, and what to set instead:", "",
+        f"    error: {row.message(example, 0.5)}", "",
+        "A value equal to the default is never refused, so a file may spell the defaults out "
+        "and a run's `config.json` (every key) resumes. The conditions on the PPO sections "
+        f"hold in `stage: ppo` only. The table is `NO_EFFECT` in `{table}`.", "",
+        "| key | refused when | why |", "| --- | --- | --- |",
+    ]
+    groups: list[tuple[list[str], str, str]] = []
+    for r in NO_EFFECT:
+        why = f"{r.when.means} ({r.why})"
+        if groups and groups[-1][1:] == (r.when.name, why):
+            groups[-1][0].append(r.key)
+        else:
+            groups.append(([r.key], r.when.name, why))
+    for keys, when, why in groups:
+        cells = [", ".join(f"`{k}`" for k in keys), _cell(when), _cell(why)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def render() -> str:
     """The whole text of docs/config.md."""
     from ppo_jax.trainer.config import Config, load_config
@@ -128,7 +165,8 @@ def render() -> str:
         "",
         intro,
         "",
-        "Sections: " + ", ".join(f"[`{k}`](#{k})" for k, *_ in sections) + ".",
+        "Sections: " + ", ".join(f"[`{k}`](#{k})" for k, *_ in sections) + "; and the "
+        f"[{NO_EFFECT_HEADING.lower()}](#{NO_EFFECT_HEADING.lower().replace(' ', '-')}).",
         "",
         "## Top level",
         "",
@@ -136,6 +174,7 @@ def render() -> str:
     lines += _table(leaves, given_column)
     for sec in sections:
         lines += _render_section(*sec, depth=2, given_column=given_column)
+    lines += _no_effect_section()
     return "\n".join(lines) + "\n"
 
 

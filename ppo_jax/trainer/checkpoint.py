@@ -162,6 +162,14 @@ def damage_of(step_dir: Path, error: BaseException) -> tuple[Path, str] | None:
     return None
 
 
+def misfit(step_dir: Path, error: BaseException, state: str) -> str:
+    """The line for a checkpoint in `step_dir` that reads but whose tree does not fit `state`
+    (the train state it was restored into, in words), with orbax's `error` cut short."""
+    return (f"checkpoint {step_dir} does not fit {state}: was it written with other stage or "
+            "model.* settings (shared_critic, actor, critic, param_dtype, lora.*)? "
+            f"({type(error).__name__}: {' '.join(str(error)[:300].split())})")
+
+
 class Checkpointer:
     """Thin wrapper over `orbax.checkpoint.CheckpointManager`."""
 
@@ -201,7 +209,8 @@ class Checkpointer:
         Raises:
           FileNotFoundError: no checkpoint `step` under the directory.
           CheckpointReadError: a file of it is missing, truncated or damaged (step, file, cause).
-          ValueError / KeyError / TypeError: from orbax, a tree that does not fit `like`.
+          ValueError / KeyError / TypeError: from orbax, a tree that does not fit `like`
+            (`misfit` words it).
         """
         if step not in self.manager.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}")

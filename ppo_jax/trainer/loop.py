@@ -24,7 +24,7 @@ which.
 
 A stage may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
 starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_log(step)`
-(samples), `finite_keys` (metrics that stop the run when not finite) and `progress_postfix`.
+(samples), `finite_keys` / `finite_hint` (what stops a run, the advice) and `progress_postfix`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 
 from ppo_jax.trainer.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
+from ppo_jax.trainer.faults import checkpoint_kept
 from ppo_jax.trainer.host.memory import release_host_memory
 from ppo_jax.trainer.placement import Placement
 from ppo_jax.trainer.preemption import StopSignals, WallClockBudget
@@ -64,6 +65,7 @@ class StageTrainer:
 
     name = "stage"  # progress-bar label
     finite_keys: tuple[str, ...] = ()  # besides every "*loss" metric
+    finite_hint = "Check learning rates, kl_coef and the reward scale"  # ends a non-finite stop
 
     is_abstract = False  # True: built by `abstract()`, shapes in place of arrays
     preempted_at: int | None = None  # the step `train()` stopped at on SIGTERM / SIGINT
@@ -277,12 +279,9 @@ class StageTrainer:
     def _stop_if_not_finite(self, n: int, metrics: dict) -> None:
         bad = self._not_finite(metrics)
         if bad:
-            last = self.checkpointer.latest_step()
-            kept = ("no checkpoint was written yet" if last is None else
-                    f"the last checkpoint, step {last}, is kept")
-            raise FloatingPointError(
-                f"step {n}: {', '.join(bad)} not finite; stopped before saving ({kept}). Check "
-                "learning rates, kl_coef and the reward scale")
+            kept = checkpoint_kept(self.checkpointer.latest_step())
+            raise FloatingPointError(f"step {n}: {', '.join(bad)} not finite; stopped before "
+                                     f"saving ({kept}). {self.finite_hint}")
 
     def is_last_step(self, step: int) -> bool:
         """Whether `step` ends the run: `train.steps`, or the one that spent `train.max_minutes`."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from ppo_jax.trainer.checkpoint import CheckpointReadError, check_files, finished_steps
+from ppo_jax.trainer.checkpoint import CheckpointReadError, check_files, finished_steps, misfit
 from ppo_jax.trainer.config import Config, ConfigError, load_config, to_dict
 from ppo_jax.trainer.run_dir import config_in_effect, logged_steps, plural
 
@@ -293,11 +293,8 @@ def restore_planned(checkpointer, plan: ResumePlan, like: Any,
             if i + 1 < len(plan.steps):
                 log(f"--resume-fallback: {e}; falling back to step {plan.steps[i + 1]}")
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"checkpoint {checkpointer.directory / str(step)} does not fit this run's train "
-                "state: was it written with other stage or model.* settings (shared_critic, "
-                f"actor, critic, param_dtype, lora.*)? ({type(e).__name__}: {str(e)[:300]})"
-            ) from None
+            raise ValueError(misfit(checkpointer.directory / str(step), e,
+                                    "this run's train state")) from None
     raise _read_failure(failed, plan)
 
 

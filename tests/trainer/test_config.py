@@ -101,7 +101,18 @@ def test_inconsistent_fields_name_the_field(overrides, field):
     assert field in str(err.value)
 
 
-def test_shipped_configs_load():
+def test_shipped_configs_load(tmp_path):
+    """Every shipped config loads (none sets a key that another leaves without effect), and so
+    does the config.json a run of it writes (every key, the defaults spelled out)."""
+    import json
+
+    from ppo_jax.trainer.config import to_dict
+
+    for path in sorted(CONFIGS.glob("*.yaml")) + sorted(CONFIGS.glob("rlvr/*.yaml")):
+        cfg = load_config(path)
+        saved = tmp_path / f"{path.stem}.json"
+        saved.write_text(json.dumps(to_dict(cfg)))
+        assert load_config(saved) == cfg, path.name
     assert load_config(CONFIGS / "default.yaml").model.actor == "smollm2"
     big = load_config(CONFIGS / "llama_8b_gpu_tpu.yaml", ["model.actor=/ckpt/llama"])
     assert big.mesh.tensor == 8 and big.model.frozen_param_dtype == "bfloat16"
@@ -167,6 +178,7 @@ def test_every_enumerated_choice_is_accepted_by_config_exactly_when_the_code_acc
     import typing
     import warnings
 
+    from ppo_jax.core.kl import KL_ESTIMATORS
     from ppo_jax.trainer.config import _leaves
 
     accepts = _code_accepts()
@@ -174,7 +186,11 @@ def test_every_enumerated_choice_is_accepted_by_config_exactly_when_the_code_acc
     literal_keys = {k for k, t in kinds.items() if typing.get_origin(t) is typing.Literal}
     assert literal_keys == set(accepts) - {"ppo.advantage_kwargs.method"}  # every enumerated field
     extra = {"stage=reward_model": ["reward_model.data=x.jsonl", "model.reward_model=smollm2"],
-             "stage=sft": ["sft.data=x.jsonl"], "reward.kind=model": ["model.reward_model=rm"]}
+             "stage=sft": ["sft.data=x.jsonl"], "reward.kind=model": ["model.reward_model=rm"],
+             # keys read only under another setting (config.no_effect): that setting too
+             "generation.attention=pallas": ["generation.engine=paged"],
+             **{f"ppo.kl_loss_estimator={n}": ["ppo.kl_loss_coef=0.1"] for n in KL_ESTIMATORS},
+             "env.observation_role=tool": ["env.name=calculator"]}
     for key, (names, use) in accepts.items():
         if key in kinds:
             assert set(typing.get_args(kinds[key])) == set(names), key

@@ -1,5 +1,6 @@
 """Critic-free advantage estimators in the trainer: groups of samples per prompt, no critic
-loaded or trained, ReMax's greedy baseline, and the settings that need a critic refused."""
+loaded or trained, ReMax's greedy baseline. The settings that need a critic are refused at load
+with the other settings that have no effect: tests/trainer/test_no_effect_settings.py."""
 
 from __future__ import annotations
 
@@ -90,20 +91,6 @@ def test_remax_baseline_is_the_greedy_response_score(tmp_path, monkeypatch):
     texts = trainer.decode(np.asarray(g_resp), np.asarray(g_mask))
     want = trainer.reward_fn(trainer.prompts.texts[:8], texts)  # greedy: the key does not matter
     np.testing.assert_allclose(np.asarray(baseline), want, atol=1e-6)
-
-
-@pytest.mark.parametrize("sets, match", [
-    (["model.shared_critic=true"], "model.shared_critic needs a critic"),
-    (["ppo.critic_warmup_steps=1"], "ppo.critic_warmup_steps needs a critic"),
-    (["model.critic=somewhere"], "model.critic needs a critic"),
-    (["ppo.critic_lam=1.0"], "ppo.critic_lam needs a critic"),
-    (["ppo.lam_length_alpha=0.05"], "ppo.lam_length_alpha needs a critic"),
-])
-def test_settings_that_need_a_critic_are_refused_with_a_critic_free_estimator(sets, match):
-    from ppo_jax.trainer.stages.ppo.checks import check_names
-
-    with pytest.raises(ConfigError, match=match):
-        check_names(load_config(TINY, ["ppo.advantage_estimator=grpo", *sets]))
 
 
 def test_batch_must_hold_whole_groups():

@@ -172,7 +172,10 @@ def test_run_reset_has_the_same_wall():
     odd = Scripted()
     odd.reset = lambda row: "just a prompt"
     assert run_reset(odd, {}, timeout_s=5).error.endswith(
-        "reset returned 'just a prompt', not (state, prompt text or messages)")
+        "reset returned 'just a prompt', not (state, prompt text)")
+    odd.reset = lambda row: (0, 7)
+    assert run_reset(odd, {}, timeout_s=5).error.endswith(
+        "reset returned a prompt of type int, not text")
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1.0, "1"])
@@ -265,7 +268,8 @@ def test_any_exception_of_reset_at_load_is_an_error_naming_the_record():
         def step(self, state, text):
             return StepResult(None, True, {}, state)
 
-    assert episode_prompts(Boom(), ["a"], None, "data.prompts") == (["a"], [{"prompt": "a"}])
+    assert episode_prompts(Boom(), ["a"], None, "data.prompts", timeout_s=5) == (
+        ["a"], [{"prompt": "a"}])
     with pytest.raises(ValueError, match=r"^data.prompts: record 1: environment 'boom': reset "
                                          r"raised RuntimeError: sandbox down$"):
-        episode_prompts(Boom(), ["a", "bad"], None, "data.prompts")
+        episode_prompts(Boom(), ["a", "bad"], None, "data.prompts", timeout_s=5)

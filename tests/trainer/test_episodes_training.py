@@ -172,6 +172,28 @@ def test_a_raising_environment_fails_its_episodes_not_the_run(tmp_path, monkeypa
     assert "env raising: episode failed (reward 0)" in err and "the sandbox is down" in err
 
 
+def test_every_episode_failing_for_max_failed_steps_steps_stops_the_run(tmp_path, monkeypatch,
+                                                                         capfd):
+    """Issue 54: `env.max_failed_steps` steps in a row whose every episode failed stop the run
+    before that step's update: exit 1, one `error:` line, the earlier steps' metrics and
+    checkpoints kept, the lock released."""
+    from ppo_jax.trainer.run_dir import RunLock
+
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    code, rows = run(tmp_path, "streak", "--set", "env.name=raising", "--set",
+                     "env.max_failed_steps=2", "--set", "train.save_every=1", steps=4)
+    assert code == 1 and [r["step"] for r in rows] == [1] and rows[0]["env/failures"] == 4.0
+    errors = [x for x in capfd.readouterr().err.splitlines() if x.startswith("error:")]
+    assert errors == [
+        "error: step 2: every episode of environment 'raising' failed for 2 steps in a row "
+        "(env.max_failed_steps=2); stopped before its update (the last checkpoint, step 1, is "
+        "kept). The first failure: environment 'raising': step raised RuntimeError: the sandbox "
+        "is down"]
+    out = tmp_path / "streak"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    RunLock(out).release()  # free: the failed run let go of it
+
+
 def test_an_unknown_environment_is_refused_at_load_time(tmp_path, capsys):
     out = tmp_path / "nothing"
     code = train.main(["--config", str(ROOT / "configs/tiny.yaml"), "--set",
@@ -188,6 +210,11 @@ def test_an_unknown_environment_is_refused_at_load_time(tmp_path, capsys):
     (["ppo.dynamic_sampling=true", "generation.samples_per_prompt=2"], "dynamic_sampling"),
     (["ppo.advantage_estimator=remax"], "greedy baseline"),
     (["env.kwargs.format=json"], "format='json'"),
+    (["env.max_failed_steps=0"], "env.max_failed_steps=0 must be an int >= 1"),
+    (["env.kwargs.tool_call_cost=-0.05"], "env.name: environment 'calculator': "
+     "env.kwargs.tool_call_cost=-0.05 must be >= 0: it is a cost, added to the score as "
+     "-tool_call_cost (a negative one pays a bonus; for a cost of 0.05 give tool_call_cost: "
+     "0.05)"),
 ])
 def test_env_settings_that_cannot_run_are_refused_at_load_time(tmp_path, capsys, sets, message):
     out = tmp_path / "nothing"

@@ -24,10 +24,10 @@ TINY = ROOT / "configs/tiny.yaml"
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.actor_lr=1e-2", "optim.critic_lr=1e-2"]
 
 
-def ppo_cfg(out, *extra):
+def ppo_cfg(out, *extra, lora=LORA):
     return load_config(TINY, [f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}",
                               f"train.output_dir={out}", "train.progress=false",
-                              "train.tensorboard=false", *LORA, *extra])
+                              "train.tensorboard=false", *lora, *extra])
 
 
 def host(tree):
@@ -174,7 +174,7 @@ def test_shared_critic_and_grpo_run_with_lora(tmp_path, monkeypatch):
     assert math.isfinite(m["vf_loss"]) and m["kl"] == 0.0
     grpo = PPOTrainer(ppo_cfg(tmp_path / "g", "ppo.advantage_estimator=grpo", "train.steps=1",
                               "generation.samples_per_prompt=2", "eval.every=0",
-                              "train.export_hf=false"))
+                              "train.export_hf=false", lora=LORA[:-1]))  # no critic: no critic_lr
     assert grpo.state["critic"] is None
     assert math.isfinite(grpo.step()["pg_loss"])
 

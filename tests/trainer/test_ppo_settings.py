@@ -67,8 +67,8 @@ def test_every_field_named_after_a_config_key_carries_its_value():
     """Each `(key, value)` of CHANGED reaches every settings field of the key's name, with
     max_new_tokens also as max_response_length (the overlong punishment's and
     seq-mean-token-sum's length)."""
-    cfg = load_config(ROOT / "configs/tiny.yaml", [f"{k}={v}" for k, v in CHANGED]
-                      + ["generation.engine=paged", "ppo.batch_size=8"])
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"{k}={v}" for k, v in CHANGED]  # vf_coef:
+                      + ["generation.engine=paged", "ppo.batch_size=8", "model.shared_critic=true"])
     s = settings_for(cfg)
     parts = [s.sampling, s.experience, s.experience.forward, s.update, engine_settings(cfg)]
     want = {k.split(".")[1]: v for k, v in CHANGED}

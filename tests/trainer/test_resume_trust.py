@@ -134,7 +134,7 @@ def test_changed_safe_keys_are_applied_and_listed_and_the_first_config_is_kept(s
                       + ["--resume"]) == 0
     out = capsys.readouterr().out
     listed = [line.strip() for line in out.splitlines() if line.startswith("  ")]
-    assert listed == ["optim.critic_lr: 0.001 -> 0.0005", "ppo.critic_warmup_steps: 0 -> 10",
+    assert listed == ["optim.critic_lr: 0.0001 -> 0.0005", "ppo.critic_warmup_steps: 0 -> 10",
                       f"train.output_dir: {str(straight)!r} -> {str(copy)!r}", "train.steps: 4 -> 5"]
     assert "4 setting(s) differ from the run's config" in out and "apply from step 5" in out
     assert (copy / "config.json").read_bytes() == first  # never overwritten

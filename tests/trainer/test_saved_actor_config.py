@@ -19,6 +19,7 @@ def write_run(out: Path, resumed_at: int = 4, steps=(1, 2, 3, 4, 5, 6)) -> Path:
     """A run started under tiny.yaml (generation.top_k 0) and resumed from checkpoint
     `resumed_at` with generation.top_k=1 and train.steps=7; its finished checkpoints `steps`;
     an actor_hf beside them."""
+    from ppo_jax.trainer.checkpoint import JSON_FILES
     from ppo_jax.trainer.config import load_config, to_dict
 
     first = to_dict(load_config(ROOT / "configs/tiny.yaml", [f"train.output_dir={out}"]))
@@ -28,8 +29,10 @@ def write_run(out: Path, resumed_at: int = 4, steps=(1, 2, 3, 4, 5, 6)) -> Path:
     changed = json.loads(json.dumps(first))
     changed["train"]["steps"], changed["generation"]["top_k"] = 7, 1
     (out / f"config.resume-{resumed_at}.json").write_text(json.dumps(changed))
-    for step in steps:
-        (out / "checkpoints" / str(step)).mkdir(parents=True)
+    for step in steps:  # the metadata files generate / evaluate check before loading
+        for name in JSON_FILES:
+            (out / "checkpoints" / str(step) / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / "checkpoints" / str(step) / name).write_text("{}")
     actor = out / "actor_hf"
     actor.mkdir()
     (actor / "config.json").write_text("{}")

@@ -12,9 +12,10 @@ import pytest
 from ppo_jax.trainer.rewards import verifiers
 from ppo_jax.trainer.config import ConfigError, load_config
 from ppo_jax.trainer.data.prompts import prompt_records
-from ppo_jax.trainer.rewards.functions import (
-    get_reward_function, register_reward_function, reward_output, score_texts, takes_rows,
+from ppo_jax.trainer.rewards.calls import (
+    call_reward_function, reward_output, score_texts, takes_rows, with_timeout,
 )
+from ppo_jax.trainer.rewards.functions import get_reward_function, register_reward_function
 from ppo_jax.trainer.data.tasks import disjoint, held_out_records, task_splits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,6 +171,37 @@ def test_score_texts_passes_rows_only_to_functions_that_take_them():
                                    mask, rows=[{"answer": "3"}, {"answer": "3"}])
     np.testing.assert_array_equal(scores, [1, 0])
     assert sorted(parts) == ["accuracy", "accuracy_format_free", "format"]
+
+
+@pytest.mark.parametrize("config", ["configs/tiny.yaml", "configs/rlvr/tiny.yaml",
+                                    "configs/rlvr/dapo_format_free.yaml"])
+def test_the_builtin_reward_functions_pass_the_load_time_probe(config, monkeypatch):
+    """vader, and reasoning_gym (tag and last-number answers) on their shipped configs: the
+    probe's placeholder responses to the first prompts (and eval prompts) score (issue 54)."""
+    from ppo_jax.trainer.stages.ppo.checks import check_names, check_prompt_files
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(ROOT / config)
+    check_names(cfg)
+    check_prompt_files(cfg)
+
+
+def test_math_verify_keeps_its_own_timeouts_under_reward_timeout(tmp_path):
+    """math-verify times its parses with SIGALRM, which works in the main thread only: the
+    `reward.timeout_s` watchdog keeps the call in the calling thread (`rewards.deadline`), so
+    it still scores there, and its load-time probe passes on a file of prompts with answers."""
+    from ppo_jax.trainer.stages.ppo.checks import check_prompt_files
+
+    timed = with_timeout(get_reward_function("math_verify"), 5.0)
+    responses = ["<answer>\\frac{1}{2}</answer>", "so 0.5", "<answer>2</answer>"]
+    scores, parts = call_reward_function(timed, ["q"] * 3, responses, [{"answer": "1/2"}] * 3)
+    np.testing.assert_array_equal(scores, [1, 1, 0])
+    np.testing.assert_array_equal(parts["format"], [1, 0, 1])
+    (tmp_path / "math.jsonl").write_text('{"prompt": "Half of 1?", "answer": "\\\\frac{1}{2}"}\n'
+                                         '{"prompt": "1 + 1?", "answer": "2"}\n')
+    check_prompt_files(load_config(ROOT / "configs/tiny.yaml", [
+        f"data.prompts={tmp_path / 'math.jsonl'}", "reward.function=math_verify",
+        "eval.every=0", "eval.at_start=false", "reward.timeout_s=5"]))
 
 
 def test_reward_output_checks_shapes_and_the_score_entry():

@@ -15,6 +15,7 @@ from ppo_jax.core.gae import GAE_METHODS
 from ppo_jax.core.rollout_correction import check_rollout_correction
 from ppo_jax.models.config import LORA_TARGETS
 from ppo_jax.trainer.config.help import leaves
+from ppo_jax.trainer.config.no_effect import check_no_effect
 from ppo_jax.trainer.config.schema import (
     Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
 )
@@ -48,7 +49,7 @@ def _validate_value_head_lr(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Check the relations between fields.
+    """Check the relations between fields, then refuse settings left without effect (`no_effect`).
 
     Raises:
       ConfigError: naming the field and its value.
@@ -111,6 +112,7 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, name)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
+    check_no_effect(cfg)  # last: a value out of range is named as such first
 
 
 def _validate_reward(cfg: Config) -> None:
@@ -136,6 +138,10 @@ def _validate_env(cfg: Config) -> None:
     _positive("env.max_turns", e.max_turns)
     _positive("env.max_observation_tokens", e.max_observation_tokens)
     _positive("env.timeout_s", e.timeout_s)
+    if isinstance(e.max_failed_steps, bool) or not isinstance(e.max_failed_steps, int) or \
+            e.max_failed_steps < 1:
+        raise ConfigError(f"env.max_failed_steps={e.max_failed_steps!r} must be an int >= 1 "
+                          "(steps in a row whose every episode failed before the run stops)")
     if e.stop_strings is not None and not all(isinstance(x, str) and x for x in e.stop_strings):
         raise ConfigError(f"env.stop_strings={e.stop_strings!r} must be non-empty strings")
     if e.name is None or cfg.stage != "ppo":
@@ -183,7 +189,7 @@ def _validate_ppo(p: PPOConfig) -> None:
 def _validate_gae(p: PPOConfig) -> None:
     """The discount and the GAE lambdas (the policy's, the critic's, VAPO's length-adaptive
     alpha) and the GAE method. With a critic-free estimator, ppo.critic_lam and
-    ppo.lam_length_alpha are refused at start-up (`stages.ppo.checks`)."""
+    ppo.lam_length_alpha are refused as settings with no effect (`config.no_effect`)."""
     if not (0.0 <= p.gamma <= 1.0) or not (0.0 <= p.lam <= 1.0):
         raise ConfigError(f"ppo.gamma={p.gamma!r} and ppo.lam={p.lam!r} must lie in [0, 1]")
     if p.critic_lam is not None and not 0.0 <= p.critic_lam <= 1.0:

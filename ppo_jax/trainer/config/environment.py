@@ -19,12 +19,17 @@ class EnvConfig:
                               "calculator, reasoning_gym_retry, or a fork's (--import); null: "
                               "one response per prompt, scored by reward.*")
     kwargs: Dict[str, Any] = opt(help="keyword arguments of the environment's factory, e.g. "
-                                 "{tool_call_cost: -0.05}", factory=dict)
+                                 "{tool_call_cost: 0.05} (calculator: a cost >= 0, paid as the "
+                                 "reward part tool_cost = -0.05 per call)", factory=dict)
     max_turns: int = opt(4, "assistant turns per episode at most; the last one is scored "
                          "whatever it holds")
     max_observation_tokens: int = opt(64, "an observation is cut to this many tokens")
-    timeout_s: float = opt(10.0, "seconds one environment step may take; past it, or on an "
-                           "exception, the episode fails: reward 0, counted in env/failures")
+    timeout_s: float = opt(10.0, "seconds one environment step or reset may take (a batch's "
+                           "calls run at once, one deadline); past it, or on an exception, the "
+                           "episode fails: reward 0, counted in env/failures; at load, a reset "
+                           "past it is an error naming the record")
+    max_failed_steps: int = opt(3, "steps in a row whose every episode failed before the run "
+                                "stops (exit 1, one error line; earlier checkpoints kept)")
     stop_strings: Optional[list[str]] = opt(None, "text that ends an assistant turn besides the "
                                             "stop tokens (matched as its tokens); null: the "
                                             "environment's own (its tool call's closing tag)")

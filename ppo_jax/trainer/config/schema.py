@@ -254,6 +254,10 @@ class RewardConfig:
                         "vader, length, reasoning_gym, math_verify, or a fork's")
     function_kwargs: Dict[str, Any] = opt(help="keyword arguments of the reward function's "
                                           "factory, e.g. {format_weight: 0.1}", factory=dict)
+    timeout_s: Optional[float] = opt(600.0, "seconds one call of the reward function (a batch) "
+                                     "may take, at the load-time probe and in training; past "
+                                     "it the run stops naming the function (exit 2 at load, 1 "
+                                     "mid-run); null: no limit")
     normalize: bool = opt(False, "kind=model: (score - mean) / std with the mean / std of its "
                           "scores on held-out pairs that stage reward_model wrote to its "
                           "config.json")

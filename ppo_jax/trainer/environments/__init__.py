@@ -3,9 +3,10 @@
 
   base.py               the interface (`Environment.reset(row)` / `.step(state, text)` ->
                         `StepResult`), the registry (`register_environment`,
-                        `get_environment`), and the fault wall: `run_step` / `run_reset` turn
-                        an exception, a timeout or a malformed return into an
-                        `EpisodeFailure`; observation truncation
+                        `get_environment`), and the fault wall: `run_step(s)` /
+                        `run_reset(s)` turn an exception, a timeout or a malformed return into
+                        an `EpisodeFailure` (a batch's calls in parallel threads, one
+                        deadline); `episode_prompts` at load; observation truncation
   tool_calls.py         tool calls in a turn: the Hermes `<tool_call>{json}</tool_call>` and
                         the small-model `<calc>expr</calc>` formats, their stop strings
   calculator.py         a safe, bounded arithmetic evaluator (an `ast` whitelist, no eval)
@@ -20,8 +21,8 @@ rollout driver (turn limit, token budgets, masks) is not here: it calls these.
 
 from ppo_jax.trainer.environments.base import (
     ENVIRONMENTS, TRUNCATION_MARKER, Environment, EpisodeFailure, StepResult, environment_names,
-    episode_prompts, get_environment, register_environment, run_reset, run_step, step_problem,
-    truncate_observation, truncate_tokens,
+    episode_prompts, get_environment, register_environment, reset_problem, run_reset,
+    run_resets, run_step, run_steps, step_problem, truncate_observation, truncate_tokens,
 )
 from ppo_jax.trainer.environments.calculator import CalculatorError, CalculatorLimits, calculate
 from ppo_jax.trainer.environments.calculator_env import CalculatorEnv, final_number
@@ -34,6 +35,7 @@ __all__ = [
     "ALL_STOP_STRINGS", "ENVIRONMENTS", "FORMATS", "STOP_STRINGS", "TRUNCATION_MARKER",
     "CalculatorEnv", "CalculatorError", "CalculatorLimits", "Environment", "EpisodeFailure",
     "MalformedCall", "RetryEnv", "StepResult", "ToolCall", "calculate", "environment_names",
-    "episode_prompts", "final_number", "get_environment", "parse_tool_call", "register_environment", "run_reset",
-    "run_step", "step_problem", "truncate_observation", "truncate_tokens",
+    "episode_prompts", "final_number", "get_environment", "parse_tool_call",
+    "register_environment", "reset_problem", "run_reset", "run_resets", "run_step", "run_steps",
+    "step_problem", "truncate_observation", "truncate_tokens",
 ]

@@ -2,12 +2,16 @@
 
 An episode is a conversation between the policy and an environment:
 
-    state, prompt = env.reset(row)                  # the first observation: the prompt
+    state, prompt = env.reset(row)                  # the first observation: the prompt text
     while True:
         text = <the policy's turn, sampled after the conversation so far>
         result = run_step(env, state, text, timeout_s=...)   # env.step in a worker thread
         if isinstance(result, EpisodeFailure) or result.done: break
         state = result.state                        # result.observation: the next user turn
+
+A batch's episodes go through `run_resets` / `run_steps`: every row's call in its own thread,
+all waited for with one shared deadline, so a batch whose calls all hang costs one `timeout_s`,
+not one per row (the seam a later environment on another host plugs into).
 
 The shape is the one of verl's agent loop (`ToolAgentLoop`, verl/experimental/agent_loop/, and
 its `BaseInteraction`) and of OpenRLHF's `MultiTurnExecutor` driving an `AgentInstanceBase`'s
@@ -19,10 +23,11 @@ serves a whole batch of episodes, from several threads), and a turn's reward is 
 named parts (`{"tool_cost": -0.05}`, the verifier's `{"correct": 1.0}`) that the driver sums
 and logs part by part.
 
-Fault handling: `run_step` / `run_reset` never raise for a fault of the environment. An
-exception, a step slower than `timeout_s` or a malformed return (not a `StepResult`, a
-non-finite reward, ...) becomes an `EpisodeFailure` naming the environment and the problem:
-that episode fails (the driver drops or zero-scores it and counts it), the run goes on.
+Fault handling: `run_step(s)` / `run_reset(s)` never raise for a fault of the environment. An
+exception, a call slower than `timeout_s` or a malformed return (not a `StepResult`, a
+non-finite reward, an empty or non-text prompt, ...) becomes an `EpisodeFailure` naming the
+environment and the problem: that episode fails (the driver zero-scores it and counts it), the
+run goes on. At load, `episode_prompts` turns the first such failure into a ValueError.
 
 Registry: `@register_environment("name")` on a factory `(**kwargs) -> Environment`, the
 convention of `ppo_jax.core.registry` (reward functions use the same); a research fork
@@ -45,9 +50,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from ppo_jax.core.registry import Registry
 
-Prompt = Union[str, list]  # the first observation: text, or chat messages [{"role", "content"}]
 TRUNCATION_MARKER = "...[truncated]"
 ENVIRONMENTS = Registry("environment")  # name -> factory (**kwargs) -> Environment
+LOAD_CHUNK = 64  # records whose `reset`s run at once at load: the first failing chunk stops it
 
 
 @dataclass(frozen=True)
@@ -89,13 +94,14 @@ class Environment:
 
     name: str = "environment"
 
-    def reset(self, row: dict) -> tuple[Any, Prompt]:
+    def reset(self, row: dict) -> tuple[Any, str]:
         """Start an episode on the prompt record `row` (its `prompt` and other fields: an
         `answer`, a reasoning-gym `entry`, ...).
 
         Returns:
-          `(state, prompt)`: the episode's first state and the first observation (the row's
-          prompt text, with any instruction the environment adds; or chat messages).
+          `(state, prompt)`: the episode's first state and the first observation, non-empty
+          text (the row's prompt, with any instruction the environment adds; the run's chat
+          template frames it, `data.use_chat_template`: not chat messages).
 
         Raises:
           ValueError: a row without a field the environment reads.
@@ -148,13 +154,22 @@ def _env_name(env) -> str:
     return str(getattr(env, "name", None) or type(env).__name__)
 
 
-def _timed_call(fn: Callable, args: tuple, timeout_s: Optional[float]) -> Future:
-    """`fn(*args)` in a new daemon thread; the future, done unless `timeout_s` passed first.
+def _timed_calls(calls: Sequence[tuple[Callable, tuple]], timeout_s: Optional[float]
+                 ) -> list[Future]:
+    """Each `fn(*args)` of `calls` in a new daemon thread, all started at once and waited for
+    with one shared deadline: the futures, each done unless `timeout_s` passed first. So a
+    batch of calls that all hang costs one `timeout_s`, not one per call.
 
-    A daemon thread, not a pool's: Python cannot stop a thread, and a step that never returns
+    Daemon threads, not a pool's: Python cannot stop a thread, and a call that never returns
     must neither hold a pool's worker nor keep the process alive at exit. Its late result is
     dropped.
     """
+    futures = [_start(fn, args) for fn, args in calls]
+    wait(futures, timeout=timeout_s)
+    return futures
+
+
+def _start(fn: Callable, args: tuple) -> Future:
     future: Future = Future()
 
     def work():
@@ -165,8 +180,7 @@ def _timed_call(fn: Callable, args: tuple, timeout_s: Optional[float]) -> Future
         except BaseException as e:  # noqa: BLE001 - reported, never raised
             future.set_exception(e)
 
-    threading.Thread(target=work, name="environment-step", daemon=True).start()
-    wait([future], timeout=timeout_s)
+    threading.Thread(target=work, name="environment-call", daemon=True).start()
     return future
 
 
@@ -220,7 +234,7 @@ def step_problem(result: Any) -> Optional[str]:
 def run_step(env: Environment, state: Any, text: str, *, timeout_s: Optional[float]
              ) -> Union[StepResult, EpisodeFailure]:
     """`env.step(state, text)` in a worker thread, within `timeout_s` seconds (None: no
-    limit), its return checked (`step_problem`).
+    limit), its return checked (`step_problem`); `run_steps` of one episode.
 
     Returns:
       the `StepResult` (rewards as Python floats), or an `EpisodeFailure(env_name, error)` when
@@ -230,9 +244,32 @@ def run_step(env: Environment, state: Any, text: str, *, timeout_s: Optional[flo
     Raises:
       ValueError: `timeout_s` not positive (the caller's error, not the environment's).
     """
+    return run_steps(env, [state], [text], timeout_s=timeout_s)[0]
+
+
+def run_steps(env: Environment, states: Sequence[Any], texts: Sequence[str], *,
+              timeout_s: Optional[float]) -> list[Union[StepResult, EpisodeFailure]]:
+    """`run_step` for a batch of episodes at once: `env.step(states[i], texts[i])` for every i
+    in parallel threads with one shared deadline, `timeout_s` after they start (so B hanging
+    steps cost one `timeout_s`, not B). The environment object is shared by the threads
+    (`Environment`: `step` must not mutate it).
+
+    Returns:
+      `[B]` results in the order of `states`, each a `StepResult` or an `EpisodeFailure`, as
+      `run_step`. Never raises for the environment's faults.
+
+    Raises:
+      ValueError: `timeout_s` not positive, or `states` and `texts` of different lengths.
+    """
     _check_timeout(timeout_s)
+    if len(states) != len(texts):
+        raise ValueError(f"run_steps: {len(states)} states but {len(texts)} texts")
     name = _env_name(env)
-    out = _outcome(_timed_call(env.step, (state, text), timeout_s), name, "step", timeout_s)
+    futures = _timed_calls([(env.step, (s, t)) for s, t in zip(states, texts)], timeout_s)
+    return [_checked_step(_outcome(f, name, "step", timeout_s), name) for f in futures]
+
+
+def _checked_step(out: Any, name: str) -> Union[StepResult, EpisodeFailure]:
     if isinstance(out, EpisodeFailure):
         return out
     problem = step_problem(out)
@@ -241,24 +278,50 @@ def run_step(env: Environment, state: Any, text: str, *, timeout_s: Optional[flo
     return replace(out, rewards={k: float(v) for k, v in out.rewards.items()})
 
 
+def reset_problem(out: Any) -> Optional[str]:
+    """What is wrong with an environment's `reset` return, or None when it is a pair
+    `(state, prompt)` whose prompt is non-empty text (chat messages are refused: the run's
+    chat template frames the prompt, `data.use_chat_template`)."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        return f"reset returned {out!r:.80}, not (state, prompt text)"
+    prompt = out[1]
+    if isinstance(prompt, list):
+        return ("reset returned a list as its prompt (chat messages?); reset returns the prompt "
+                "as text, which the run's chat template frames (data.use_chat_template)")
+    if not isinstance(prompt, str):
+        return f"reset returned a prompt of type {type(prompt).__name__}, not text"
+    if not prompt.strip():
+        return f"reset returned an empty prompt ({prompt!r})"
+    return None
+
+
 def run_reset(env: Environment, row: dict, *, timeout_s: Optional[float]
-              ) -> Union[tuple[Any, Prompt], EpisodeFailure]:
+              ) -> Union[tuple[Any, str], EpisodeFailure]:
     """`env.reset(row)` with `run_step`'s fault handling: `(state, prompt)`, or an
-    `EpisodeFailure` when it raised, ran past `timeout_s`, or did not return a pair whose
-    prompt is a str or a list of messages.
+    `EpisodeFailure` when it raised, ran past `timeout_s`, or returned something
+    `reset_problem` refuses; `run_resets` of one row.
+
+    Raises:
+      ValueError: `timeout_s` not positive.
+    """
+    return run_resets(env, [row], timeout_s=timeout_s)[0]
+
+
+def run_resets(env: Environment, rows: Sequence[dict], *, timeout_s: Optional[float]
+               ) -> list[Union[tuple[Any, str], EpisodeFailure]]:
+    """`run_reset` for a batch of rows at once: `env.reset(rows[i])` in parallel threads with
+    one shared deadline, as `run_steps`. Returns `[B]` results in the order of `rows`.
 
     Raises:
       ValueError: `timeout_s` not positive.
     """
     _check_timeout(timeout_s)
     name = _env_name(env)
-    out = _outcome(_timed_call(env.reset, (row,), timeout_s), name, "reset", timeout_s)
-    if isinstance(out, EpisodeFailure):
-        return out
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (str, list))):
-        return EpisodeFailure(name, f"environment {name!r}: reset returned {out!r:.80}, not "
-                                    "(state, prompt text or messages)")
-    return out
+    outs = [_outcome(f, name, "reset", timeout_s)
+            for f in _timed_calls([(env.reset, (row,)) for row in rows], timeout_s)]
+    problems = [None if isinstance(o, EpisodeFailure) else reset_problem(o) for o in outs]
+    return [o if p is None else EpisodeFailure(name, f"environment {name!r}: {p}")
+            for o, p in zip(outs, problems)]
 
 
 def truncate_observation(text: str, max_chars: int) -> str:
@@ -294,29 +357,29 @@ def truncate_tokens(ids: Sequence[int], max_tokens: int, marker_ids: Sequence[in
     return ids[:max_tokens - len(marker_ids)] + list(marker_ids)
 
 
-def episode_prompts(env: Environment, texts: list[str], rows: Optional[list[dict]], key: str
-                    ) -> tuple[list[str], list[dict]]:
+def episode_prompts(env: Environment, texts: list[str], rows: Optional[list[dict]], key: str,
+                    *, timeout_s: Optional[float]) -> tuple[list[str], list[dict]]:
     """The first observation of each prompt record's episode: `(prompts, rows)`, where prompt
     i is `env.reset({**rows[i], "prompt": texts[i]})`'s text (the record's prompt with the
     environment's instruction) and row i keeps the record's own prompt under `prompt`, so a
-    later `reset(row)` starts the same episode. Called once, when the prompts load.
+    later `reset(row)` starts the same episode. Called when the prompts load.
+
+    Each `reset` runs under `run_resets`' wall (`timeout_s`, `env.timeout_s`), `LOAD_CHUNK`
+    records at a time with one deadline a chunk; the first chunk holding a failure stops the
+    load, so a `reset` that hangs on every record costs one `timeout_s`, not one per record.
 
     Raises:
-      ValueError: naming `key` and the record, when `reset` refuses a record or gives chat
-        messages (a template applied by the environment is not supported yet: give text).
+      ValueError: naming `key`, the record (from 0) and the environment, for the first record
+        whose `reset` raised, ran past `timeout_s`, or returned no `(state, prompt)` pair with
+        a non-empty text prompt (chat messages included: `reset_problem`).
     """
-    prompts, out = [], []
-    for i, text in enumerate(texts):
-        row = {**((rows or [{}] * len(texts))[i] or {}), "prompt": text}
-        try:
-            _, prompt = env.reset(row)
-        except Exception as e:  # noqa: BLE001  (any refusal of a record: a load-time error)
-            raise ValueError(f"{key}: record {i}: environment {_env_name(env)!r}: reset raised "
-                             f"{type(e).__name__}: {e}") from None
-        if not isinstance(prompt, str):
-            raise ValueError(f"{key}: record {i}: environment {_env_name(env)!r} gave "
-                             f"{type(prompt).__name__} as its first observation; a prompt text "
-                             "is supported")
-        prompts.append(prompt)
-        out.append(row)
-    return prompts, out
+    given = rows or [{}] * len(texts)
+    rows = [{**(given[i] or {}), "prompt": text} for i, text in enumerate(texts)]
+    prompts = []
+    for start in range(0, len(rows), LOAD_CHUNK):
+        outs = run_resets(env, rows[start:start + LOAD_CHUNK], timeout_s=timeout_s)
+        for i, out in enumerate(outs, start):
+            if isinstance(out, EpisodeFailure):
+                raise ValueError(f"{key}: record {i}: {out.error}")
+            prompts.append(out[1])
+    return prompts, rows

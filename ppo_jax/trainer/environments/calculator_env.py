@@ -170,15 +170,19 @@ def calculator_environment(format: str = "calc", tool_call_cost: float = 0.0,
 
     Args:
       format: the call format the instruction teaches, "calc" or "tool_call" (both are read).
-      tool_call_cost: cost of each call turn (reward part `tool_cost` = -cost).
-      malformed_penalty: cost of a malformed call (reward part `malformed_penalty` = -it).
+      tool_call_cost: cost of each call turn, >= 0 (reward part `tool_cost` = -cost: 0.05
+        takes 0.05 off the episode's score per call).
+      malformed_penalty: cost of a malformed call, >= 0 (reward part `malformed_penalty` =
+        -it).
       rel_tol: relative error a final answer may have (0: exact).
       max_chars, max_digits, max_exponent: the calculator's bounds (`CalculatorLimits`).
       tool: False: no calculator (the same task and verifier, one answer, nothing parsed as a
         call): the no-tool baseline.
 
     Raises:
-      ValueError: an unknown format, a non-finite cost, a negative `rel_tol` or a bound < 1.
+      ValueError: an unknown format, a negative or non-finite cost (a negative one would pay
+        a bonus per call: the policy would learn to call until `env.max_turns`), a negative
+        `rel_tol` or a bound < 1; a cost is named as `env.kwargs.<name>` with its value.
     """
     if format not in FORMATS:
         raise ValueError(f"environment 'calculator': format={format!r}; known: "
@@ -187,6 +191,11 @@ def calculator_environment(format: str = "calc", tool_call_cost: float = 0.0,
                                                             malformed_penalty)):
         if not math.isfinite(float(value)):
             raise ValueError(f"environment 'calculator': {key}={value!r} is not finite")
+        if float(value) < 0:
+            raise ValueError(f"environment 'calculator': env.kwargs.{key}={value!r} must be >= "
+                             f"0: it is a cost, added to the score as -{key} (a negative one "
+                             f"pays a bonus; for a cost of {-float(value):g} give {key}: "
+                             f"{-float(value):g})")
     if not 0.0 <= float(rel_tol) < math.inf:
         raise ValueError(f"environment 'calculator': rel_tol={rel_tol!r} must be >= 0")
     if min(max_chars, max_digits, max_exponent) < 1:

@@ -17,21 +17,29 @@ Optional extensions, used by the verifiable rewards below:
   entries are components the trainer logs as `reward/<name>` (training) and `eval/<name>`
   (held-out evaluation; `accuracy` there also gives pass@k, and `accuracy_format_free`,
   with `eval.plain_instruction`, `eval/accuracy_plain`).
+- a factory may set `probe = False`: its function is not called at load (`probe_reward_function`;
+  for one that, say, needs a server the run starts later).
+
+Every call is checked (`rewards.calls`): an exception, a call longer than
+`reward.timeout_s` (`with_timeout`), a result that is not one finite number per response (in
+`"score"` and in each component) is a `RewardFunctionError` saying what came back; at load
+(the probe on placeholder responses) the config checks refuse it, mid-run the trainer stops
+naming the function and the step (`stages.ppo.faults`).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 import numpy as np
 
 from ppo_jax.core.registry import Registry
 from ppo_jax.trainer.rewards import verifiers
+from ppo_jax.trainer.rewards.calls import RewardFunction
 
 REWARD_KINDS = ("function", "model")  # reward.kind: a registered function | a reward model
 RewardKind = Literal[REWARD_KINDS]
-RewardFunction = Callable[[list[str], list[str]], np.ndarray]
 REWARD_FUNCTIONS = Registry("reward function")  # name -> factory () -> RewardFunction
 
 
@@ -80,30 +88,10 @@ def check_prompt_rows(name: str, rows: list[dict], key: str, source: str) -> Non
                              f"{sorted(rows[missing]) or 'only the prompt'}{hint}")
 
 
-def takes_rows(fn: Callable) -> bool:
-    """`fn` accepts the `rows` keyword (or any keyword)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "rows" or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def reward_output(out, n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """`(scores [n] float32, components {name: [n] float32})` of a reward function's result
-    (an array of n scores, or a dict with "score" and components).
-
-    Raises:
-      ValueError: a dict without "score", or a result that is not n numbers.
-    """
-    parts = dict(out) if isinstance(out, dict) else {"score": out}
-    if "score" not in parts:
-        raise ValueError(f"a reward function's dict result needs a 'score' entry, got {sorted(parts)}")
-    arrays = {k: np.asarray(v, np.float32) for k, v in parts.items()}
-    bad = {k: a.shape for k, a in arrays.items() if a.shape != (n,)}
-    if bad:
-        raise ValueError(f"a reward function returned {bad} for {n} responses; each must be [{n}]")
-    return arrays.pop("score"), arrays
+def probes(name: str) -> bool:
+    """Whether the registered reward function `name` is probed at load (its factory's
+    `probe`, default True)."""
+    return bool(getattr(REWARD_FUNCTIONS.get(name), "probe", True))
 
 
 @register_reward_function("vader")
@@ -226,24 +214,3 @@ def _with_format(accuracy: np.ndarray, free: np.ndarray, responses: list[str],
     fmt = np.asarray([verifiers.tagged_answer(r) is not None for r in responses], np.float32)
     return {"score": accuracy + weight * fmt, "accuracy": accuracy, "format": fmt,
             "accuracy_format_free": free}
-
-
-def score_texts(reward_fn: RewardFunction, decode: Callable, prompts: list[str], ids: np.ndarray,
-                mask: np.ndarray, rows: Optional[list[dict]] = None
-                ) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
-    """Decode response rows `ids`, `mask` `[n, N]` (this process's) with `decode(ids, mask) ->
-    n strings` and score them against their `prompts` (and prompt `rows`, for a function that
-    takes them) with `reward_fn`.
-
-    Returns:
-      `(responses, scores [n] float32, components {name: [n] float32})` (`reward_output`).
-
-    Raises:
-      ValueError: a result of the wrong shape (`reward_output`).
-    """
-    responses = decode(ids, mask)
-    if takes_rows(reward_fn):
-        out = reward_fn(prompts, responses, rows=rows if rows is not None else [{}] * len(prompts))
-    else:
-        out = reward_fn(prompts, responses)
-    return (responses, *reward_output(out, len(responses)))

@@ -3,7 +3,8 @@
 
 - `check_names` and `check_prompt_files` (`PPOTrainer._check_inputs`, nothing loaded): the
   registered functions the config names, and the prompt files' rows against the reward
-  function's fields;
+  function's fields, then the reward function called once on placeholder responses to their
+  first records (`probe_reward`);
 - `check_placement` (the mesh known, no model loaded): the batch on the mesh, the paged
   engine's sizes;
 - `check_kernel` (the actor's config.json read): the TPU attention kernel against its shapes.
@@ -35,13 +36,15 @@ from ppo_jax.core import (
     get_value_loss,
     needs_greedy_baseline,
     needs_groups,
-    uses_critic,
 )
 from ppo_jax.rollout.engine import check_page_size, engine_layout
 from ppo_jax.trainer.config import Config, ConfigError, eval_enabled
 from ppo_jax.trainer.data.prompts import prompt_records
 from ppo_jax.trainer.environments import episode_prompts, get_environment
-from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function
+from ppo_jax.trainer.rewards.calls import (
+    RewardFunction, RewardFunctionError, probe_reward_function, with_timeout,
+)
+from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function, probes
 from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 
 B, T = 1, 2
@@ -143,10 +146,7 @@ def check_names(cfg: Config) -> None:
     if cfg.ppo.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
     if cfg.reward.kind == "function" and not cfg.env.name:
-        try:
-            get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
-        except ValueError as e:
-            raise ConfigError(f"reward.function: {e}") from None
+        reward_function(cfg)
     if cfg.env.name:
         try:
             get_environment(cfg.env.name, **cfg.env.kwargs)
@@ -161,7 +161,6 @@ def check_names(cfg: Config) -> None:
         raise ConfigError(f"ppo.dynamic_sampling=true does not sample ReMax's greedy baseline "
                           f"(ppo.advantage_estimator={cfg.ppo.advantage_estimator!r}); use a "
                           "group estimator such as grpo or rloo")
-    _check_critic_free(cfg)
     if (needs_groups(get_advantage_estimator(cfg.ppo.advantage_estimator))
             and cfg.generation.samples_per_prompt < 2):
         raise ConfigError(f"ppo.advantage_estimator={cfg.ppo.advantage_estimator!r} compares the "
@@ -171,46 +170,76 @@ def check_names(cfg: Config) -> None:
                           "more (e.g. 8), or use advantage_estimator=gae")
 
 
-def _check_critic_free(cfg: Config) -> None:
-    """Settings that need a critic are refused with a critic-free estimator (GRPO, RLOO, ...).
-
-    Raises:
-      ConfigError: naming the setting and the estimator.
-    """
-    name = cfg.ppo.advantage_estimator
-    if uses_critic(get_advantage_estimator(name)):
-        return
-    for key, on in (("model.shared_critic", cfg.model.shared_critic),
-                    ("ppo.critic_warmup_steps", cfg.ppo.critic_warmup_steps > 0),
-                    ("model.critic", bool(cfg.model.critic)),
-                    ("model.lora.critic", cfg.model.lora.critic),
-                    ("ppo.critic_lam", cfg.ppo.critic_lam is not None),
-                    ("ppo.lam_length_alpha", cfg.ppo.lam_length_alpha > 0)):
-        if on:
-            raise ConfigError(f"{key} needs a critic, but ppo.advantage_estimator={name!r} "
-                              "trains none; drop the setting or use 'gae'")
-
-
 def check_prompt_files(cfg: Config) -> None:
     """`data.prompts` (and `eval.prompts` when evaluating) read, and with a reward function
-    their rows checked against the fields it reads (`rewards.functions.check_prompt_rows`).
+    their rows checked against the fields it reads (`rewards.functions.check_prompt_rows`);
+    with `env.name`, every record's episode started instead (`environments.episode_prompts`:
+    each `reset` within `env.timeout_s`).
 
     Raises:
-      FileNotFoundError / ValueError / ConfigError: naming the key and the file.
+      FileNotFoundError / ValueError / ConfigError: naming the key and the file; ConfigError
+        naming the key, the record and the environment whose `reset` raised, hung past
+        `env.timeout_s`, or gave an empty or non-text prompt.
     """
     sources = [("data.prompts", cfg.data.prompts)]
     if eval_enabled(cfg.eval):
         sources.append(("eval.prompts", cfg.eval.prompts))
     env = get_environment(cfg.env.name, **cfg.env.kwargs) if cfg.env.name else None
+    reward_fn = reward_function(cfg) if env is None and cfg.reward.kind == "function" else None
     for key, source in sources:
         texts, rows = prompt_records(cfg, source, key)
         if env is not None:  # every record starts an episode (`reset`)
             try:
-                episode_prompts(env, texts, rows, key)
+                episode_prompts(env, texts, rows, key, timeout_s=cfg.env.timeout_s)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         elif cfg.reward.kind == "function":
             check_prompt_rows(cfg.reward.function, rows, key, source)
+            probe_reward(cfg, reward_fn, texts, rows, key)
+
+
+def reward_function(cfg: Config) -> RewardFunction:
+    """The run's reward function (`reward.function`, its factory called with
+    `reward.function_kwargs`), each call limited to `reward.timeout_s` (`with_timeout`).
+
+    Raises:
+      ConfigError: an unknown name, kwargs the factory does not take, a factory that raised
+        (naming `reward.function` and the error), or a `reward.timeout_s` that is not > 0.
+    """
+    r = cfg.reward
+    if r.timeout_s is not None and not r.timeout_s > 0:
+        raise ConfigError(f"reward.timeout_s={r.timeout_s!r} must be > 0 seconds (or null: no "
+                          "limit)")
+    try:
+        return with_timeout(get_reward_function(r.function, **r.function_kwargs), r.timeout_s)
+    except ValueError as e:
+        raise ConfigError(f"reward.function: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a fork's factory failing is named, not a traceback
+        raise ConfigError(f"reward.function={r.function!r}: its factory raised "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def probe_reward(cfg: Config, reward_fn: RewardFunction, texts: list[str], rows: list[dict],
+                 key: str) -> None:
+    """Call `reward_fn` (`reward_function(cfg)`) once before any model loads, as a step will:
+    on placeholder responses to the first records `texts`, `rows` of `key`
+    (`probe_reward_function`), unless its factory sets `probe = False`. With `env.name` the
+    environment scores instead: not called.
+
+    Raises:
+      ConfigError: naming `reward.function`, `key` and what the function did (raised, ran past
+        `reward.timeout_s`, returned no `score`, the wrong shape, non-numbers or a non-finite
+        value, and in which row).
+    """
+    name = cfg.reward.function
+    if cfg.env.name or cfg.reward.kind != "function" or not probes(name):
+        return
+    try:
+        probe_reward_function(reward_fn, texts, rows, prefix=cfg.data.response_prefix or "")
+    except RewardFunctionError as e:
+        raise ConfigError(f"reward.function={name!r} failed its load-time probe (placeholder "
+                          f"responses '' and '0' to the first records of {key}): it {e}; "
+                          "docs/forks.md, \"Reward functions\"") from None
 
 
 def check_placement(cfg: Config, place) -> None:

@@ -4,14 +4,19 @@ with a registered environment's observations in one sequence per row
 
 Per row: `reset(row)` starts the episode (its prompt was templated and tokenised when the
 prompts loaded: `environments.episode_prompts`); at each turn end the turn's text (decoded,
-its stop string included) goes to `env.step` within `env.timeout_s` (`environments.run_step`);
+its stop string included) goes to `env.step` within `env.timeout_s`. The calls of one moment
+(the batch's resets; every turn that ended at one column, or at one paged-engine chunk
+boundary) run at once in parallel threads with one deadline (`environments.run_resets` /
+`run_steps`), so failing calls cost one `env.timeout_s` per turn, not one per row;
 an observation is cut to `env.max_observation_tokens` in the chat template's frame
 (`rollout.observations.observation_tokens`) and appended; `done`, a failure or `env.max_turns`
 ends the row; a turn the budget cuts is still handed to `env.step`, to be scored. The score is
 the sum of the episode's reward parts (the final verifier's
 `correct` and per-turn parts such as `tool_cost`), at the last action token; a failed episode
 (the environment raised, timed out or returned garbage) scores 0 and is counted and reported
-with the environment's name and the error, and training goes on.
+with the environment's name and the error, and training goes on, until every episode of
+`env.max_failed_steps` steps in a row failed: then the run stops (`FailureStreak`: a
+`UserCodeError` before that step's update, so the checkpoints written stay as they were).
 
 Logged per step (`env/*`): turns per episode, tool calls per episode, the tool-call rate (share
 of episodes with a call), the malformed-call rate (share of calls), failures, and the mean of
@@ -23,7 +28,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -34,8 +39,9 @@ from ppo_jax.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings, gene
 from ppo_jax.rollout.observations import observation_tokens
 from ppo_jax.rollout.sampler import SamplingSettings
 from ppo_jax.trainer.environments import (
-    ALL_STOP_STRINGS, EpisodeFailure, get_environment, run_reset, run_step,
+    ALL_STOP_STRINGS, EpisodeFailure, get_environment, run_resets, run_steps,
 )
+from ppo_jax.trainer.faults import UserCodeError, checkpoint_kept
 from ppo_jax.trainer.stages.ppo.parts import Sampled, group_ids
 from ppo_jax.trainer.stages.ppo.samplers import engine_metrics
 
@@ -78,22 +84,30 @@ class EpisodeRunner:
             stops = getattr(self.env, "stop_strings", ALL_STOP_STRINGS)
         self.settings = turn_settings(sampling, tokenizer, stops, env_cfg.max_turns)
         self.stop_ids = set(sampling.stop_token_ids)
+        self.streak = FailureStreak(self.env_name, env_cfg.max_failed_steps)
 
     def _start(self, rows: list[dict]) -> list[Episode]:
-        episodes = []
-        for row in rows:
-            out = run_reset(self.env, row, timeout_s=self.cfg.timeout_s)
-            failed = isinstance(out, EpisodeFailure)
-            episodes.append(Episode(state=None if failed else out[0],
-                                    failure=out.error if failed else None))
-        return episodes
+        """The batch's episodes, their resets run at once (`run_resets`, one deadline)."""
+        return [Episode(failure=out.error) if isinstance(out, EpisodeFailure)
+                else Episode(state=out[0])
+                for out in run_resets(self.env, rows, timeout_s=self.cfg.timeout_s)]
 
-    def _answer(self, ep: Episode, turn: list[int]) -> Optional[list[int]]:
-        """One row's turn end: the environment's step, recorded; the observation ids or None."""
-        if ep.failure is not None or ep.done:
-            return None
-        text = self.tokenizer.decode(turn, skip_special_tokens=True)
-        out = run_step(self.env, ep.state, text, timeout_s=self.cfg.timeout_s)
+    def _answer(self, episodes: list[Episode], turns: list[list[int]]
+                ) -> list[Optional[list[int]]]:
+        """Turn ends of several rows (`episodes[i]` ended the turn `turns[i]`): the steps of
+        the live episodes run at once (`run_steps`: parallel threads, one deadline), each
+        recorded; per row the observation ids, or None (the episode ended or failed)."""
+        live = [i for i, ep in enumerate(episodes) if ep.failure is None and not ep.done]
+        texts = [self.tokenizer.decode(turns[i], skip_special_tokens=True) for i in live]
+        outs = run_steps(self.env, [episodes[i].state for i in live], texts,
+                         timeout_s=self.cfg.timeout_s)
+        answers: list[Optional[list[int]]] = [None] * len(episodes)
+        for i, out in zip(live, outs):
+            answers[i] = self._record(episodes[i], turns[i], out)
+        return answers
+
+    def _record(self, ep: Episode, turn: list[int], out) -> Optional[list[int]]:
+        """One row's step result, recorded in `ep`; the observation ids or None."""
         if isinstance(out, EpisodeFailure):
             ep.failure = out.error
             return None
@@ -116,13 +130,13 @@ class EpisodeRunner:
         """The batch's episodes: the sampler's rollout and each row's host record."""
         episodes = self._start(rows)
 
-        def on_turn_end(batch_rows, turns):
-            return [self._answer(episodes[b], turn) for b, turn in zip(batch_rows, turns)]
+        def on_turn_end(batch_rows, turns):  # one call per column / chunk: one deadline
+            return self._answer([episodes[b] for b in batch_rows], turns)
 
         out = self._sample(actor, prompt_ids, prompt_mask, key, on_turn_end)
-        for b, turn in enumerate(cut_turns(out)):
-            if turn:  # the budget ended this turn: the environment still scores it
-                self._answer(episodes[b], turn)
+        cut = cut_turns(out)  # turns the budget ended: the environment still scores them
+        rows = [b for b, turn in enumerate(cut) if turn]
+        self._answer([episodes[b] for b in rows], [cut[b] for b in rows])
         self._report(episodes)
         return out, episodes
 
@@ -158,13 +172,55 @@ class EpisodeRunner:
         return getattr(self.env, "name", self.cfg.name)
 
 
+class FailureStreak:
+    """The steps in a row whose every episode failed, against `env.max_failed_steps` (`limit`):
+    `count(episodes, step, last_checkpoint)` after each training step's episodes, before its
+    update. A step with one episode that did not fail starts the count again."""
+
+    def __init__(self, env_name: str, limit: int):
+        self.env_name, self.limit = env_name, limit
+        self.steps, self.first = 0, None  # the streak's length and its first failure's text
+
+    def count(self, episodes: list[Episode], step: int,
+              last_checkpoint: Callable[[], Optional[int]]) -> None:
+        """Count step `step`'s `episodes`; `last_checkpoint()`: the newest checkpoint's step,
+        or None (called only to stop).
+
+        Raises:
+          UserCodeError: the `limit`-th step in a row whose every episode failed, naming the
+            environment, the step, the count, the streak's first failure and the checkpoint
+            kept (as `StageTrainer._stop_if_not_finite`): raised before the step's update and
+            save, so nothing written changes; train.py prints it as one line, exit 1.
+        """
+        failures = [ep.failure for ep in episodes if ep.failure is not None]
+        if not failures or len(failures) < len(episodes):
+            self.steps, self.first = 0, None
+            return
+        self.steps, self.first = self.steps + 1, self.first or failures[0]
+        if self.steps < self.limit:
+            return
+        kept = checkpoint_kept(last_checkpoint())
+        raise UserCodeError(
+            f"step {step}: every episode of environment {self.env_name!r} failed for "
+            f"{self.steps} steps in a row (env.max_failed_steps={self.limit}); stopped before "
+            f"its update ({kept}). The first failure: {self.first}")
+
+
 def sampled_episodes(runner: EpisodeRunner, actor, batch, gen_key, update_key, rng, *, columns,
-                     place, batch_size: int, n: int) -> Sampled:
+                     place, batch_size: int, n: int, step: int,
+                     last_checkpoint: Callable[[], Optional[int]]) -> Sampled:
     """The `parts.Sampled` of a batch of episodes (`PPOTrainer.episode_rollout`): the prompts
     `batch` (`parts.PromptBatch`) played with `gen_key`, responses cut to their bucket width
     (`columns`), the environment's scores, `env/*` stats, the action mask (None when no row
-    holds an observation: today's single-turn experience, to the bit) and the ended flags."""
-    out, scores, stats = runner(actor, batch.ids, batch.mask, batch.rows, gen_key)
+    holds an observation: today's single-turn experience, to the bit) and the ended flags.
+
+    Raises:
+      UserCodeError: step `step` is the `env.max_failed_steps`-th in a row whose every episode
+        failed (`FailureStreak.count`; `last_checkpoint()` names the checkpoint kept).
+    """
+    out, episodes = runner.play(actor, batch.ids, batch.mask, batch.rows, gen_key)
+    runner.streak.count(episodes, step, last_checkpoint)
+    scores, stats = episode_scores(episodes), episode_stats(episodes, out.turns)
     resp, resp_mask, width = columns(out.response_ids, out.response_mask)
     return Sampled(
         prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),

@@ -39,7 +39,7 @@ from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, sample
 from ppo_jax.rollout.forward import Rollout, ForwardSettings, rollout_logprobs, rollout_scores
 from ppo_jax.trainer.data.prompts import PromptSet
 from ppo_jax.trainer.programs import Program, batch_shape
-from ppo_jax.trainer.rewards.functions import score_texts
+from ppo_jax.trainer.rewards.calls import score_texts
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,8 @@ class Evaluator:
       shardings: `PPOModels` of the shardings of the actor, reference and reward model params
         (`Placement.shardings(models)`; critic None).
       seed: `eval.seed`, the PRNG key of every evaluation.
-      reward_fn: `fn(prompts, responses) -> [n] scores` on text, or None for the reward model.
+      reward_fn: `fn(prompts, responses) -> [n] scores` on text (the run's, limited to
+        `reward.timeout_s` a call), or None for the reward model.
       decode: `fn(ids [n, N], mask [n, N]) -> n strings`.
       plain: the `Evaluator` of the same problems under `eval.plain_instruction` (its reward
         function must report `accuracy_format_free`), or None.
@@ -228,6 +229,8 @@ class Evaluator:
 
         Raises:
           ValueError: `plain` is set but its reward function reports no `accuracy_format_free`.
+          RewardFunctionError: the reward function failed on the eval responses
+            (`rewards.calls.call_reward_function`; the trainer names it and the step).
         """
         t0 = time.perf_counter()
         resp, resp_mask = self._sample(models.actor, self.q, self.qm, self.key)

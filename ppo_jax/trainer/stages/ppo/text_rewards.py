@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.parallel.host import local_rows
-from ppo_jax.trainer.rewards.functions import RewardFunction, score_texts
+from ppo_jax.trainer.rewards.calls import RewardFunction, score_texts
 from ppo_jax.trainer.stages.ppo.parts import LastRollout
 
 
@@ -56,7 +56,8 @@ def text_scores(reward_fn: RewardFunction, decode: Callable, place, prompts: lis
     prompt records `rows`, for a function that takes them; `rewards.functions.score_texts`).
 
     Raises:
-      ValueError: the reward function returned results of the wrong shape.
+      RewardFunctionError: the reward function raised, timed out or returned something that
+        is not one finite number per row (`rewards.calls.call_reward_function`).
     """
     texts, local, parts = score_texts(reward_fn, decode, prompts, local_rows(ids),
                                       local_rows(mask), rows)

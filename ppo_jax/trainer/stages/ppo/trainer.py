@@ -29,9 +29,8 @@ from ppo_jax.trainer.loading.models import (
     abstract_models, build_models, pad_token_id, prompt_set, stop_token_ids,
 )
 from ppo_jax.trainer.loop import StageTrainer
-from ppo_jax.trainer.rewards.functions import get_reward_function
 from ppo_jax.trainer.stages.ppo import (
-    build, checks, compile_for, dynamic, episodes, parts, samplers, steps, text_rewards,
+    build, checks, compile_for, dynamic, episodes, faults, parts, samplers, steps, text_rewards,
 )
 from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns
 from ppo_jax.trainer.stages.ppo.parts import Learned, LastRollout, PromptBatch, Sampled, Scored
@@ -54,7 +53,8 @@ class PPOTrainer(StageTrainer):
     Attributes (besides `StageTrainer`'s), all set in `_build`:
       models, tokenizer: the loaded `loading.models.Models` (the trained params moved into
         `state`) and tokenizer (None in an abstract build); stop_ids: the tokens ending a
-        response; reward_fn: the reward function, or None (a reward model scores).
+        response; reward_fn: the reward function (a call limited to `reward.timeout_s`), or None
+        (a reward model scores).
       prompts, prompt_columns, prompt_order: the prompt set, its buckets, its resumable order.
       settings: `PPOSettings`, the static settings of the jitted calls.
       actor_tx, critic_tx, state, frozen, ref_params, reward_params, shared_base: as
@@ -89,8 +89,7 @@ class PPOTrainer(StageTrainer):
                                   "data.prompts", abstract=self.is_abstract)
         self.prompt_columns = PromptColumns(self.prompts.mask, cfg.data.prompt_buckets)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
-        self.reward_fn = (get_reward_function(cfg.reward.function, **cfg.reward.function_kwargs)
-                          if cfg.reward.kind == "function" else None)
+        self.reward_fn = checks.reward_function(cfg) if cfg.reward.kind == "function" else None
         self.settings = settings_for(
             cfg, shared_critic=cfg.model.shared_critic, mesh=place.constraint_mesh,
             score_normalizer=models.score_normalizer if cfg.reward.normalize else None,
@@ -160,7 +159,8 @@ class PPOTrainer(StageTrainer):
             return {}
         ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
         models = self.ppo_models(self.state["actor"].params, None, ref, reward)
-        metrics, self._eval_samples = self.evaluator(models, self.cfg.eval.num_samples)
+        with self._reward_faults(f"the evaluation at step {self.step_count}"):
+            metrics, self._eval_samples = self.evaluator(models, self.cfg.eval.num_samples)
         del ref, reward, models
         release_host_memory()
         return metrics
@@ -236,7 +236,8 @@ class PPOTrainer(StageTrainer):
         return episodes.sampled_episodes(
             self.episodes, self.rollout_actor(), batch, gen_key, update_key, rng,
             columns=self.response_columns, place=self.place, batch_size=self.cfg.ppo.batch_size,
-            n=self.cfg.generation.samples_per_prompt)
+            n=self.cfg.generation.samples_per_prompt, step=self.step_count + 1,
+            last_checkpoint=self.checkpointer.latest_step)
 
     def dynamic_rollout(self) -> Sampled:
         """DAPO's dynamic sampling (`stages.ppo.dynamic`): rounds of full-width prompts
@@ -315,9 +316,24 @@ class PPOTrainer(StageTrainer):
                                         ids, mask)
 
     def score_texts(self, prompts: list[str], ids, mask, rows=None) -> text_rewards.TextScores:
-        """`text_rewards.text_scores` by this run's reward function (raises its ValueError)."""
-        return text_rewards.text_scores(self.reward_fn, self.decode, self.place, prompts, ids, mask,
-                                   rows)
+        """`text_rewards.text_scores` by this run's reward function, in the step under way.
+
+        Raises:
+          UserCodeError: the reward function failed, naming it and the step (`faults`).
+        """
+        with self._reward_faults(f"step {self.step_count + 1}"):
+            return text_rewards.text_scores(self.reward_fn, self.decode, self.place, prompts, ids,
+                                            mask, rows)
+
+    def _reward_faults(self, when: str):
+        """`faults.reward_faults` of this run's reward function at `when`."""
+        return faults.reward_faults(self.cfg.reward.function, when,
+                                    getattr(self, "checkpointer", None))
+
+    @property
+    def finite_hint(self) -> str:
+        """The loop's advice on a non-finite step, a fork's formulas named first (`faults`)."""
+        return faults.finite_hint(self.cfg, StageTrainer.finite_hint)
 
     @property
     def last_samples(self) -> list[dict]:
