@@ -94,8 +94,9 @@ def main(argv=None) -> int:
         for name in args.imports:
             try:
                 importlib.import_module(name)
-            except ImportError as e:
-                print(f"error: --import {name}: {e}", file=sys.stderr)
+            except Exception as e:  # noqa: BLE001 - a fork's module failing at import, named
+                what = "" if isinstance(e, ImportError) else f"{type(e).__name__}: "
+                print(f"error: --import {name}: {what}{e}", file=sys.stderr)
                 return 2
 
     try:

@@ -83,10 +83,18 @@ def _why_no_run(out: Path) -> str:
     return "no finished checkpoint under checkpoints/"
 
 
+def _how_to_start(out: Path) -> str:
+    if logged_steps(out):  # a step-0 row (a run stopped before training): a new start refuses
+        return "use --resume auto (moves its step-0 row aside, kept)"
+    return ("leave out --resume, or use --resume auto (resumes a run when there is one, else "
+            "starts one)")
+
+
 def check_run_dir(out: Path, key: str, resume: Resume) -> None:
-    """Refuse to overwrite a run: `out` must be new or empty unless resuming; a resume needs a
-    checkpoint when metrics of training steps exist (a run stopped before its first checkpoint
-    with only the step-0 record, `start_metrics`, starts over under `--resume auto`). Reads only.
+    """Refuse to overwrite a run: `out` must be new or empty unless resuming. Metrics of
+    training steps and no checkpoint (a run stopped before its first save: a non-finite step, a
+    crash) are refused under every mode, a new start too, advising a new directory; with only
+    the step-0 record (`start_metrics`) the run starts over under `--resume auto`. Reads only.
 
     Raises:
       ConfigError: naming `key` (the config key of the directory) and what it holds.
@@ -94,16 +102,21 @@ def check_run_dir(out: Path, key: str, resume: Resume) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key}={str(out)!r} is a file, not a directory")
     done, logged = finished_steps(out / "checkpoints"), logged_steps(out)
+    trained = sorted({step for step in logged if step > 0})  # step 0: the starting model's row
+    if trained and not done:
+        which = f"steps {trained[0]}-{trained[-1]}" if len(trained) > 1 else f"step {trained[0]}"
+        raise ConfigError(
+            f"{'--resume: ' if resume_mode(resume) is not None else ''}{key}={str(out)!r} holds "
+            f"metrics of {plural(len(trained), 'training step')} ({which}) but no checkpoint "
+            "to continue them from (the run stopped before its first save): it can be neither "
+            f"resumed nor started over (metrics are never overwritten); choose a new {key}, or "
+            f"delete {str(out)!r} to start again there (nothing was written)")
     if resume_mode(resume) is None and (done or logged):
-        held = (f"checkpoints (steps {done})" if done else
-                f"metrics of {plural(len(logged), 'step')}")
-        raise ConfigError(
-            f"{key}={str(out)!r} already holds {held}; pass --resume to continue that run, or "
-            f"choose a new {key} (nothing was written)")
-    if resume_mode(resume) is not None and not done and any(step > 0 for step in logged):
-        raise ConfigError(
-            f"--resume: {key}={str(out)!r} holds metrics of {plural(len(logged), 'step')} but no "
-            f"checkpoint to continue them from; choose a new {key} (nothing was written)")
+        held = (f"checkpoints (steps {done}); pass --resume to continue that run" if done else
+                "the step-0 metrics of a run stopped before its first training step (no "
+                "checkpoint); pass --resume auto to start over there (the row is moved aside)")
+        raise ConfigError(f"{key}={str(out)!r} already holds {held}, or choose a new {key} "
+                          "(nothing was written)")
 
 
 def plan_resume(out: Path, resume: Resume, *, fallback: bool = False,
@@ -128,8 +141,8 @@ def plan_resume(out: Path, resume: Resume, *, fallback: bool = False,
         if mode != AUTO:
             raise ConfigError(
                 f"--resume: {key}={str(out)!r} holds no run to resume ({_why_no_run(out)}); "
-                f"check the path. To start a new run there, leave out --resume, or use --resume "
-                "auto (resumes a run when there is one, else starts one). Nothing was written")
+                f"check the path. To start a new run there, {_how_to_start(out)}. Nothing was "
+                "written")
         return ResumePlan(out, mode, (), (), fallback, None, f"--resume auto: no run to resume "
                           f"in {out} ({_why_no_run(out)}); starting a new run")
     target = done[-1] if mode in (LATEST, AUTO) else mode

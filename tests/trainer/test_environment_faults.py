@@ -1,15 +1,17 @@
 """Issue 54, environments: user code that fails is contained and named. A `reset` that hangs,
 raises, or gives an empty or chat-message prompt is refused when the prompts load (exit 2, the
 key, record and environment named, nothing written), within one `env.timeout_s` whatever the
-number of records; a batch's environment calls wait for their timeouts at once, not one after
-another; `env.max_failed_steps` steps in a row whose every episode failed stop the run
-(`FailureStreak`; the run through train.py is in test_episodes_training.py)."""
+number of records; so is a factory that raises anything, on any of the builds at load, or
+hangs past the set-up limit; a batch's environment calls wait for their timeouts at once, not
+one after another; `env.max_failed_steps` steps in a row whose every episode failed stop the
+run (`FailureStreak`; the run through train.py is in test_episodes_training.py)."""
 
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,9 +20,10 @@ from ppo_jax.trainer.environments import (
     Environment, EpisodeFailure, StepResult, episode_prompts, get_environment, run_resets,
     run_steps,
 )
+from ppo_jax.trainer.environments import base
 from ppo_jax.trainer.environments.base import LOAD_CHUNK
 from ppo_jax.trainer.faults import UserCodeError
-from ppo_jax.trainer.stages.ppo.episodes import Episode, FailureStreak
+from ppo_jax.trainer.stages.ppo.episodes import Episode, EpisodeRunner, FailureStreak
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -38,7 +41,7 @@ def faulty():
     module = sys.modules.pop(FAULTY, None)
     if module is not None:
         module.RELEASE.set()  # the test's hanging threads return
-        for name in module.RESETS:
+        for name in (*module.RESETS, *module.FACTORIES):
             unregister("environment", name)
 
 
@@ -78,6 +81,60 @@ def test_a_faulty_reset_at_load_is_refused_naming_the_record(tmp_path, capsys, f
                                                               problem):
     error, _ = refused(tmp_path, capsys, env)
     assert error == f"error: data.prompts: record 0: environment '{env}': {problem}"
+
+
+@pytest.mark.parametrize("env, sets, problem", [
+    ("raising_factory", (), "RuntimeError: cannot start the sandbox"),
+    ("typed_factory", ("env.kwargs.level=abc",), "TypeError: level must be int, got 'abc'"),
+])
+def test_a_factory_that_raises_anything_is_refused_naming_the_environment(
+        tmp_path, capsys, faulty, env, sets, problem):
+    """Not only a ValueError: any exception of the factory is one line, exit 2."""
+    error, _ = refused(tmp_path, capsys, env, *sets)
+    assert error == f"error: env.name: environment '{env}': its factory raised {problem}"
+
+
+@pytest.mark.parametrize("fail_on, where", [(2, "env.name: "), (3, ""), (4, "")])
+def test_a_factory_failing_on_a_later_build_at_load_is_named(tmp_path, capsys, faulty,
+                                                            fail_on, where):
+    """The factory is built by the config check, the prompt-file check, the prompt set and the
+    episode runner: whichever build fails, one line names the environment (exit 2)."""
+    error, _ = refused(tmp_path, capsys, "flaky_factory", f"env.kwargs.fail_on={fail_on}")
+    assert error == (f"error: {where}environment 'flaky_factory': its factory raised "
+                     f"RuntimeError: factory refused on build {fail_on}")
+
+
+def test_a_factory_that_hangs_is_stopped_at_the_set_up_limit(tmp_path, capsys, faulty,
+                                                             monkeypatch):
+    """The limit is the longer of env.timeout_s and FACTORY_TIMEOUT_S (60 s; 1 s here)."""
+    monkeypatch.setattr(base, "FACTORY_TIMEOUT_S", 1.0)
+    error, seconds = refused(tmp_path, capsys, "slow_factory", "env.timeout_s=0.5")
+    assert error == ("error: env.name: environment 'slow_factory': its factory did not return "
+                     "within 1 s (the set-up limit: the longer of env.timeout_s and 1 s)")
+    assert seconds < 10
+
+
+def test_a_non_numeric_calculator_setting_is_refused_naming_the_key_and_value(tmp_path, capsys,
+                                                                            faulty):
+    error, _ = refused(tmp_path, capsys, "calculator", "env.kwargs.tool_call_cost=abc")
+    assert error == ("error: env.name: environment 'calculator': env.kwargs.tool_call_cost='abc' "
+                     "is not a number")
+    for kwargs, message in [({"rel_tol": "x"}, "env.kwargs.rel_tol='x' is not a number"),
+                            ({"malformed_penalty": None}, "env.kwargs.malformed_penalty=None is "
+                                                          "not a number"),
+                            ({"max_digits": "40"}, "env.kwargs.max_digits='40' is not an int")]:
+        with pytest.raises(ValueError) as e:
+            get_environment("calculator", **kwargs)
+        assert str(e.value) == f"environment 'calculator': {message}"
+
+
+@pytest.mark.parametrize("failures, more", [(3, None), (4, "1 more episode failed this step"),
+                                            (5, "2 more episodes failed this step")])
+def test_the_failures_past_the_reported_ones_are_counted_in_words(capsys, failures, more):
+    EpisodeRunner._report(SimpleNamespace(env_name="calc"), _episodes(*["boom"] * failures))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == ["env calc: episode failed (reward 0): boom"] * 3
+    assert lines[3:] == ([f"env calc: {more}"] if more else [])
 
 
 class Sleeper(Environment):

@@ -86,6 +86,35 @@ def test_a_factory_returning_no_environment_is_refused():
         ENVIRONMENTS.unregister("test_not_an_env")
 
 
+@pytest.mark.parametrize("error, message", [
+    (RuntimeError("cannot start the sandbox"),
+     "environment 'test_failing': its factory raised RuntimeError: cannot start the sandbox"),
+    (TypeError("level must be int, got 'abc'"),
+     "environment 'test_failing': its factory raised TypeError: level must be int, got 'abc'"),
+    (ValueError("level must be >= 0"),
+     "environment 'test_failing': its factory raised ValueError: level must be >= 0"),
+    (ValueError("environment 'test_failing': level=-1 must be >= 0"),  # named: kept as is
+     "environment 'test_failing': level=-1 must be >= 0"),
+])
+def test_any_exception_of_a_factory_is_a_value_error_naming_the_environment(error, message):
+    def factory():
+        raise error
+
+    register_environment("test_failing")(factory)
+    try:
+        with pytest.raises(ValueError) as e:
+            get_environment("test_failing")
+    finally:
+        ENVIRONMENTS.unregister("test_failing")
+    assert type(e.value) is ValueError and str(e.value) == message
+
+
+def test_the_calculators_own_messages_are_not_prefixed_twice():
+    with pytest.raises(ValueError) as e:
+        get_environment("calculator", format="xml")
+    assert str(e.value) == "environment 'calculator': format='xml'; known: calc, tool_call"
+
+
 def test_another_factory_under_a_taken_name_needs_override(registered):
     with pytest.raises(ValueError, match="environment 'test_scripted' is already registered"):
         register_environment("test_scripted")(lambda: Scripted())
@@ -135,19 +164,30 @@ def test_an_environment_that_raises_a_timeout_itself_is_reported_as_raising():
     (StepResult(3, True, {}), "step returned observation int, not a str or None"),
     (StepResult(None, True, [1.0]), "step returned rewards list, not a dict"),
     (StepResult(None, True, {"correct": math.nan}), "step returned reward 'correct'=nan, not "
-                                                   "a finite number"),
+                                                   "a finite float32 number"),
     (StepResult(None, True, {"correct": math.inf}), "step returned reward 'correct'=inf, not "
-                                                   "a finite number"),
+                                                   "a finite float32 number"),
     (StepResult(None, True, {"correct": "1"}), "step returned reward 'correct'='1', not a "
-                                               "finite number"),
+                                               "finite float32 number"),
     (StepResult(None, True, {"correct": True}), "step returned reward 'correct'=True, not a "
-                                                "finite number"),
+                                                "finite float32 number"),
+    # finite in Python, inf once the trainer sums it in float32 (the loss would be blamed)
+    (StepResult(None, True, {"correct": 1e300}), "step returned reward 'correct'=1e+300, not "
+                                                 "a finite float32 number"),
+    (StepResult(None, True, {"correct": -3.5e38}), "step returned reward 'correct'=-3.5e+38, "
+                                                   "not a finite float32 number"),
+    (StepResult(None, True, {"correct": 10 ** 400}), "step returned reward 'correct'="
+                                                     f"{str(10 ** 400)[:40]}, not a finite "
+                                                     "float32 number"),
     (StepResult(None, True, {"": 1.0}), "step returned a reward named '', not a non-empty str"),
     (StepResult(None, True, {}, info=None), "step returned info NoneType, not a dict"),
     (StepResult(None, True, {}, info={"calls": "one"}), "step returned info 'calls'='one', not "
-                                                        "a finite number (a count)"),
+                                                        "a finite float32 number (a count)"),
     (StepResult(None, True, {}, info={"calls": math.nan}), "step returned info 'calls'=nan, "
-                                                           "not a finite number (a count)"),
+                                                           "not a finite float32 number (a "
+                                                           "count)"),
+    (StepResult(None, True, {}, info={"calls": 1e300}), "step returned info 'calls'=1e+300, "
+                                                        "not a finite float32 number (a count)"),
 ])
 def test_a_malformed_return_fails_the_episode_naming_the_problem(returned, problem):
     out = run_step(Scripted(lambda state, text: returned), 0, "t", timeout_s=5)
@@ -155,9 +195,11 @@ def test_a_malformed_return_fails_the_episode_naming_the_problem(returned, probl
 
 
 def test_numpy_rewards_come_back_as_python_floats():
-    returned = StepResult(None, True, {"correct": np.float32(0.5), "bonus": 2})
+    returned = StepResult(None, True, {"correct": np.float32(0.5), "bonus": 2,
+                                       "edge": float(np.finfo(np.float32).max)})
     out = run_step(Scripted(lambda state, text: returned), 0, "t", timeout_s=None)
-    assert out.rewards == {"correct": 0.5, "bonus": 2.0}
+    assert out.rewards == {"correct": 0.5, "bonus": 2.0,
+                           "edge": float(np.finfo(np.float32).max)}
     assert all(type(v) is float for v in out.rewards.values())
 
 

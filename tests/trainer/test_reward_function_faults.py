@@ -71,6 +71,19 @@ def after_step_1(prompts, responses):
 _register("fails_after_step_1", after_step_1)
 
 
+@register_reward_function("slow_factory")
+def slow_factory():
+    """Connects to a grader that never answers (30 s: the test fails, not hangs, without a
+    limit on the factory)."""
+    time.sleep(30)
+    return boom
+
+
+@register_reward_function("broken_factory")
+def broken_factory():
+    raise RuntimeError("no grader configured")
+
+
 @register_policy_loss("nan_loss_54")
 def nan_loss(batch, *, cliprange, **unused):
     return batch.logprobs * np.nan, {}
@@ -78,7 +91,7 @@ def nan_loss(batch, *, cliprange, **unused):
 LINE = {text.strip(): i + 1 for i, text in enumerate(REWARDS.splitlines())}  # where it raises
 BOOM, GONE = LINE["return 1 / 0"], LINE['raise ConnectionError("the grader service went away")']
 NAMES = ("raises", "one_score", "strings", "none", "nan", "no_score", "hangs",
-         "fails_after_step_1")
+         "fails_after_step_1", "slow_factory", "broken_factory")
 
 
 @pytest.fixture
@@ -140,6 +153,21 @@ def test_a_reward_function_that_cannot_score_is_refused_at_load(user_module, cap
     assert train.main(run(user_module, f"reward.function={name}", "reward.timeout_s=1")) == 2
     assert time.perf_counter() - t0 < 30
     assert one_error_line(capsys) == f'{PROBE.format(name)}{what}; {SEE}'
+    assert not user_module.exists()
+
+
+@pytest.mark.parametrize("name, what", [
+    ("slow_factory", "its factory did not return within reward.timeout_s=1 s"),
+    ("broken_factory", "its factory raised RuntimeError: no grader configured"),
+])
+def test_a_reward_factory_that_hangs_or_raises_is_refused_at_load(user_module, capsys, name,
+                                                                   what):
+    """The factory runs under reward.timeout_s too (a connection at set-up that never
+    answers): exit 2 after one limit, one line, nothing written."""
+    t0 = time.perf_counter()
+    assert train.main(run(user_module, f"reward.function={name}", "reward.timeout_s=1")) == 2
+    assert time.perf_counter() - t0 < 20
+    assert one_error_line(capsys) == f"error: reward.function={name!r}: {what}"
     assert not user_module.exists()
 
 

@@ -93,7 +93,7 @@ def test_output_dir_problems_are_reported_before_loading(tmp_path):
     logged = tmp_path / "logged"
     logged.mkdir()
     (logged / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ConfigError, match="already holds metrics of 1 step;"):
+    with pytest.raises(ConfigError, match="holds metrics of 1 training step"):
         PPOTrainer(load_config(TINY, [f"train.output_dir={logged}", PROMPTS]))
     with pytest.raises(ConfigError, match="no checkpoint to continue them from"):
         PPOTrainer(load_config(TINY, [f"train.output_dir={logged}", PROMPTS]), resume=True)
@@ -101,6 +101,45 @@ def test_output_dir_problems_are_reported_before_loading(tmp_path):
         PPOTrainer(load_config(TINY, [f"train.output_dir={tmp_path / 'new'}",
                                       f"data.prompts={tmp_path / 'missing.jsonl'}"]))
     assert (logged / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_metrics_without_a_checkpoint_are_refused_with_advice_that_works(tmp_path, capsys):
+    """A run stopped at step 1 before its first save (a non-finite step) leaves the step-0 and
+    step-1 rows and no checkpoint: a new start and every --resume are refused naming 1 training
+    step, pointing at a new directory, never at --resume (issue 54, P9); with only the step-0
+    row, both point at --resume auto, the start that works there."""
+    import sys
+
+    from ppo_jax.trainer.resume import plan_resume
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = '{"step": 0, "eval/kl": 0.0}\n{"step": 1, "actor/loss": NaN}\n'
+    (out / "metrics.jsonl").write_text(rows)
+    said = (f"train.output_dir={str(out)!r} holds metrics of 1 training step (step 1) but no "
+            "checkpoint to continue them from (the run stopped before its first save): it can be neither resumed nor "
+            "started over (metrics are never overwritten); choose a new train.output_dir, or "
+            f"delete {str(out)!r} to start again there (nothing was written)")
+    assert train.main(["--config", TINY, "--set", f"train.output_dir={out}", "--set", PROMPTS]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {said}"
+    for mode in (True, "auto", 1):
+        with pytest.raises(ConfigError) as refused:
+            plan_resume(out, mode)
+        assert str(refused.value) == f"--resume: {said}"
+    (out / "metrics.jsonl").write_text(rows + '{"step": 2, "actor/loss": NaN}\n')
+    with pytest.raises(ConfigError, match=r"holds metrics of 2 training steps \(steps 1-2\)"):
+        plan_resume(out, None)
+    assert (out / "metrics.jsonl").read_text().startswith(rows) and not (out / "checkpoints").exists()
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/kl": 0.0}\n')  # stopped before step 1
+    for mode in (None, True):
+        with pytest.raises(ConfigError, match="--resume auto") as refused:
+            plan_resume(out, mode)
+        assert "pass --resume to" not in str(refused.value)
+        assert "leave out --resume" not in str(refused.value)
+    assert plan_resume(out, "auto").steps == ()  # ... and that start works
 
 
 @pytest.mark.slow  # default-run budget (20 s; train.py's one-line non-finite stop stays in the default run); `make test-slow`

@@ -320,6 +320,46 @@ def test_registered_functions_with_wrong_outputs_or_names_are_rejected_at_start(
             unregister(kind, name)
 
 
+def test_outputs_that_fit_only_the_1x2_test_batch_are_rejected_at_start():
+    """A slice or fixed size right on a 1x2 batch but not in training (issue 54, P8) is refused
+    at load on the second test batch (2x3), naming the key and the shapes, not a traceback at
+    step 1."""
+    from ppo_jax.core import ppo_clip_loss, register_advantage_estimator, register_policy_loss, unregister
+    from ppo_jax.trainer.config import ConfigError, load_config
+    from ppo_jax.trainer.stages.ppo.checks import check_names
+
+    @register_policy_loss("first_two_tokens_test")
+    def first_two_tokens(batch, **kw):
+        per_token, stats = ppo_clip_loss(batch, **kw)
+        return per_token[:, :2], stats
+
+    @register_policy_loss("first_row_test")
+    def first_row(batch, **kw):
+        per_token, stats = ppo_clip_loss(batch, **kw)
+        return per_token[:1], stats
+
+    @register_advantage_estimator("two_tokens_estimator_test")
+    def two_tokens(values, rewards, mask, **unused):
+        return rewards[:, :2], rewards[:, :2]
+
+    base = str(ROOT / "configs/tiny.yaml")
+    try:
+        with pytest.raises(ConfigError, match=r"^ppo.policy_loss='first_two_tokens_test' returns output 0 "
+                                              r"of shape \(2, 2\) instead of \(2, 3\) on a 2x3 test batch "
+                                              r"\(right on the 1x2 one"):
+            check_names(load_config(base, ["ppo.policy_loss=first_two_tokens_test"]))
+        with pytest.raises(ConfigError, match=r"^ppo.policy_loss='first_row_test' returns output 0 of "
+                                              r"shape \(1, 3\) instead of \(2, 3\) on a 2x3 test batch"):
+            check_names(load_config(base, ["ppo.policy_loss=first_row_test"]))
+        with pytest.raises(ConfigError, match=r"^ppo.advantage_estimator='two_tokens_estimator_test' "
+                                              r"returns output 0 of shape \(2, 2\) instead of \(2, 3\)"):
+            check_names(load_config(base, ["ppo.advantage_estimator=two_tokens_estimator_test"]))
+    finally:
+        for kind, name in (("policy loss", "first_two_tokens_test"), ("policy loss", "first_row_test"),
+                           ("advantage estimator", "two_tokens_estimator_test")):
+            unregister(kind, name)
+
+
 def test_plot_run_draws_the_tiny_runs_metrics(run_dir, tmp_path):
     """scripts/plot_run.py on the tiny run's metrics (twice, overlaid): a PNG with six panels."""
     import importlib.util

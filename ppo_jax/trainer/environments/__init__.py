@@ -20,8 +20,8 @@ rollout driver (turn limit, token budgets, masks) is not here: it calls these.
 """
 
 from ppo_jax.trainer.environments.base import (
-    ENVIRONMENTS, TRUNCATION_MARKER, Environment, EpisodeFailure, StepResult, environment_names,
-    episode_prompts, get_environment, register_environment, reset_problem, run_reset,
+    ENVIRONMENTS, TRUNCATION_MARKER, Environment, EpisodeFailure, StepResult, build_environment,
+    environment_names, episode_prompts, get_environment, register_environment, reset_problem, run_reset,
     run_resets, run_step, run_steps, step_problem, truncate_observation, truncate_tokens,
 )
 from ppo_jax.trainer.environments.calculator import CalculatorError, CalculatorLimits, calculate
@@ -34,7 +34,8 @@ from ppo_jax.trainer.environments.tool_calls import (
 __all__ = [
     "ALL_STOP_STRINGS", "ENVIRONMENTS", "FORMATS", "STOP_STRINGS", "TRUNCATION_MARKER",
     "CalculatorEnv", "CalculatorError", "CalculatorLimits", "Environment", "EpisodeFailure",
-    "MalformedCall", "RetryEnv", "StepResult", "ToolCall", "calculate", "environment_names",
+    "MalformedCall", "RetryEnv", "StepResult", "ToolCall", "build_environment", "calculate",
+    "environment_names",
     "episode_prompts", "final_number", "get_environment", "parse_tool_call",
     "register_environment", "reset_problem", "run_reset", "run_resets", "run_step", "run_steps",
     "step_problem", "truncate_observation", "truncate_tokens",

@@ -11,28 +11,25 @@ An episode is a conversation between the policy and an environment:
 
 A batch's episodes go through `run_resets` / `run_steps`: every row's call in its own thread,
 all waited for with one shared deadline, so a batch whose calls all hang costs one `timeout_s`,
-not one per row (the seam a later environment on another host plugs into).
+not one per row.
 
-The shape is the one of verl's agent loop (`ToolAgentLoop`, verl/experimental/agent_loop/, and
-its `BaseInteraction`) and of OpenRLHF's `MultiTurnExecutor` driving an `AgentInstanceBase`'s
-`reset` / `step` (openrlhf/utils/agent.py): a loop alternating a policy turn with an
-environment step that returns the next observation, a reward and a done flag, after Gym's
-`reset` / `step`. The code is this project's own. Differences: the state is an explicit value
-passed in and returned (an environment object keeps no per-episode state, so one object
-serves a whole batch of episodes, from several threads), and a turn's reward is a dict of
-named parts (`{"tool_cost": -0.05}`, the verifier's `{"correct": 1.0}`) that the driver sums
-and logs part by part.
+The shape is the one of verl's agent loop (`ToolAgentLoop`, verl/experimental/agent_loop/)
+and of OpenRLHF's `MultiTurnExecutor` driving an `AgentInstanceBase` (openrlhf/utils/agent.py),
+after Gym's `reset` / `step`; the code is this project's own. Differences: the state is an
+explicit value passed in and returned (one environment object serves a whole batch, from
+several threads), and a turn's reward is a dict of named parts (`{"tool_cost": -0.05}`, the
+verifier's `{"correct": 1.0}`) that the driver sums and logs part by part.
 
 Fault handling: `run_step(s)` / `run_reset(s)` never raise for a fault of the environment. An
-exception, a call slower than `timeout_s` or a malformed return (not a `StepResult`, a
-non-finite reward, an empty or non-text prompt, ...) becomes an `EpisodeFailure` naming the
-environment and the problem: that episode fails (the driver zero-scores it and counts it), the
-run goes on. At load, `episode_prompts` turns the first such failure into a ValueError.
+exception, a call slower than `timeout_s` or a malformed return (not a `StepResult`, a reward
+float32 cannot hold, an empty or non-text prompt, ...) becomes an `EpisodeFailure` naming the
+environment and the problem: that episode fails (zero-scored, counted), the run goes on. At
+load, `episode_prompts` turns the first such failure into a ValueError, and `get_environment`
+any exception of a factory (`build_environment`: within a time limit).
 
-Registry: `@register_environment("name")` on a factory `(**kwargs) -> Environment`, the
-convention of `ppo_jax.core.registry` (reward functions use the same); a research fork
-registers its own in a module that `train.py --import MODULE` imports before the config is
-read (docs/environments.md).
+Registry: `@register_environment("name")` on a factory `(**kwargs) -> Environment`
+(`ppo_jax.core.registry`); a fork registers its own in a module that `train.py --import
+MODULE` imports (docs/environments.md).
 
 The turn limit (`max_turns`) and the token budget of observations are the rollout driver's:
 an environment answers one turn at a time and never counts turns it did not see.
@@ -41,7 +38,6 @@ an environment answers one turn at a time and never counts turns it did not see.
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 import threading
 from concurrent.futures import Future, wait
@@ -49,10 +45,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ppo_jax.core.registry import Registry
+from ppo_jax.trainer.rewards.deadline import Expired, call_with_deadline
 
 TRUNCATION_MARKER = "...[truncated]"
 ENVIRONMENTS = Registry("environment")  # name -> factory (**kwargs) -> Environment
 LOAD_CHUNK = 64  # records whose `reset`s run at once at load: the first failing chunk stops it
+FACTORY_TIMEOUT_S = 60.0  # a factory's least time at set-up (`build_environment`)
+FLOAT32_MAX = 3.4028234663852886e38  # a reward or info value beyond it is inf where it is used
 
 
 @dataclass(frozen=True)
@@ -128,9 +127,11 @@ def get_environment(name: str, **kwargs) -> Environment:
     """Build the registered environment `name`, its factory called with `kwargs`.
 
     Raises:
-      ValueError: unknown name (`"unknown environment 'x'; known: calculator, ..."`), keyword
-        arguments the factory does not take, a value the factory refuses, or a factory that
-        returns no environment (no callable `reset` / `step`).
+      ValueError: naming the environment: unknown name (`"unknown environment 'x'; known:
+        calculator, ..."`), keyword arguments the factory does not take, a factory that raised
+        (any exception: `"environment 'x': its factory raised RuntimeError: ..."`; its own
+        ValueError that names the environment, as is), or one that returns no environment (no
+        callable `reset` / `step`).
     """
     factory = ENVIRONMENTS.get(name)
     try:
@@ -138,11 +139,30 @@ def get_environment(name: str, **kwargs) -> Environment:
     except TypeError as e:
         raise ValueError(f"environment kwargs {kwargs!r} do not fit environment {name!r}: "
                          f"{e}") from None
-    env = factory(**kwargs)
+    try:
+        env = factory(**kwargs)
+    except Exception as e:  # noqa: BLE001 - a fork's factory failing is named, not a traceback
+        named = isinstance(e, ValueError) and str(e).startswith(f"environment {name!r}")
+        raise ValueError(str(e) if named else f"environment {name!r}: its factory raised "
+                                              f"{type(e).__name__}: {e}") from None
     if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         raise ValueError(f"environment {name!r}: its factory returned {type(env).__name__}, "
                          "not an environment (an object with reset(row) and step(state, text))")
     return env
+
+
+def build_environment(name: str, kwargs: dict, *, timeout_s: Optional[float]) -> Environment:
+    """`get_environment(name, **kwargs)` within the set-up limit: the longer of `timeout_s`
+    (`env.timeout_s`, a step's limit) and `FACTORY_TIMEOUT_S` (a sandbox may take longer to
+    start than to answer), under `rewards.deadline`'s watchdog (main thread: interrupted).
+    Raises ValueError: as `get_environment`, or the factory ran past the limit (naming it)."""
+    limit = max(timeout_s or 0.0, FACTORY_TIMEOUT_S)
+    try:
+        return call_with_deadline(lambda: get_environment(name, **kwargs), limit)
+    except Expired:
+        raise ValueError(f"environment {name!r}: its factory did not return within {limit:g} s "
+                         f"(the set-up limit: the longer of env.timeout_s and "
+                         f"{FACTORY_TIMEOUT_S:g} s)") from None
 
 
 def environment_names() -> tuple[str, ...]:
@@ -204,8 +224,8 @@ def _outcome(future: Future, name: str, what: str, timeout_s) -> Union[Any, Epis
 
 def step_problem(result: Any) -> Optional[str]:
     """What is wrong with an environment's `step` return, or None when it is a well-formed
-    `StepResult` (a str observation unless done, a bool done, a dict of finite real rewards
-    under non-empty str names, a dict info of finite numbers)."""
+    `StepResult` (a str observation unless done, a bool done, a dict of real rewards under
+    non-empty str names, a dict info of numbers; every number finite in float32)."""
     if not isinstance(result, StepResult):
         return f"step returned {type(result).__name__}, not a StepResult"
     if not isinstance(result.done, bool):
@@ -220,30 +240,32 @@ def step_problem(result: Any) -> Optional[str]:
     for key, value in result.rewards.items():
         if not isinstance(key, str) or not key:
             return f"step returned a reward named {key!r}, not a non-empty str"
-        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if not real or not math.isfinite(float(value)):
-            return f"step returned reward {key!r}={value!r}, not a finite number"
+        if isinstance(value, bool) or not _float32(value):
+            return f"step returned reward {key!r}={value!r:.40}, not a finite float32 number"
     if not isinstance(result.info, dict):
         return f"step returned info {type(result.info).__name__}, not a dict"
     for key, value in result.info.items():  # summed over the episode: counts, numbers
-        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            return f"step returned info {key!r}={value!r:.40}, not a finite number (a count)"
+        if not _float32(value):
+            return (f"step returned info {key!r}={value!r:.40}, not a finite float32 number "
+                    "(a count)")
     return None
+
+
+def _float32(value: Any) -> bool:
+    """`value` is a real number that float32 holds finite (|value| <= `FLOAT32_MAX`)."""
+    try:
+        return isinstance(value, numbers.Real) and abs(float(value)) <= FLOAT32_MAX
+    except OverflowError:  # an int beyond float64
+        return False
 
 
 def run_step(env: Environment, state: Any, text: str, *, timeout_s: Optional[float]
              ) -> Union[StepResult, EpisodeFailure]:
     """`env.step(state, text)` in a worker thread, within `timeout_s` seconds (None: no
-    limit), its return checked (`step_problem`); `run_steps` of one episode.
-
-    Returns:
-      the `StepResult` (rewards as Python floats), or an `EpisodeFailure(env_name, error)` when
-      the step raised, ran past `timeout_s` (its thread is left to finish; its result is
-      dropped) or returned something malformed. Never raises for the environment's faults.
-
-    Raises:
-      ValueError: `timeout_s` not positive (the caller's error, not the environment's).
-    """
+    limit), its return checked (`step_problem`): `run_steps` of one episode. The `StepResult`
+    (rewards as Python floats), or an `EpisodeFailure(env_name, error)` when the step raised,
+    ran past `timeout_s` (its thread is left to finish, its result dropped) or returned
+    something malformed. Raises only ValueError for a `timeout_s` that is not positive."""
     return run_steps(env, [state], [text], timeout_s=timeout_s)[0]
 
 
@@ -251,12 +273,8 @@ def run_steps(env: Environment, states: Sequence[Any], texts: Sequence[str], *,
               timeout_s: Optional[float]) -> list[Union[StepResult, EpisodeFailure]]:
     """`run_step` for a batch of episodes at once: `env.step(states[i], texts[i])` for every i
     in parallel threads with one shared deadline, `timeout_s` after they start (so B hanging
-    steps cost one `timeout_s`, not B). The environment object is shared by the threads
-    (`Environment`: `step` must not mutate it).
-
-    Returns:
-      `[B]` results in the order of `states`, each a `StepResult` or an `EpisodeFailure`, as
-      `run_step`. Never raises for the environment's faults.
+    steps cost one `timeout_s`, not B), the threads sharing the environment object. `[B]`
+    results in the order of `states`, as `run_step`'s.
 
     Raises:
       ValueError: `timeout_s` not positive, or `states` and `texts` of different lengths.
@@ -299,10 +317,7 @@ def run_reset(env: Environment, row: dict, *, timeout_s: Optional[float]
               ) -> Union[tuple[Any, str], EpisodeFailure]:
     """`env.reset(row)` with `run_step`'s fault handling: `(state, prompt)`, or an
     `EpisodeFailure` when it raised, ran past `timeout_s`, or returned something
-    `reset_problem` refuses; `run_resets` of one row.
-
-    Raises:
-      ValueError: `timeout_s` not positive.
+    `reset_problem` refuses; `run_resets` of one row (ValueError: `timeout_s` not positive).
     """
     return run_resets(env, [row], timeout_s=timeout_s)[0]
 
@@ -310,11 +325,8 @@ def run_reset(env: Environment, row: dict, *, timeout_s: Optional[float]
 def run_resets(env: Environment, rows: Sequence[dict], *, timeout_s: Optional[float]
                ) -> list[Union[tuple[Any, str], EpisodeFailure]]:
     """`run_reset` for a batch of rows at once: `env.reset(rows[i])` in parallel threads with
-    one shared deadline, as `run_steps`. Returns `[B]` results in the order of `rows`.
-
-    Raises:
-      ValueError: `timeout_s` not positive.
-    """
+    one shared deadline, as `run_steps`: `[B]` results in the order of `rows` (ValueError:
+    `timeout_s` not positive)."""
     _check_timeout(timeout_s)
     name = _env_name(env)
     outs = [_outcome(f, name, "reset", timeout_s)

@@ -180,26 +180,46 @@ def calculator_environment(format: str = "calc", tool_call_cost: float = 0.0,
         call): the no-tool baseline.
 
     Raises:
-      ValueError: an unknown format, a negative or non-finite cost (a negative one would pay
-        a bonus per call: the policy would learn to call until `env.max_turns`), a negative
-        `rel_tol` or a bound < 1; a cost is named as `env.kwargs.<name>` with its value.
+      ValueError: an unknown format, a cost that is not a number, non-finite or negative (a
+        negative one would pay a bonus per call: the policy would learn to call until
+        `env.max_turns`), a `rel_tol` that is not a number >= 0, or a bound that is not an int
+        >= 1; a setting is named as `env.kwargs.<name>` with its value.
     """
     if format not in FORMATS:
         raise ValueError(f"environment 'calculator': format={format!r}; known: "
                          f"{', '.join(FORMATS)}")
     for key, value in (("tool_call_cost", tool_call_cost), ("malformed_penalty",
                                                             malformed_penalty)):
-        if not math.isfinite(float(value)):
-            raise ValueError(f"environment 'calculator': {key}={value!r} is not finite")
-        if float(value) < 0:
+        value = _number(key, value)
+        if value < 0:
             raise ValueError(f"environment 'calculator': env.kwargs.{key}={value!r} must be >= "
                              f"0: it is a cost, added to the score as -{key} (a negative one "
-                             f"pays a bonus; for a cost of {-float(value):g} give {key}: "
-                             f"{-float(value):g})")
-    if not 0.0 <= float(rel_tol) < math.inf:
-        raise ValueError(f"environment 'calculator': rel_tol={rel_tol!r} must be >= 0")
+                             f"pays a bonus; for a cost of {-value:g} give {key}: {-value:g})")
+    if not _number("rel_tol", rel_tol) >= 0:
+        raise ValueError(f"environment 'calculator': env.kwargs.rel_tol={rel_tol!r} must be >= 0")
+    for key, value in (("max_chars", max_chars), ("max_digits", max_digits),
+                       ("max_exponent", max_exponent)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"environment 'calculator': env.kwargs.{key}={value!r:.40} is not "
+                             "an int")
     if min(max_chars, max_digits, max_exponent) < 1:
         raise ValueError("environment 'calculator': max_chars, max_digits and max_exponent must "
                          "be >= 1")
     return CalculatorEnv(format, float(tool_call_cost), float(malformed_penalty), float(rel_tol),
                          CalculatorLimits(max_chars, max_digits, max_exponent), bool(tool))
+
+
+def _number(key: str, value: Any) -> float:
+    """`env.kwargs.<key>` as a finite float.
+
+    Raises:
+      ValueError: naming the key and the value: not a number, or not finite.
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment 'calculator': env.kwargs.{key}={value!r:.40} is not a "
+                         "number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"environment 'calculator': env.kwargs.{key}={value!r} is not finite")
+    return number

@@ -25,7 +25,7 @@ from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
 from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab
 from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
 from ppo_jax.trainer.data.prompts import PromptSet, prompt_records, tokenize_prompts
-from ppo_jax.trainer.environments import episode_prompts, get_environment
+from ppo_jax.trainer.environments import build_environment, episode_prompts
 from ppo_jax.trainer.loading.lora import (
     LoadedModel, adapters_from, check_targets, policy_models, split_trained,
 )
@@ -336,7 +336,8 @@ def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
     truncation); check it fits the context with `max_new_tokens` (default generation's).
 
     Raises:
-      FileNotFoundError / ValueError: see `read_prompts`, `tokenize_prompts` (naming `key`).
+      FileNotFoundError / ValueError: see `read_prompts`, `tokenize_prompts` (naming `key`);
+        with `env.name`, `environments.build_environment` and `episode_prompts`.
       ConfigError: prompt width + max_new_tokens exceeds the model's context (naming
         `new_tokens_key`), or the tokenizer gives ids (prompt or pad) outside the model's
         vocabulary.
@@ -344,7 +345,7 @@ def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
     d = cfg.data
     texts, rows = prompt_records(cfg, d.prompts if path is None else path, key)
     if cfg.env.name:  # the first observation of each episode: the prompt and its instruction
-        env = get_environment(cfg.env.name, **cfg.env.kwargs)
+        env = build_environment(cfg.env.name, cfg.env.kwargs, timeout_s=cfg.env.timeout_s)
         texts, rows = episode_prompts(env, texts, rows, key, timeout_s=cfg.env.timeout_s)
     prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, use_chat_template=d.use_chat_template,

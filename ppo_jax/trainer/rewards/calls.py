@@ -72,7 +72,13 @@ def _numbers(field: str, value: Any, n: int) -> np.ndarray:
         raise RewardFunctionError(
             f"returned {_short(value)} for {field!r}, of shape {array.shape} for {n} "
             f"responses; it must be [{n}], one number per response")
-    return array.astype(np.float32)
+    with np.errstate(over="ignore"):
+        out = array.astype(np.float32)
+    over = np.flatnonzero(np.isfinite(array) & ~np.isfinite(out))
+    if over.size:  # finite as given, inf in the trainer's float32
+        raise RewardFunctionError(f"returned {float(array[over[0]])!r} for {field!r} in row "
+                                  f"{int(over[0])}, beyond float32's range (+-3.4e38)")
+    return out
 
 
 def check_finite(scores: np.ndarray, components: dict[str, np.ndarray], prompts: list[str],
@@ -103,23 +109,27 @@ def call_reward_function(reward_fn: RewardFunction, prompts: list[str], response
     Returns:
       `(scores [n] float32, components {name: [n] float32})`, all finite.
 
+    The function gets copies of `prompts`, `responses` and `rows`.
+
     Raises:
-      RewardFunctionError: the function raised (its exception's type, message and where it
-        was raised), ran past its `with_timeout` limit, or returned what `reward_output` and
-        `check_finite` refuse.
+      RewardFunctionError: the function raised (any exception but KeyboardInterrupt, SystemExit
+        included: its type, message and where it was raised), ran past its `with_timeout`
+        limit, or returned what `reward_output` and `check_finite` refuse.
     """
-    try:
+    n = len(responses)
+    rows = [dict(r) for r in rows] if rows is not None else [{} for _ in prompts]
+    try:  # on copies: a function that edits its inputs changes neither the check nor the logs
         if takes_rows(reward_fn):
-            out = reward_fn(prompts, responses,
-                            rows=rows if rows is not None else [{}] * len(prompts))
+            out = reward_fn(list(prompts), list(responses), rows=rows)
         else:
-            out = reward_fn(prompts, responses)
-    except RewardFunctionError:  # `with_timeout`'s, said already
+            out = reward_fn(list(prompts), list(responses))
+    except (RewardFunctionError, KeyboardInterrupt):  # `with_timeout`'s, said; Ctrl-C's stop
         raise
-    except Exception as e:  # noqa: BLE001 - any failure of the user's function is reported
+    except BaseException as e:  # noqa: BLE001 - any failure of the user's function, sys.exit
+        # included (SystemExit(0) would otherwise end a failed run with exit 0), is reported
         raise RewardFunctionError(f"raised {type(e).__name__}: {_clip(str(e), 300)}"
                                   f"{_where(e)}") from e
-    scores, components = reward_output(out, len(responses))
+    scores, components = reward_output(out, n)
     check_finite(scores, components, prompts, responses)
     return scores, components
 

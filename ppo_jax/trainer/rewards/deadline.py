@@ -9,8 +9,9 @@ SIGALRM is another signal and timer, so neither limit disturbs the other.) Calle
 other thread, where no handler can be installed, the call runs in a daemon worker thread
 and is abandoned when the time is up.
 
-Not stoppable either way: a single C call that holds the GIL and never returns to Python
-(a catastrophic regular expression, say); the run then waits as it would without a limit.
+Not stoppable: a single C call that holds the GIL and never returns to Python (a catastrophic
+regular expression, say), and, in the main thread, code that replaces or ignores
+`WATCHDOG_SIGNAL`'s handler while it runs; the run then waits as it would without a limit.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ The registered functions are checked with the settings the trainer builds
 
 Each registered function named by the config (reward shaping, advantage estimator, policy loss,
 value loss) is looked up, its signature is bound to the exact call the trainer will make, and it
-is run once on a tiny batch (B = 1, T = 2) with the configured arguments; its outputs must have
+is run on two tiny batches of ones (B = 1, T = 2, then B = 2, T = 3: a slice or a fixed size
+that fits one shape does not fit both) with the configured arguments; its outputs must have
 the shapes the trainer reduces. A formula that cannot run fails here with a `ConfigError`
 naming the key, not in the middle of the first step.
 """
@@ -22,6 +23,7 @@ naming the key, not in the middle of the first step.
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -40,27 +42,28 @@ from ppo_jax.core import (
 from ppo_jax.rollout.engine import check_page_size, engine_layout
 from ppo_jax.trainer.config import Config, ConfigError, eval_enabled
 from ppo_jax.trainer.data.prompts import prompt_records
-from ppo_jax.trainer.environments import episode_prompts, get_environment
+from ppo_jax.trainer.environments import Environment, build_environment, episode_prompts
 from ppo_jax.trainer.rewards.calls import (
     RewardFunction, RewardFunctionError, probe_reward_function, with_timeout,
 )
+from ppo_jax.trainer.rewards.deadline import Expired, call_with_deadline
 from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function, probes
 from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 
-B, T = 1, 2
+SHAPES = ((1, 2), (2, 3))  # (B, T) of the test batches: B != T, and both unlike the first's
 _TOKENS = "[B, T]"
 _OLD_LOSS_HINT = (" (a registered loss takes one LossInputs batch and returns a per-token loss "
                   "[B, T] and per-token stats; docs/forks.md)")
 
 
-def _test_batch() -> LossInputs:
+def _test_batch(B: int, T: int) -> LossInputs:
     ones = jnp.ones((B, T), jnp.float32)
     fields = {f: ones for f in LossInputs._fields if f not in ("mask", "group_ids")}
     return LossInputs(mask=jnp.ones((B, T), jnp.int32), group_ids=jnp.zeros((B,), jnp.int32),
                       **fields)
 
 
-def _shape_problem(out: Any, spec: tuple) -> str | None:
+def _shape_problem(out: Any, spec: tuple, B: int, T: int) -> str | None:
     """None when `out` is a tuple matching `spec` (a shape, or "stats": a dict of [B, T])."""
     if not isinstance(out, tuple) or len(out) != len(spec):
         return f"{type(out).__name__} instead of a tuple of {len(spec)}"
@@ -76,8 +79,11 @@ def _shape_problem(out: Any, spec: tuple) -> str | None:
     return None
 
 
-def _check_one(key: str, name: str, getter: Callable, args: dict, kwargs: dict, spec: tuple) -> None:
-    """Look up, bind, run once and check the output shapes of one registered function.
+def _check_one(key: str, name: str, getter: Callable, args: dict, kwargs: dict, spec: tuple,
+               shape: tuple[int, int]) -> None:
+    """Look up, bind, run once on a test batch of `shape` (B, T) and check the output shapes
+    of one registered function: on the first of `SHAPES` eagerly, on the others traced
+    (`jax.eval_shape`, as the trainer's jitted step traces it: shapes, no compiling).
 
     Raises:
       ConfigError: naming `key`, the function and what failed.
@@ -94,18 +100,26 @@ def _check_one(key: str, name: str, getter: Callable, args: dict, kwargs: dict, 
             f"{key}={name!r}: {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot be "
             f"called as the trainer calls it, fn({', '.join(args)}, "
             f"{', '.join(f'{k}=' for k in kwargs)}): {e}{hint}") from None
+    B, T = shape
     try:  # and runs with the configured arguments (a bad method or clip fails here, not mid-step)
-        out = fn(*args.values(), **kwargs)
+        if shape == SHAPES[0]:
+            out = fn(*args.values(), **kwargs)
+            out = jax.tree.map(jnp.asarray, out) if isinstance(out, tuple) else out
+        else:
+            out = jax.eval_shape(partial(fn, **kwargs), *args.values())
     except Exception as e:  # noqa: BLE001 - any failure of the user's function is reported
         raise ConfigError(f"{key}={name!r} fails on a {B}x{T} test batch with the configured "
                           f"arguments {kwargs}: {type(e).__name__}: {e}") from None
-    problem = _shape_problem(jax.tree.map(jnp.asarray, out) if isinstance(out, tuple) else out, spec)
+    problem = _shape_problem(out, spec, B, T)
     if problem:
-        raise ConfigError(f"{key}={name!r} returns {problem} on a {B}x{T} test batch{hint}")
+        fits = (f" (right on the {SHAPES[0][0]}x{SHAPES[0][1]} one: outputs must follow the "
+                "batch's B and T, not a fixed size or slice)" if shape != SHAPES[0] else "")
+        raise ConfigError(f"{key}={name!r} returns {problem} on a {B}x{T} test batch{fits}{hint}")
 
 
-def _calls(cfg: Config) -> list:
-    """(key, name, getter, positional args, the trainer's own kwargs, config kwargs, output spec)."""
+def _calls(cfg: Config, B: int, T: int) -> list:
+    """(key, name, getter, positional args, the trainer's own kwargs, config kwargs, output spec)
+    on a test batch of B x T."""
     p = cfg.ppo
     settings = settings_for(cfg)
     upd, exp = settings.update, settings.experience
@@ -121,10 +135,10 @@ def _calls(cfg: Config) -> list:
          {**exp.estimator_fixed_kwargs(), "scores": row,
           "group_ids": jnp.zeros((B,), jnp.int32), "baseline_scores": row},
          ("advantage_kwargs", p.advantage_kwargs), ((B, T), (B, T))),
-        ("ppo.policy_loss", p.policy_loss, get_policy_loss, {"batch": _test_batch()},
+        ("ppo.policy_loss", p.policy_loss, get_policy_loss, {"batch": _test_batch(B, T)},
          upd.policy_fixed_kwargs(), ("policy_loss_kwargs", p.policy_loss_kwargs),
          ((B, T), "stats")),
-        ("ppo.value_loss", p.value_loss, get_value_loss, {"batch": _test_batch()},
+        ("ppo.value_loss", p.value_loss, get_value_loss, {"batch": _test_batch(B, T)},
          {"cliprange_value": upd.cliprange_value}, ("value_loss_kwargs", p.value_loss_kwargs),
          ((B, T), "stats")),
     ]
@@ -132,26 +146,25 @@ def _calls(cfg: Config) -> list:
 
 def check_names(cfg: Config) -> None:
     """Registered names in the config exist, take the arguments the trainer will pass, run on
-    a 1x2 batch and return outputs of the right shapes (before anything is loaded).
+    a 1x2 and a 2x3 batch and return outputs of the right shapes on both (before anything is
+    loaded).
 
     Raises:
       ConfigError: naming the key, listing the known names or the call that would fail.
     """
-    for key, name, getter, args, fixed, (extra_name, extra), spec in _calls(cfg):
-        shadowed = sorted(set(fixed) & set(extra))
-        if shadowed:
-            raise ConfigError(f"ppo.{extra_name}.{shadowed[0]}: the trainer passes {shadowed[0]} "
-                              "itself (set it through its own ppo.* field)")
-        _check_one(key, name, getter, args, {**fixed, **extra}, spec)
+    for shape in SHAPES:
+        for key, name, getter, args, fixed, (extra_name, extra), spec in _calls(cfg, *shape):
+            shadowed = sorted(set(fixed) & set(extra))
+            if shadowed:
+                raise ConfigError(f"ppo.{extra_name}.{shadowed[0]}: the trainer passes "
+                                  f"{shadowed[0]} itself (set it through its own ppo.* field)")
+            _check_one(key, name, getter, args, {**fixed, **extra}, spec, shape)
     if cfg.ppo.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"ppo.kl_estimator={cfg.ppo.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
     if cfg.reward.kind == "function" and not cfg.env.name:
         reward_function(cfg)
     if cfg.env.name:
-        try:
-            get_environment(cfg.env.name, **cfg.env.kwargs)
-        except ValueError as e:
-            raise ConfigError(f"env.name: {e}") from None
+        environment(cfg)
         if needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator)):
             raise ConfigError(f"env.name={cfg.env.name!r}: ReMax's greedy baseline is a single "
                               "response (ppo.advantage_estimator="
@@ -184,7 +197,7 @@ def check_prompt_files(cfg: Config) -> None:
     sources = [("data.prompts", cfg.data.prompts)]
     if eval_enabled(cfg.eval):
         sources.append(("eval.prompts", cfg.eval.prompts))
-    env = get_environment(cfg.env.name, **cfg.env.kwargs) if cfg.env.name else None
+    env = environment(cfg) if cfg.env.name else None
     reward_fn = reward_function(cfg) if env is None and cfg.reward.kind == "function" else None
     for key, source in sources:
         texts, rows = prompt_records(cfg, source, key)
@@ -198,20 +211,40 @@ def check_prompt_files(cfg: Config) -> None:
             probe_reward(cfg, reward_fn, texts, rows, key)
 
 
-def reward_function(cfg: Config) -> RewardFunction:
-    """The run's reward function (`reward.function`, its factory called with
-    `reward.function_kwargs`), each call limited to `reward.timeout_s` (`with_timeout`).
+def environment(cfg: Config) -> Environment:
+    """The run's environment (`env.name`, its factory called with `env.kwargs` within the
+    set-up limit, `environments.build_environment`).
 
     Raises:
-      ConfigError: an unknown name, kwargs the factory does not take, a factory that raised
-        (naming `reward.function` and the error), or a `reward.timeout_s` that is not > 0.
+      ConfigError: naming `env.name`, the environment and what its factory did.
+    """
+    try:
+        return build_environment(cfg.env.name, cfg.env.kwargs, timeout_s=cfg.env.timeout_s)
+    except ValueError as e:
+        raise ConfigError(f"env.name: {e}") from None
+
+
+def reward_function(cfg: Config) -> RewardFunction:
+    """The run's reward function (`reward.function`, its factory called with
+    `reward.function_kwargs` within `reward.timeout_s`), each call limited to `reward.timeout_s`
+    too (`with_timeout`).
+
+    Raises:
+      ConfigError: an unknown name, kwargs the factory does not take, a factory that raised or
+        ran past `reward.timeout_s` (naming `reward.function` and the error or the limit), or a
+        `reward.timeout_s` that is not > 0.
     """
     r = cfg.reward
     if r.timeout_s is not None and not r.timeout_s > 0:
         raise ConfigError(f"reward.timeout_s={r.timeout_s!r} must be > 0 seconds (or null: no "
                           "limit)")
     try:
-        return with_timeout(get_reward_function(r.function, **r.function_kwargs), r.timeout_s)
+        fn = call_with_deadline(lambda: get_reward_function(r.function, **r.function_kwargs),
+                                r.timeout_s)
+        return with_timeout(fn, r.timeout_s)
+    except Expired:
+        raise ConfigError(f"reward.function={r.function!r}: its factory did not return within "
+                          f"reward.timeout_s={r.timeout_s:g} s") from None
     except ValueError as e:
         raise ConfigError(f"reward.function: {e}") from None
     except Exception as e:  # noqa: BLE001 - a fork's factory failing is named, not a traceback

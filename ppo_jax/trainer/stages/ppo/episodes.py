@@ -39,7 +39,7 @@ from ppo_jax.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings, gene
 from ppo_jax.rollout.observations import observation_tokens
 from ppo_jax.rollout.sampler import SamplingSettings
 from ppo_jax.trainer.environments import (
-    ALL_STOP_STRINGS, EpisodeFailure, get_environment, run_resets, run_steps,
+    ALL_STOP_STRINGS, EpisodeFailure, build_environment, run_resets, run_steps,
 )
 from ppo_jax.trainer.faults import UserCodeError, checkpoint_kept
 from ppo_jax.trainer.stages.ppo.parts import Sampled, group_ids
@@ -78,7 +78,7 @@ class EpisodeRunner:
         self.cfg, self.tokenizer = env_cfg, tokenizer
         self.engine, self.model_cfg, self.engines = engine, model_cfg, {}
         self.last_stats = None  # the paged engine's `EngineStats` of the last batch
-        self.env = get_environment(env_cfg.name, **env_cfg.kwargs)
+        self.env = build_environment(env_cfg.name, env_cfg.kwargs, timeout_s=env_cfg.timeout_s)
         stops = env_cfg.stop_strings
         if stops is None:
             stops = getattr(self.env, "stop_strings", ALL_STOP_STRINGS)
@@ -163,9 +163,10 @@ class EpisodeRunner:
         failed = [ep.failure for ep in episodes if ep.failure]
         for error in failed[:MAX_REPORTED_FAILURES]:
             print(f"env {self.env_name}: episode failed (reward 0): {error}", file=sys.stderr)
-        if len(failed) > MAX_REPORTED_FAILURES:
-            print(f"env {self.env_name}: {len(failed) - MAX_REPORTED_FAILURES} more episodes "
-                  "failed this step", file=sys.stderr)
+        more = len(failed) - MAX_REPORTED_FAILURES
+        if more > 0:
+            print(f"env {self.env_name}: {more} more episode{'s' if more > 1 else ''} failed "
+                  "this step", file=sys.stderr)
 
     @property
     def env_name(self) -> str:

@@ -13,8 +13,10 @@ from typing import Iterator
 from ppo_jax.core import (
     get_advantage_estimator, get_policy_loss, get_reward_shaping, get_value_loss, uses_critic,
 )
+from ppo_jax.trainer.environments import ENVIRONMENTS
 from ppo_jax.trainer.faults import UserCodeError, checkpoint_kept
 from ppo_jax.trainer.rewards.calls import RewardFunctionError
+from ppo_jax.trainer.rewards.functions import REWARD_FUNCTIONS
 
 
 @contextmanager
@@ -40,9 +42,10 @@ def reward_faults(name: str, when: str, checkpointer) -> Iterator[None]:
 
 
 def forks_in_play(cfg) -> list[str]:
-    """The config's registered formulas that a fork registered (module outside `ppo_jax`), as
+    """The config's registered functions that a fork registered (module outside `ppo_jax`), as
     `"ppo.policy_loss='name' (module.function)"`: reward shaping, the advantage estimator, the
-    policy loss, and the value loss when the estimator trains a critic."""
+    policy loss, the value loss when the estimator trains a critic, and the reward function's
+    or the environment's factory (their scores reach the losses)."""
     p = cfg.ppo
     estimator = get_advantage_estimator(p.advantage_estimator)
     used = [("ppo.reward_shaping", p.reward_shaping, get_reward_shaping(p.reward_shaping)),
@@ -50,6 +53,11 @@ def forks_in_play(cfg) -> list[str]:
             ("ppo.policy_loss", p.policy_loss, get_policy_loss(p.policy_loss))]
     if uses_critic(estimator):
         used.append(("ppo.value_loss", p.value_loss, get_value_loss(p.value_loss)))
+    if cfg.env.name:
+        used.append(("env.name", cfg.env.name, ENVIRONMENTS.get(cfg.env.name)))
+    elif cfg.reward.kind == "function":
+        used.append(("reward.function", cfg.reward.function,
+                     REWARD_FUNCTIONS.get(cfg.reward.function)))
     forks = []
     for key, name, fn in used:
         module = getattr(fn, "__module__", None) or "?"
