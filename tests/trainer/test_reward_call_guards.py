@@ -7,6 +7,7 @@ or environment among the functions in play."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from ppo_jax.core import unregister
 from ppo_jax.trainer.config import load_config
 from ppo_jax.trainer.environments import register_environment
+from ppo_jax.trainer.preemption import StopSignals
 from ppo_jax.trainer.rewards.calls import RewardFunctionError, call_reward_function
 from ppo_jax.trainer.rewards.functions import register_reward_function
 from ppo_jax.trainer.stages.ppo import faults
@@ -47,11 +49,16 @@ def test_sys_exit_and_other_base_exceptions_are_reported_not_let_through(error, 
         call_reward_function(raising(error), PROMPTS, RESPONSES)
 
 
-def test_ctrl_c_still_stops_the_run():
-    """KeyboardInterrupt is the run's own stop (preemption's second Ctrl-C), not the function's
-    failure."""
+def test_ctrl_c_stops_a_probe_but_inside_training_a_keyboard_interrupt_is_the_functions():
+    """Outside training (the load-time probe) Ctrl-C raises KeyboardInterrupt: it passes. In
+    training the SIGINT handler is the trainer's (`preemption.StopSignals`), which never raises
+    one, so a KeyboardInterrupt there is the function's own failure."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(KeyboardInterrupt):
         call_reward_function(raising(KeyboardInterrupt()), PROMPTS, RESPONSES)
+    with StopSignals():
+        with pytest.raises(RewardFunctionError, match="raised KeyboardInterrupt"):
+            call_reward_function(raising(KeyboardInterrupt()), PROMPTS, RESPONSES)
 
 
 def test_a_function_that_empties_its_inputs_is_still_checked_against_the_batch():

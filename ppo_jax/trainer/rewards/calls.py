@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import signal
 import sysconfig
 import traceback
 from pathlib import Path
@@ -112,9 +113,11 @@ def call_reward_function(reward_fn: RewardFunction, prompts: list[str], response
     The function gets copies of `prompts`, `responses` and `rows`.
 
     Raises:
-      RewardFunctionError: the function raised (any exception but KeyboardInterrupt, SystemExit
-        included: its type, message and where it was raised), ran past its `with_timeout`
-        limit, or returned what `reward_output` and `check_finite` refuse.
+      RewardFunctionError: the function raised (any exception, SystemExit included, and a
+        KeyboardInterrupt where Ctrl-C does not raise one: its type, message and where it was
+        raised), ran past its `with_timeout` limit, or returned what `reward_output` and
+        `check_finite` refuse.
+      KeyboardInterrupt: a real Ctrl-C, outside the trainer's stop handling.
     """
     n = len(responses)
     rows = [dict(r) for r in rows] if rows is not None else [{} for _ in prompts]
@@ -123,15 +126,24 @@ def call_reward_function(reward_fn: RewardFunction, prompts: list[str], response
             out = reward_fn(list(prompts), list(responses), rows=rows)
         else:
             out = reward_fn(list(prompts), list(responses))
-    except (RewardFunctionError, KeyboardInterrupt):  # `with_timeout`'s, said; Ctrl-C's stop
+    except RewardFunctionError:  # `with_timeout`'s, said already
         raise
     except BaseException as e:  # noqa: BLE001 - any failure of the user's function, sys.exit
         # included (SystemExit(0) would otherwise end a failed run with exit 0), is reported
+        if isinstance(e, KeyboardInterrupt) and _ctrl_c_raises():
+            raise  # a real Ctrl-C, outside the trainer's stop handling
         raise RewardFunctionError(f"raised {type(e).__name__}: {_clip(str(e), 300)}"
                                   f"{_where(e)}") from e
     scores, components = reward_output(out, n)
     check_finite(scores, components, prompts, responses)
     return scores, components
+
+
+def _ctrl_c_raises() -> bool:
+    """Whether Ctrl-C raises KeyboardInterrupt now (Python's own SIGINT handler). Inside
+    `StageTrainer.train` it does not (`preemption.StopSignals`: the first Ctrl-C asks for a stop,
+    a second kills the process), so a KeyboardInterrupt there is the function's own."""
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def with_timeout(reward_fn: RewardFunction, timeout_s: Optional[float]) -> RewardFunction:
