@@ -89,16 +89,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from ppo_jax.trainer.config import ConfigError
 
-    if args.imports:
-        sys.path.insert(0, os.getcwd())  # modules of a research fork, next to where it runs
-        for name in args.imports:
-            try:
-                importlib.import_module(name)
-            except Exception as e:  # noqa: BLE001 - a fork's module failing at import, named
-                what = "" if isinstance(e, ImportError) else f"{type(e).__name__}: "
-                print(f"error: --import {name}: {what}{e}", file=sys.stderr)
-                return 2
-
+    if not import_modules(args.imports):
+        return 2
     try:
         cfg, plan = start_config(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # CheckpointReadError too
@@ -117,6 +109,30 @@ def main(argv=None) -> int:
         return 2
     if plan is not None:  # the first line: resuming, or (auto) starting a new run
         print(plan.headline, file=sys.stderr, flush=True)
+    return run_training(cfg, plan)
+
+
+def import_modules(names: list[str]) -> bool:
+    """Import each `--import` module (a fork's registrations), from the working directory
+    first. False, after one `error: --import NAME: ...` line, when one fails in any way (not
+    found, a syntax error, an exception at import, a name already registered)."""
+    if names:
+        sys.path.insert(0, os.getcwd())  # modules of a research fork, next to where it runs
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a fork's module failing at import, named
+            what = "" if isinstance(e, ImportError) else f"{type(e).__name__}: "
+            print(f"error: --import {name}: {what}{e}", file=sys.stderr)
+            return False
+    return True
+
+
+def run_training(cfg, plan) -> int:
+    """Build the stage's trainer for `cfg` (resuming by `plan`, or None) and train: the exit
+    status (2 when building it is refused, 1 when a checkpoint write, a non-finite step or the
+    user's code failed mid-run, each said in one `error:` line; 0 otherwise)."""
+    from ppo_jax.trainer.config import ConfigError
     from ppo_jax.trainer.host.distributed import initialize
 
     initialize(cfg.distributed)
