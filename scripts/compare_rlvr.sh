@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# PPO (critic), GRPO, Dr. GRPO, GSPO and DAPO on one wall-clock budget (docs/rlvr.md
+# PPO (critic), GRPO, Dr. GRPO, GSPO and DAPO on one wall-clock budget (docs/rlvr_results.md
 # "Measured: two terms of 1 or 2 digits"): each recipe of configs/rlvr/ on the chain sums of configs/rlvr.yaml for
 # MINUTES minutes of training (train.max_minutes: the step that crosses it is the last, and is
 # evaluated) or STEPS steps, whichever comes first; 64 responses a step (8 problems x 8

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Does the default run keep gaining on prompts it never trains on? (docs/training.md "What the default run
+# Does the default run keep gaining on prompts it never trains on? (docs/training_results.md "What the default run
 # does"; issue 12.) configs/default.yaml run for STEPS steps as is and with each variant below,
 # held-out reward on 32 prompts of configs/prompts/quotes_eval.jsonl every 5 steps (eval.*, one
 # fixed sampler key), then each final actor on 64 held-out prompts with three sampling seeds

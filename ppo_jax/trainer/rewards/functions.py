@@ -137,7 +137,7 @@ def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = Fals
     `len(answer) / len(response's answer)` to any answer that CONTAINS the right one as a
     substring, so "<answer>51034</answer>" earns 0.2 on "1 + 2 =", and GRPO's group-normalised
     advantages turn that 0.2 into a full-sized signal: the 1-2 digit run learnt ever longer
-    numbers (docs/rlvr.md, "Why GRPO drifted").
+    numbers (docs/rlvr_results.md, "Why GRPO drifted").
 
     Components (each `[n]`): `accuracy` (1 where fully right), `format`, `accuracy_format_free`
     (fully right on the response's last number, tag or not) and, with partial credit,
@@ -146,7 +146,7 @@ def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = Fals
     `answer="last_number"` scores the response's last number instead (tag or not: the
     `accuracy_format_free` part, `verifiers.format_free_answer`), so the reward cannot be
     raised by the answer's format alone; `accuracy` still logs the tagged answer's credit, and
-    `format_weight` still pays for a closed tag. (docs/rlvr.md, "A reward without the tag".)
+    `format_weight` still pays for a closed tag. (docs/rlvr_results.md, "A reward without the tag".)
 
     Raises:
       ValueError: `partial_credit` not a bool (naming `reward.function_kwargs.partial_credit`),
