@@ -114,8 +114,8 @@ def main(argv=None) -> int:
 
 def import_modules(names: list[str]) -> bool:
     """Import each `--import` module (a fork's registrations), from the working directory
-    first. False, after one `error: --import NAME: ...` line, when one fails in any way (not
-    found, a syntax error, an exception at import, a name already registered)."""
+    first. Returns False, after one `error: --import NAME: ...` line, when one fails in any way:
+    not found, a syntax error, an exception at import, a name already registered."""
     if names:
         sys.path.insert(0, os.getcwd())  # modules of a research fork, next to where it runs
     for name in names:
@@ -129,9 +129,9 @@ def import_modules(names: list[str]) -> bool:
 
 
 def run_training(cfg, plan) -> int:
-    """Build the stage's trainer for `cfg` (resuming by `plan`, or None) and train: the exit
-    status (2 when building it is refused, 1 when a checkpoint write, a non-finite step or the
-    user's code failed mid-run, each said in one `error:` line; 0 otherwise)."""
+    """Build the stage's trainer for `cfg`, resuming by `plan` when given, and train. Returns
+    the exit status: 2 when building is refused; 1 when a checkpoint write, a non-finite step or
+    the user's code failed mid-run, each said in one `error:` line; 0 otherwise."""
     from ppo_jax.trainer.config import ConfigError
     from ppo_jax.trainer.host.distributed import initialize
 
@@ -144,7 +144,7 @@ def run_training(cfg, plan) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from ppo_jax.trainer.checkpoint import CheckpointWriteError
+    from ppo_jax.trainer.lifecycle.checkpoint import CheckpointWriteError
     from ppo_jax.trainer.faults import UserCodeError
 
     try:
@@ -163,10 +163,10 @@ def run_training(cfg, plan) -> int:
 
 
 def start_config(args):
-    """(config, resume plan or None) of this start: `--config` (default DEFAULT_CONFIG) and
-    `--set`; with `--resume` (training only) the run's saved config unless `--config` is given
-    (`trainer.resume.resume_config`), and changes the saved state cannot take refused here,
-    before the first line. Sets `args.config` to the file read.
+    """The (config, resume plan or None) of this start, from `--config` (default
+    DEFAULT_CONFIG) and `--set`. With `--resume` and no `--config`, the run's saved config is
+    used; changes the saved state cannot take are refused here, before the first line. Sets
+    `args.config` to the file read.
 
     Raises:
       ConfigError / FileNotFoundError: a bad file, override or `--resume`.
@@ -179,7 +179,7 @@ def start_config(args):
         raise ConfigError("--resume-fallback goes with --resume")
     if args.resume is None or args.help_config or args.compile_for is not None:
         return load_config(args.config, args.overrides), None
-    from ppo_jax.trainer.resume import resume_changes, resume_config
+    from ppo_jax.trainer.lifecycle.resume import resume_changes, resume_config
 
     cfg, plan = resume_config(args.config, args.overrides, args.resume, explicit=explicit,
                               fallback=args.resume_fallback)

@@ -61,8 +61,11 @@ def build(name: str, args):
     import jax
 
     from ppo_jax.models import load_model, load_tokenizer, split_model
-    from ppo_jax.rollout.engine import EngineSettings, PagedEngine, pages_for
-    from ppo_jax.rollout.sampler import SamplingSettings, generate
+    from ppo_jax.rollout.engine import PagedEngine
+    from ppo_jax.rollout.engine_layout import EngineSettings
+    from ppo_jax.rollout.scheduler import pages_for
+    from ppo_jax.rollout.draws import SamplingSettings
+    from ppo_jax.rollout.static_batch import generate
     from ppo_jax.trainer.loading.models import pad_token_id, prompt_set, stop_token_ids
 
     cfg, batch, rows, extra = workload(name, args)
@@ -81,9 +84,11 @@ def build(name: str, args):
     kw = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, stop_token_ids=stops,
               pad_token_id=pad_token_id(tok, model.cfg), samples_per_prompt=n)
     pool = 1 + rows * pages_for(width + g.max_new_tokens, args.page_size)
-    engines = [PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
-                           EngineSettings(page_size=args.page_size, num_pages=pool, decode_chunk=args.chunk,
-                                          decode_buckets=args.buckets, **({"max_concurrent": slots} if extra else {})),
+    sampling = SamplingSettings(**kw, top_k=0, top_p=1.0, greedy=False, mesh=None, turns=None)
+    engines = [PagedEngine(graphdef, model.cfg, sampling,
+                           EngineSettings(page_size=args.page_size, num_pages=pool, max_concurrent=slots,
+                                          decode_chunk=args.chunk, decode_buckets=args.buckets,
+                                          attention="reference"),
                            batch=batch, prompt_width=width) for slots in (args.slots if extra else [0])]
     engines = {f"paged {e.layout.slots * e.layout.replicas}": e for e in engines}
     key = jax.random.PRNGKey(0)

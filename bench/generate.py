@@ -19,7 +19,7 @@ from harness import (compare, finish, fmt, interleaved, log, options, ratio, spr
                      table, timed, under_malloc_settings)
 from ppo_jax.models import load_model, load_tokenizer, split_model
 from ppo_jax.models.smollm2 import ensure_smollm2
-from ppo_jax.rollout.sampler import generate
+from ppo_jax.rollout.static_batch import generate
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",

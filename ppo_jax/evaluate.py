@@ -6,30 +6,24 @@ Usage:
   python -m ppo_jax.evaluate --run runs/rlvr --actor runs/rlvr/actor_hf --json figures.json
   python -m ppo_jax.evaluate --run runs/rlvr --step 40 --set eval.num_prompts=256
 
-The trainer of the run's config is built as the run built it (`ppo_jax.saved_actor`:
-models, reference, reward and settings from the config, nothing written to the run), its actor
-taken from checkpoint `--step` (default the latest; 0 is the starting actor) or from `--actor`
-(an HF directory such as `<run>/actor_hf`, or a PEFT adapter on the run's `model.actor`). The
-config is the one that step trained under (`saved_actor.run_config_at`: `config.json`, or after
-a resume with changed settings the `config.resume-<k>.json` of the steps after k; with
-`--actor`, that of the run's last step), as `python -m ppo_jax.generate` reads it, and
-the trainer's own evaluation runs once (`trainer.stages.ppo.evaluation`; PPO: `eval.*` with its fixed key
-`eval.seed`, so the figures of a checkpoint are the ones the run logged at that step):
-reward mean / std (VADER on the everyday config), KL to the reference, response length, the
-fraction that ended, a verifier's `accuracy` and, with `eval.samples_per_prompt` = k > 1,
-`pass@k`. SFT and reward-model runs give their held-out loss (and accuracy) from `--step`.
+The run's trainer is built from the config the step trained under, as the run built it, and
+nothing is written to the run. Its actor comes from checkpoint `--step` (default the latest;
+0 is the starting actor) or from `--actor`, an HF directory such as `<run>/actor_hf` or a
+PEFT adapter on the run's `model.actor`. The trainer's own evaluation then runs once. For PPO
+it uses `eval.*` with the fixed key `eval.seed`, so a checkpoint's figures are the ones the run
+logged at that step: reward mean / std, KL to the reference, response length, the fraction
+that ended, a verifier's `accuracy` and, with `eval.samples_per_prompt` = k > 1, `pass@k`. SFT
+and reward-model runs give their held-out loss and accuracy.
 
-`--set KEY=VALUE` changes `eval.*` keys of the config first (e.g. `eval.num_prompts`,
-`eval.prompts`, `eval.seed`; any other key is refused, exit 2, since the run's model, reward
-and sampling settings are what is evaluated); a run logged with `eval.every: 0` is evaluated
-all the same. The figures are
-printed one per line; `--json` prints them as JSON, `--json PATH` writes them there. Bad input
-(no such run, step or actor; a run without held-out prompts) prints `error: ...` naming it and
-exits 2 before any model loads. A checkpoint that cannot be read (a missing, truncated or
-damaged file, found as `train.py --resume` finds it) prints one line, exit 2: `error: checkpoint
-of step N cannot be read: FILE: CAUSE; the step trained under CONFIG; earlier checkpoints: steps
-[...] (give one with --step M)` (a missing or cut metadata file before any model loads); one
-that reads but does not fit the config the step trained under says it `does not fit`, exit 2.
+`--set KEY=VALUE` changes `eval.*` keys only (e.g. `eval.num_prompts`, `eval.prompts`,
+`eval.seed`); any other key is refused with exit 2, since the run's model, reward and sampling
+settings are what is evaluated. A run logged with `eval.every: 0` is evaluated all the same.
+The figures are printed one per line; `--json` prints them as JSON, `--json PATH` writes them
+there. Bad input (no such run, step or actor; a run without held-out prompts) prints
+`error: ...` naming it and exits 2 before any model loads. A checkpoint that cannot be read
+prints one line and exits 2: `error: checkpoint of step N cannot be read: FILE: CAUSE; the
+step trained under CONFIG; earlier checkpoints: steps [...] (give one with --step M)`. One that
+reads but does not fit the config the step trained under says it `does not fit`, exit 2.
 """
 
 from __future__ import annotations
@@ -68,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def eval_config(run: str, overrides: list[str], step: int | None = None) -> Config:
-    """The run's config of `step` (`saved_actor.read_run_config`; None: the run's last step)
-    with `overrides` (`eval.*` keys only), its evaluation switched on (`eval.every` 0 -> 1).
+    """The run's config of `step` (None: its last step) with the `eval.*` `overrides`, and
+    evaluation switched on (`eval.every` 0 -> 1).
 
     Raises:
       ConfigError: no run there, a bad override or one of another key, or a PPO run without
@@ -92,8 +86,8 @@ def eval_config(run: str, overrides: list[str], step: int | None = None) -> Conf
 
 
 def check_actor(cfg: Config, actor: str) -> None:
-    """`--actor` is an HF or adapter directory that can go into the run: a PPO run's, and an
-    adapter only into a LoRA run.
+    """Refuse an `--actor` that cannot go into the run: only a PPO run takes one, and only a
+    LoRA run takes an adapter.
 
     Raises:
       ConfigError: naming `--actor` and the path, or the run's stage / `model.lora.rank`.
@@ -107,11 +101,11 @@ def check_actor(cfg: Config, actor: str) -> None:
 
 def evaluate(cfg: Config, run: str, *, step: int | None = None, actor: str | None = None) -> dict:
     """The trainer's held-out figures for the actor of checkpoint `step` (0: the starting one)
-    or the directory `actor`, in the run's setting.
+    or of the directory `actor`, in the run's setting.
 
     Returns:
-      `{"eval/<name>": float}` (PPO: `trainer.stages.ppo.evaluation.Evaluator`'s figures; SFT / reward
-      model: the stage's held-out metrics), without `time/eval`.
+      `{"eval/<name>": float}`, the figures the stage logs for its evaluation, without
+      `time/eval`.
 
     Raises:
       ConfigError / FileNotFoundError / ValueError: as `ppo_jax.saved_actor`.

@@ -7,39 +7,32 @@ Usage:
   python -m ppo_jax.generate --run runs/tiny --prompt "Hi"   # its latest checkpoint
   python -m ppo_jax.generate runs/tiny/actor_hf          # in a terminal: a read-answer loop
 
-The actor (`ppo_jax.saved_actor`): an HF directory (`<run>/actor_hf`), a PEFT adapter
-directory (`<run>/actor_adapter`, loaded on the run's `model.actor`, or on `--base`), or a
-checkpoint step of a run (`--run DIR --step N`; without `--step` the latest checkpoint, as
-`python -m ppo_jax.evaluate --run DIR`; step 0 is the starting actor).
+The actor is an HF directory (`<run>/actor_hf`), a PEFT adapter directory
+(`<run>/actor_adapter`, loaded on the run's `model.actor` or on `--base`), or a checkpoint
+step of a run (`--run DIR --step N`; without `--step`, the latest checkpoint; step 0 is the
+starting actor).
 
-Settings come from the run's config that the actor trained under (`--run DIR`, else the run
-directory the actor directory sits in, else the defaults of configs/default.yaml):
-`config.json`, or after a resume with changed settings the `config.resume-<k>.json` of the
-steps after k (`saved_actor.run_config_at`; an exported actor: that of the run's last step). It
-gives the prompt template
-(`data.use_chat_template`, `system_prompt`, `response_prefix`, `max_prompt_length`,
-`truncation`), the stop tokens and `generation.*` (temperature, top_k, top_p,
-max_new_tokens, greedy). Flags override them; `--set KEY=VALUE` changes any config key. The
-weights are sampled in the dtype they were trained in, as the run's held-out evaluation samples
-them (`generation.param_dtype` is the training rollouts' copy only); `--param-dtype bfloat16`
-casts them (half the bytes read per token).
+Settings come from the config the actor trained under: that of `--run DIR`, else of the run
+directory the actor directory sits in, else configs/default.yaml. It gives the prompt
+template (`data.use_chat_template`, `system_prompt`, `response_prefix`, `max_prompt_length`,
+`truncation`), the stop tokens and `generation.*`. Flags override them, and `--set KEY=VALUE`
+changes any config key. The weights are sampled in the dtype they were trained in, as the
+run's held-out evaluation samples them; `--param-dtype bfloat16` casts them, halving the bytes
+read per token.
 
-Prompts: `--prompt TEXT` (repeatable) or `--prompts FILE` (`.jsonl` / `.json` records with
-`data.prompt_field`, `.txt` lines, `.parquet`), answered in batches of `--batch-size`; with
-neither, lines of stdin (a read-answer loop when stdin is a terminal). Each prompt is one user
-turn, as the run's prompts are. Sampling is the project's sampler (`rollout.sampler.generate`)
-with key `PRNGKey(--seed)`: the answer to prompt i (the i-th line of the loop) is row i of one
-batch under that key, so a seed gives the same answers whatever the batch size.
+Prompts come from `--prompt TEXT` (repeatable) or `--prompts FILE` (`.jsonl` / `.json` records
+with `data.prompt_field`, `.txt` lines, `.parquet`), answered in batches of `--batch-size`;
+with neither, from lines of stdin (a read-answer loop on a terminal). Each prompt is one user
+turn, as the run's prompts are. The answer to prompt i is row i of one batch of the static
+sampler under `PRNGKey(--seed)`, so a seed gives the same answers whatever the batch size.
 
-Output: per prompt `>>> prompt` and the response; `--json` prints one JSON record per line
-instead (`prompt`, `response`, `response_ids`, `ended`, `logprob`). Bad input (a missing
+Output is `>>> prompt` and the response per prompt; `--json` prints one JSON record per line
+(`prompt`, `response`, `response_ids`, `ended`, `logprob`) instead. Bad input (a missing
 directory or file, a step with no checkpoint, a flag out of range) prints `error: ...` naming
-it and exits 2 before any model loads. A checkpoint that cannot be read (a missing, truncated
-or damaged file, found as `train.py --resume` finds it) prints one line, exit 2:
-`error: checkpoint of step N cannot be read: FILE: CAUSE; the step trained under CONFIG;
-earlier checkpoints: steps [...] (give one with --step M)` (a missing or cut metadata file
-before any model loads); one that reads but does not fit the config the step trained under
-(other model settings, a `--set model.*`) says it `does not fit` that config, exit 2.
+it and exits 2 before any model loads. A checkpoint that cannot be read prints one line and
+exits 2: `error: checkpoint of step N cannot be read: FILE: CAUSE; the step trained under
+CONFIG; earlier checkpoints: steps [...] (give one with --step M)`. One that reads but does
+not fit the config the step trained under says it `does not fit` that config, exit 2.
 """
 
 from __future__ import annotations
@@ -47,14 +40,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
 from ppo_jax.models.functional import Model
-from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, generate
+from ppo_jax.core import ended_rows
+from ppo_jax.rollout.draws import SamplingSettings
+from ppo_jax.rollout.static_batch import generate, generate_kwargs
 from ppo_jax.rollout.weights import cast_floats
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.data.prompts import PromptSet, left_pad, read_prompt_records, tokenize_prompts
@@ -68,8 +63,8 @@ from ppo_jax.trainer.state import full_params
 
 @dataclass
 class Session:
-    """A loaded actor and what answering needs: the config of its run, the `Model`, its
-    `ModelConfig`, the tokenizer and the sampler's settings (flags applied)."""
+    """A loaded actor and what answering needs: its run's config, the `Model`, its
+    `ModelConfig`, the tokenizer and the sampling settings with the flags applied."""
 
     cfg: Config
     actor: Model
@@ -132,10 +127,9 @@ def check_flags(parser: argparse.ArgumentParser, args) -> None:
 
 
 def run_settings(args) -> Config:
-    """The config whose settings apply: the one `--step` of `--run` trained under, or an
-    actor directory's run's (`--run`, else the run it sits in) of its last step
-    (`saved_actor.run_config_at`), else the defaults (an adapter's `model.lora` and base from
-    its adapter_config.json); `--base` and `--set` on top. Reads no model.
+    """The config whose settings apply, with `--base` and `--set` on top: the one `--step` of
+    `--run` trained under; for an actor directory, that of its run's last step; else the defaults,
+    with an adapter's `model.lora` and base from its adapter_config.json. Reads no model.
 
     Raises:
       ConfigError: a missing or malformed directory or override, naming it.
@@ -153,8 +147,7 @@ def run_settings(args) -> Config:
 
 
 def read_prompts(args, cfg: Config) -> Optional[list[str]]:
-    """The prompts of `--prompt` / `--prompts` (records' `data.prompt_field`; None when
-    neither is given).
+    """The prompts of `--prompt` / `--prompts`, or None when neither is given.
 
     Raises:
       FileNotFoundError / ValueError: a missing or malformed `--prompts` file, naming it.
@@ -170,9 +163,8 @@ def read_prompts(args, cfg: Config) -> Optional[list[str]]:
 
 
 def sampling_settings(cfg: Config, tokenizer, model_cfg, args) -> SamplingSettings:
-    """The run's sampling settings (`stages.ppo.settings.settings_for(cfg).sampling`: the
-    `generation.*` fields, the stop ids unless `generation.ignore_eos`, the pad id), one sample
-    per prompt, no mesh, and the flags given in place of the config's values."""
+    """The run's sampling settings, one sample per prompt and no mesh, with the flags given in
+    place of the config's values."""
     from ppo_jax.trainer.stages.ppo.settings import settings_for
 
     run = settings_for(cfg, stop_token_ids=stop_token_ids(cfg, tokenizer, model_cfg),
@@ -184,8 +176,8 @@ def sampling_settings(cfg: Config, tokenizer, model_cfg, args) -> SamplingSettin
 
 
 def load_session(args, cfg: Config) -> Session:
-    """Load the actor of `args` (a checkpoint step of `--run`, or an actor directory) under
-    `cfg` (its weights cast to `--param-dtype` when given), and its tokenizer.
+    """Load the actor of `args` under `cfg`, cast to `--param-dtype` when given, and its
+    tokenizer.
 
     Raises:
       ConfigError / FileNotFoundError / ValueError: as `ppo_jax.saved_actor`.
@@ -209,8 +201,8 @@ def load_session(args, cfg: Config) -> Session:
 
 
 def encode(session: Session, texts: list[str], width: Optional[int] = None) -> PromptSet:
-    """The prompts templated and tokenised as the run's prompts are (`data.*`), left-padded
-    to the longest (or to `width`).
+    """The prompts templated and tokenised as the run's prompts are, left-padded to the
+    longest or to `width`.
 
     Raises:
       ConfigError: prompt width + max_new_tokens over the model's context, naming the flag.
@@ -233,19 +225,19 @@ def encode(session: Session, texts: list[str], width: Optional[int] = None) -> P
 
 def answer(session: Session, prompts: PromptSet, key, *, first_row: int = 0,
            batch_size: int = 16) -> list[dict]:
-    """Sample a response to every prompt (`[N, P]` left-padded), `batch_size` rows per call
-    (the last call padded with copies of its first row, so one compile), row i keyed as row
-    `first_row + i` of one batch (`generate`'s `first_row`).
+    """Sample a response to every prompt of `prompts` (`[N, P]`, left-padded), `batch_size`
+    rows per call. The last call is padded with copies of its first row so that there is one
+    compile; row i is keyed as row `first_row + i` of one batch.
 
     Returns:
-      N dicts `{"prompt", "response" (data.response_prefix + the decoded text), "response_ids"
-      (the tokens up to and including the stop token), "ended" (a stop token came),
-      "logprob" (the response's log-probability under the sampling temperature, unfiltered
-      by top_k / top_p: the sum of `generate`'s per-token log-probs)}`.
+      N dicts with `prompt`; `response` (`data.response_prefix` + the decoded text);
+      `response_ids` (up to and including the stop token); `ended` (a stop token came); and
+      `logprob`, the response's log-probability at the sampling temperature, before top_k /
+      top_p filtering.
     """
     s, n = session.settings, len(prompts)
     size = min(batch_size, n)
-    kwargs = {f.name: getattr(s, f.name) for f in fields(s)}
+    kwargs = generate_kwargs(s)
     out = []
     for lo in range(0, n, size):
         take = np.arange(lo, lo + size)
@@ -264,7 +256,7 @@ def answer(session: Session, prompts: PromptSet, key, *, first_row: int = 0,
 
 
 def decode(session: Session, ids: np.ndarray, mask: np.ndarray) -> str:
-    """One response as text, `data.response_prefix` in front (as the trainer decodes it)."""
+    """One response as text with `data.response_prefix` in front, as the trainer decodes it."""
     prefix = session.cfg.data.response_prefix or ""
     return prefix + session.tokenizer.decode(ids[mask > 0].tolist(), skip_special_tokens=True)
 
@@ -276,11 +268,10 @@ def show(record: dict, as_json: bool, write: Callable[[str], None]) -> None:
 
 def chat(session: Session, key, *, read: Optional[Callable[[str], str]] = None,
          write: Callable[[str], None] = print, as_json: bool = False) -> int:
-    """The read-answer loop: each non-blank line read (`read(prompt)`, default `input`) is a
-    prompt, answered as row `turn` of one batch under `key`, padded to
-    `data.max_prompt_length` (one compile for every line); the response is written alone (or
-    its JSON record). A line that cannot be encoded is reported on stderr and skipped. Ends at
-    end of input, Ctrl-C or a line `/quit`. Returns the number of answers."""
+    """The read-answer loop: each non-blank line read is a prompt, answered as row `turn` of one
+    batch under `key`. Prompts are padded to `data.max_prompt_length` so every line reuses one
+    compile. A line that cannot be encoded is reported on stderr and skipped. Ends at end of
+    input, Ctrl-C or a line `/quit`. Returns the number of answers."""
     read = input if read is None else read
     turn = 0
     while True:

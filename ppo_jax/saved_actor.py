@@ -1,32 +1,26 @@
-"""A run's saved actor, loaded again after the run: what `python -m ppo_jax.generate` talks to
-and `python -m ppo_jax.evaluate` evaluates.
+"""A run's saved actor, loaded again after the run for `python -m ppo_jax.generate` and
+`python -m ppo_jax.evaluate`.
 
-Three sources, each loaded by the trainer's own code so nothing drifts from what ran:
-- an HF directory (`<run>/actor_hf`, written at the end of a run, or any local causal LM):
-  `trainer.loading.models.load_split`, as the trainer loads `model.actor`;
-- a PEFT adapter directory (`<run>/actor_adapter` of a LoRA run): the run's `model.actor` with
-  the adapter as `model.lora.adapter` (`trainer.loading.lora.adapters_from`), as a LoRA run
-  that starts from an adapter loads it;
-- a checkpoint step of a run directory: the stage's trainer built from the run's config of
-  that step (its `_check_inputs` and `_build`, as `StageTrainer.__init__` runs them, but
-  without touching the run directory: no lock, no config or metrics written), its train state
-  read from `checkpoints/<step>` (`checkpoint.Checkpointer.restore`). Step 0 is the starting
-  actor, as the config builds it (the run's step-0 evaluation).
+An actor comes from one of three sources, each loaded by the trainer's own code so nothing
+drifts from what ran:
+- an HF directory (`<run>/actor_hf`, or any local causal LM), loaded as the trainer loads
+  `model.actor`;
+- a PEFT adapter directory (`<run>/actor_adapter` of a LoRA run), loaded as the run's
+  `model.actor` with the adapter as `model.lora.adapter`;
+- a checkpoint step of a run directory: the stage's trainer is built from the config that step
+  trained under, without touching the run directory (no lock, nothing written), and its train
+  state is read from `checkpoints/<step>`. Step 0 is the starting actor.
 
-The config of a step (`run_config_at`, for `--run/--step` and for an actor directory inside a
-run alike) is the one the step trained under: `config.json`, or after a resume with changed
-settings the newest `config.resume-<k>.json` with k < step (a resume from checkpoint k applies
-from step k + 1; `run_dir.config_of_step`). An exported actor (`actor_hf`, `actor_adapter`,
-written after the run's last step) reads the config of the run's newest checkpoint.
+A step trained under `config.json`, or, after a resume with changed settings, under the newest
+`config.resume-<k>.json` with k < step: a resume from checkpoint k applies from step k + 1. An
+exported actor was written after the run's last step, so it reads the config of the newest
+checkpoint.
 
 Bad input (a missing directory, a directory that is no run or no model, a step with no
 checkpoint) raises `ConfigError` naming the flag and the path before any model loads. A
-checkpoint that cannot be read (a missing, truncated or damaged file: `checkpoint.damage_of`, as
-`train.py --resume` finds it) raises `CheckpointReadError` naming the step, the file, the cause,
-the config the step trained under and the run's earlier checkpoints (`damaged`; a missing or cut
-metadata file before any model loads, `check_step`); one that reads but does not fit the train
-state of that config (other model settings, a `--set`) raises `ConfigError` saying so
-(`restore_step`).
+checkpoint that cannot be read raises `CheckpointReadError` naming the step, the file, the
+cause, the config and the run's earlier checkpoints. A checkpoint that reads but does not fit
+the train state of its config raises `ConfigError`.
 """
 
 from __future__ import annotations
@@ -41,14 +35,14 @@ import jax
 
 from ppo_jax.models.functional import Model
 from ppo_jax.models.peft_io import CONFIG_FILE as ADAPTER_CONFIG
-from ppo_jax.trainer.checkpoint import (
+from ppo_jax.trainer.lifecycle.checkpoint import (
     Checkpointer, CheckpointReadError, check_files, finished_steps, misfit,
 )
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.loading.lora import LoadedModel, adapters_from, base_dtype, lora_settings
 from ppo_jax.trainer.loading.models import actor_kind, load_split, resolve_model_path
 from ppo_jax.trainer.placement import Placement
-from ppo_jax.trainer.run_dir import config_of_step
+from ppo_jax.trainer.lifecycle.run_dir import config_of_step
 from ppo_jax.trainer.state import full_params
 
 RUN_CONFIG = "config.json"  # written by the trainer into `train.output_dir`
@@ -60,7 +54,7 @@ EXIT_STATUS = ("exit status 2: bad input, or a checkpoint that cannot be read (o
 
 
 def run_config_path(run_dir: str | Path, key: str = "--run") -> Path:
-    """`<run_dir>/config.json`, checked.
+    """`<run_dir>/config.json`.
 
     Raises:
       ConfigError: naming `key` and the path, when the directory or its config.json is missing.
@@ -75,12 +69,11 @@ def run_config_path(run_dir: str | Path, key: str = "--run") -> Path:
 
 
 def run_config_at(run_dir: str | Path, step: Optional[int] = None, key: str = "--run") -> Path:
-    """The config file step `step` of the run trained under (`run_dir.config_of_step`:
-    `config.json`, or the newest `config.resume-<k>.json` with k < step); step None: the
-    actor the run exported (written after its last step, the newest checkpoint).
+    """The config file that step `step` of the run trained under; step None means the
+    exported actor, i.e. the newest checkpoint.
 
     Raises:
-      ConfigError: see `run_config_path`.
+      ConfigError: as `run_config_path`.
     """
     first = run_config_path(run_dir, key)
     if step is None:
@@ -91,26 +84,24 @@ def run_config_at(run_dir: str | Path, step: Optional[int] = None, key: str = "-
 
 def read_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
                     key: str = "--run", step: Optional[int] = None) -> Config:
-    """The config the run's actor of checkpoint `step` trained under (`run_config_at`; None:
-    its exported actor's), with dotted `overrides` on top (`--set`, as train.py's), validated
-    as `load_config` does.
+    """The validated config that checkpoint `step` trained under (None: the exported
+    actor's), with the dotted `overrides` of `--set` applied on top.
 
     Raises:
-      ConfigError: see `run_config_path`, or a bad override (naming the key).
+      ConfigError: as `run_config_path`, or a bad override, naming the key.
     """
     return load_config(run_config_at(run_dir, step, key), list(overrides))
 
 
 def run_of(actor_dir: str | Path) -> Optional[Path]:
-    """The run directory an `actor_hf` / `actor_adapter` directory was written into (its
-    parent, when that holds a run's config.json), else None."""
+    """The run directory an `actor_hf` or `actor_adapter` directory was written into: its parent
+    when that holds a run's config.json, else None."""
     parent = Path(actor_dir).resolve().parent
     return parent if (parent / RUN_CONFIG).is_file() else None
 
 
 def actor_dir_kind(path: str | Path, key: str) -> str:
-    """"hf" for an HF directory (config.json), "adapter" for a PEFT adapter directory
-    (adapter_config.json).
+    """"hf" for an HF directory, "adapter" for a PEFT adapter directory.
 
     Raises:
       ConfigError: naming `key` and the path, when it is neither.
@@ -128,13 +119,12 @@ def actor_dir_kind(path: str | Path, key: str) -> str:
 
 
 def check_step(run_dir: str | Path, step: int, key: str = "--step") -> int:
-    """`step` when `<run_dir>/checkpoints/<step>` is a finished checkpoint whose metadata files
-    read (`checkpoint.check_files`, no model needed), or 0 (the starting actor, no checkpoint
-    read).
+    """`step` when `<run_dir>/checkpoints/<step>` is a finished checkpoint whose metadata
+    files read (no model is loaded); 0, the starting actor, is always accepted.
 
     Raises:
       ConfigError: naming `key`, the step and the steps the run holds.
-      CheckpointReadError: a metadata file of the checkpoint is missing or damaged (`damaged`).
+      CheckpointReadError: a metadata file of the checkpoint is missing or damaged.
     """
     if step == 0:
         return 0
@@ -151,9 +141,8 @@ def check_step(run_dir: str | Path, step: int, key: str = "--step") -> int:
 
 
 def damaged(run_dir: str | Path, error: CheckpointReadError) -> CheckpointReadError:
-    """`error` (a checkpoint of the run in `run_dir` that cannot be read: step, file, cause) with,
-    on the same line, the config the step trained under (`run_config_at`) and the run's earlier
-    checkpoints, which `--step` can name instead."""
+    """`error` extended, on the same line, with the config the step trained under and the run's
+    earlier checkpoints, which `--step` can name instead."""
     earlier = [s for s in finished_steps(Path(run_dir) / "checkpoints") if s < error.step][::-1]
     other = (f"earlier checkpoints: steps {earlier} (give one with --step {earlier[0]})"
              if earlier else "no earlier checkpoint (--step 0 is the starting actor)")
@@ -163,13 +152,11 @@ def damaged(run_dir: str | Path, error: CheckpointReadError) -> CheckpointReadEr
 
 
 def step_or_latest(run_dir: str | Path, step: Optional[int], key: str = "--run") -> int:
-    """`step` of the run in `run_dir`, or when None the run's newest checkpoint step, checked
-    (`check_step`).
+    """`step`, or when None the run's newest checkpoint step, checked by `check_step`.
 
     Raises:
-      ConfigError: no run there (`run_config_path`); naming the step, or the run's checkpoint
-        directory when it holds none.
-      CheckpointReadError: see `check_step`.
+      ConfigError: no run in `run_dir`; a step the run does not hold, or no checkpoint at all.
+      CheckpointReadError: as `check_step`.
     """
     run_config_path(run_dir, key)
     if step is not None:
@@ -184,11 +171,11 @@ def step_or_latest(run_dir: str | Path, step: Optional[int], key: str = "--run")
 
 def adapter_overrides(adapter_dir: str | Path, base: Optional[str]) -> list[str]:
     """Config overrides that load the PEFT adapter at `adapter_dir` without a run's config:
-    `model.lora.*` from its adapter_config.json (r, lora_alpha, target_modules) and
-    `model.actor` = `base`, else the adapter's `base_model_name_or_path`.
+    `model.lora.*` from its adapter_config.json, and `model.actor` = `base`, else the adapter's
+    `base_model_name_or_path`.
 
     Raises:
-      ConfigError: unreadable adapter_config.json, or no base given nor recorded.
+      ConfigError: an unreadable adapter_config.json, or no base given nor recorded.
     """
     path = Path(adapter_dir) / ADAPTER_CONFIG
     try:
@@ -206,10 +193,10 @@ def adapter_overrides(adapter_dir: str | Path, base: Optional[str]) -> list[str]
 
 
 def with_adapter(cfg: Config, adapter_dir: str | Path) -> Config:
-    """`cfg` with `model.lora.adapter` = `adapter_dir` (the actor starts from that adapter).
+    """`cfg` with the actor starting from the adapter at `adapter_dir`.
 
     Raises:
-      ConfigError: `cfg` has no LoRA adapters (`model.lora.rank` 0).
+      ConfigError: `cfg` is not a LoRA run (`model.lora.rank` 0).
     """
     if not cfg.model.lora.rank:
         raise ConfigError(f"{str(adapter_dir)!r} is a PEFT adapter but the run's model.lora.rank "
@@ -220,25 +207,23 @@ def with_adapter(cfg: Config, adapter_dir: str | Path) -> Config:
 
 def load_actor(cfg: Config, source: str | Path, *, kind: str = "causal_lm", lora: bool = False,
                sharding_fn=None) -> tuple[LoadedModel, Path]:
-    """The actor at `source` (an HF directory, or a PEFT adapter on `cfg.model.actor`) loaded as
-    the trainer loads `model.actor` (`trainer.loading.models.build_models`): `model.param_dtype`
-    / `dtype` / `remat`, a LoRA base in `model.frozen_param_dtype`.
+    """The actor at `source` (an HF directory, or a PEFT adapter on `cfg.model.actor`), loaded
+    with the dtypes and remat the trainer uses for `model.actor`.
 
     Args:
-      kind: the model kind ("causal_lm"; "causal_lm_value" for a shared-critic run's train
-        state, whose value head is then fresh).
-      lora: load an HF directory with the run's `model.lora` adapters (fresh, B = 0, so the
-        model is the directory's weights; the train state's structure); an adapter source
-        always has them.
+      kind: "causal_lm", or "causal_lm_value" for a shared-critic run, whose value head is then
+        fresh.
+      lora: give an HF directory the run's LoRA adapters, zero-initialised, so that the params
+        have the train state's structure. An adapter source always has them.
       sharding_fn: `Placement.sharding_fn`, or None for the default device.
 
     Returns:
-      `(LoadedModel, tokenizer directory)`: params split into trained and frozen as the
-      trainer's (`trainer.loading.lora.split_trained`).
+      `(LoadedModel, tokenizer directory)`, params split into trained and frozen as the trainer
+      splits them.
 
     Raises:
-      ConfigError / FileNotFoundError / ValueError: a missing model, an adapter that does not
-        fit `cfg.model.lora` or the base (naming the directory and the field).
+      ConfigError / FileNotFoundError / ValueError: a missing model, or an adapter that does not
+        fit `cfg.model.lora` or the base.
     """
     m = cfg.model
     kwargs = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn,
@@ -254,9 +239,9 @@ def load_actor(cfg: Config, source: str | Path, *, kind: str = "causal_lm", lora
 
 
 def build_trainer(cfg: Config, devices=None):
-    """The trainer of `cfg.stage` loaded as `StageTrainer.__init__` loads it (inputs checked,
-    models, train state and jitted calls built on the mesh of `cfg.mesh` over `devices`), at
-    step 0, without the run directory: nothing is locked, created or written.
+    """The trainer of `cfg.stage` at step 0, built as `StageTrainer.__init__` builds it on
+    the mesh of `cfg.mesh` over `devices`, but without the run directory: nothing is locked,
+    created or written.
 
     Raises:
       ConfigError / FileNotFoundError / ValueError: as the trainer's start-up.
@@ -278,15 +263,13 @@ def build_trainer(cfg: Config, devices=None):
 
 
 def restore_step(trainer, run_dir: str | Path, step: int) -> None:
-    """Read the train state of checkpoint `step` of `run_dir` into `trainer` (built by
-    `build_trainer` from the config the step trained under, `run_config_at`); step 0 leaves the
-    starting state.
+    """Read the train state of checkpoint `step` of `run_dir` into `trainer`, which must be
+    built from the config that step trained under. Step 0 leaves the starting state.
 
     Raises:
-      CheckpointReadError: a file of the checkpoint is missing, truncated or damaged
-        (`checkpoint.damage_of`), named with the step, the cause and the config (`damaged`).
+      CheckpointReadError: a file of the checkpoint is missing, truncated or damaged.
       ConfigError: the checkpoint reads but does not fit the trainer's state (other model
-        settings, or a `--set`), naming the config the step trained under (`checkpoint.misfit`).
+        settings, or a `--set`).
     """
     if step == 0:
         return
@@ -305,11 +288,10 @@ def restore_step(trainer, run_dir: str | Path, step: int) -> None:
 
 
 def trainer_at_step(run_dir: str | Path, step: int, overrides: Sequence[str] = ()):
-    """`build_trainer` of the run's config (with `overrides`) and `restore_step(step)`.
+    """The trainer of the run's config (with `overrides`) holding checkpoint `step`.
 
     Raises:
-      ConfigError: see `read_run_config`, `check_step`; as `build_trainer` and `restore_step`.
-      CheckpointReadError: a damaged checkpoint, see `check_step` and `restore_step`.
+      ConfigError, CheckpointReadError: as `read_run_config`, `check_step` and `restore_step`.
     """
     cfg = read_run_config(run_dir, overrides, step=step)
     check_step(run_dir, step)
@@ -319,7 +301,7 @@ def trainer_at_step(run_dir: str | Path, step: int, overrides: Sequence[str] = (
 
 
 def check_actor_stage(cfg: Config, run_dir: str | Path) -> None:
-    """The run's stage trains an actor (`ACTOR_STAGES`).
+    """Refuse a run whose stage trains no actor.
 
     Raises:
       ConfigError: naming the run and its stage.
@@ -330,7 +312,7 @@ def check_actor_stage(cfg: Config, run_dir: str | Path) -> None:
 
 
 def trainer_actor(trainer) -> Model:
-    """The actor of a PPO or SFT trainer as one `Model` (a LoRA actor's frozen base joined).
+    """The actor of a PPO or SFT trainer as one `Model`, a LoRA actor's frozen base joined.
 
     Raises:
       ConfigError: a stage without an actor (reward_model).
@@ -345,12 +327,11 @@ def trainer_actor(trainer) -> Model:
 
 
 def set_actor(trainer, source: str | Path) -> None:
-    """Put the actor at `source` (HF or adapter directory, `load_actor`) in a PPO trainer's
-    train state, in place of the trained actor; its reference, reward and settings stay the
-    run's. A LoRA run's HF directory becomes the frozen base with zero adapters.
+    """Swap the actor at `source` into a PPO trainer's train state. The reference, reward and
+    settings stay the run's; a LoRA run's HF directory becomes the frozen base with zero adapters.
 
     Raises:
-      ConfigError: a trainer of another stage; as `load_actor`.
+      ConfigError: a trainer of another stage, params of another architecture; as `load_actor`.
     """
     if trainer.cfg.stage != "ppo":
         raise ConfigError(f"--actor: stage={trainer.cfg.stage!r}; an actor can be swapped into "

@@ -54,7 +54,7 @@ import numpy as np
 
 from ppo_jax.models import load_tokenizer
 from ppo_jax.models.lora import join
-from ppo_jax.rollout.sampler import generate
+from ppo_jax.rollout.static_batch import generate
 from ppo_jax.trainer.config import ConfigError, load_config
 from ppo_jax.trainer.data.prompts import plain_instruction_config
 from ppo_jax.trainer.data.tasks import PLAIN_INSTRUCTION, TASK_SOURCE

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from ppo_jax.models import load_model, load_tokenizer, split_model
-from ppo_jax.rollout.sampler import generate
+from ppo_jax.rollout.static_batch import generate
 from ppo_jax.trainer.data.prompts import read_prompts, tokenize_prompts
 from ppo_jax.trainer.rewards.functions import get_reward_function
 from ppo_jax.trainer.config import Config

@@ -158,7 +158,7 @@ def sample_responses(actor: Actor, texts: list[str], args) -> tuple[list[str], l
     """
     import jax
 
-    from ppo_jax.rollout.sampler import generate
+    from ppo_jax.rollout.static_batch import generate
     from ppo_jax.trainer.data.prompts import tokenize_prompts
 
     prompts = tokenize_prompts(texts, actor.tokenizer, max_prompt_length=args.max_prompt_length,

@@ -8,7 +8,7 @@ response length, and seconds per step by phase (generation, experience, update).
 `--metric eval/accuracy` draws another held-out figure in place of `eval/reward_mean` (the
 training batch's `reward/accuracy` beside it when the runs log it). `--extra KEY` draws `KEY`
 in place of the response length (an `env/*` figure with its held-out `eval/*` twin as dots,
-e.g. `--extra env/tool_call_rate`).
+e.g. `--extra env/used_tool`).
 
 Usage:
   .venv/bin/python scripts/plot_run.py runs/default [runs/other ...] --out docs/default_run.png

@@ -1,6 +1,6 @@
 """The recipe comparison of docs/rlvr_results.md, re-read from its kept data: one markdown table and one PNG.
 
-Each run is a pair of files in `--dir` (default docs/rlvr_runs): `<name>_seed<S>.metrics.jsonl`
+Each run is a pair of files in `--dir` (default results/rlvr): `<name>_seed<S>.metrics.jsonl`
 (the run's metrics.jsonl) and `<name>_seed<S>.accuracy.json` (scripts/compare_accuracy.py
 `--json` over three sampling seeds). A missing pair is skipped and named on stderr.
 
@@ -20,7 +20,7 @@ and entropy per token per step.
 
 Usage:
   .venv/bin/python scripts/rlvr_recipes_report.py [--names make_rlvr ppo ...] [--seeds 0 1]
-      [--dir docs/rlvr_runs] [--out docs/rlvr_recipes_45min.png]
+      [--dir results/rlvr] [--out docs/rlvr_recipes_45min.png]
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--names", nargs="+", default=NAMES)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    p.add_argument("--dir", type=Path, default=Path("docs/rlvr_runs"))
+    p.add_argument("--dir", type=Path, default=Path("results/rlvr"))
     p.add_argument("--out", type=Path, default=None, help="the PNG (none without)")
     args = p.parse_args(argv)
     data = {}

@@ -59,7 +59,7 @@ def answers(capsys, *argv: str) -> list[dict]:
 def sampler_answers(run: Path, graphdef, params, tokenizer, model_cfg):
     """The sampler called directly with the run's template and generation settings and key 3:
     the response ids of each prompt and their summed log-probs `[2]`."""
-    from ppo_jax.rollout.sampler import generate
+    from ppo_jax.rollout.static_batch import generate
     from ppo_jax.trainer.config import load_config
     from ppo_jax.trainer.data.prompts import tokenize_prompts
     from ppo_jax.trainer.loading.models import pad_token_id, stop_token_ids

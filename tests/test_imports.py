@@ -29,11 +29,10 @@ LAYERS = [
     # inside the trainer: the rooms and the shared loop sit under the stages, and the stages do
     # not import each other (`stages/__init__` picks one: it is not a stage)
     *[(f"ppo_jax.trainer.{room}", ("ppo_jax.trainer.stages",))
-      for room in ("config", "data", "rewards", "loading", "tracking", "host", "loop", "checkpoint",
-                   "run_dir", "resume", "preemption", "state", "optim", "accumulate", "placement",
-                   "programs", "environments")],
+      for room in ("config", "data", "rewards", "loading", "tracking", "host", "loop", "lifecycle",
+                   "state", "optim", "accumulate", "placement", "programs", "environments")],
     *[(f"ppo_jax.trainer.{room}", ("ppo_jax.trainer.loading", "ppo_jax.trainer.loop"))
-      for room in ("config", "data", "rewards", "tracking", "host", "environments")],
+      for room in ("config", "data", "rewards", "tracking", "host", "environments", "lifecycle")],
     *[(f"ppo_jax.trainer.stages.{stage}", ("ppo_jax.trainer.stages.ppo",))
       for stage in ("sft", "reward_model", "supervised")],
 ]

@@ -22,8 +22,8 @@ from tests.test_generate_cli import TINY, no_loading, train_tiny  # noqa: F401  
 def run(cache, tmp_path_factory) -> Path:
     """Checkpoints 1 and 2 (config.json) and 3 (config.resume-2.json), resumed as train.py
     `--resume --set train.steps=3` resumes."""
-    from ppo_jax.trainer.checkpoint import finished_steps
-    from ppo_jax.trainer.resume import resume_config
+    from ppo_jax.trainer.lifecycle.checkpoint import finished_steps
+    from ppo_jax.trainer.lifecycle.resume import resume_config
     from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     out = train_tiny(tmp_path_factory.mktemp("damage") / "run", "train.save_every=1",

@@ -1,21 +1,21 @@
 """`train.py --compile-for TOPOLOGY`: compile every program of a run for a TPU slice on this
 host and report per-chip memory, FLOPs, collectives and estimated time.
 
-The trainer of the config is built abstractly (`StageTrainer.abstract`: config.json shapes, no
-weights) on the slice's devices; each program it lists (`programs()`) is lowered and compiled by
-libtpu exactly as a run would call it. Per program:
+`StageTrainer.abstract` builds the config's trainer on the slice's devices from config.json
+shapes, without weights. Each program its `programs()` lists is lowered and compiled by libtpu
+exactly as a run would call it. Per program:
 
-- memory (`compiled.memory_analysis()`): argument, output, temporary bytes; `peak_bytes` =
-  arguments + outputs - donated aliases + temporaries + the run's other resident arrays (train
-  states and frozen params a program does not take still occupy HBM while it runs). It fits
-  when `peak_bytes` <= the HBM the compiler allows (`topology.Chip.usable_hbm_bytes`). A
-  program the compiler itself refuses (out of HBM) is reported with the bytes it asked for.
-- costs (`aot.hlo_cost`): FLOPs, HBM bytes and collectives per chip with loop trip counts
-  applied; `seconds_estimate` = the roofline of its ops (each at max(FLOPs / peak bf16 rate,
-  HBM bytes / bandwidth)) + its collective bytes over the chip's ICI bandwidth (all-reduce
-  twice), with no overlap. The compiler's own `optimal_seconds` counts each loop body once and
-  is negative for some sharded programs, so it is kept beside it (`compiler_optimal_seconds`),
-  not used.
+- memory: the argument, output and temporary bytes of `compiled.memory_analysis()`.
+  `peak_bytes` = arguments + outputs - donated aliases + temporaries + the run's other resident
+  arrays, since train states and frozen params a program does not take still occupy HBM while
+  it runs. It fits when `peak_bytes` <= `topology.Chip.usable_hbm_bytes`, the HBM the compiler
+  allows. A program the compiler refuses for lack of HBM is reported with the bytes it asked for.
+- costs, from `aot.hlo_cost`: FLOPs, HBM bytes and collectives per chip, with loop trip counts
+  applied. `seconds_estimate` adds, with no overlap, each op's roofline time, max(FLOPs / peak
+  bf16 rate, HBM bytes / bandwidth), and the collective bytes over the chip's ICI bandwidth,
+  an all-reduce counted twice. The compiler's own `optimal_seconds` counts each loop body once
+  and is negative for some sharded programs, so it is reported as `compiler_optimal_seconds`
+  but not used.
 - the step: programs weighted by their calls per step; its model FLOPs are the matmul FLOPs of
   the same programs traced with `model.remat=none` (`aot.flops`), and the implied MFU is
   model FLOPs / (chips x peak x estimated seconds).

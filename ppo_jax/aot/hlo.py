@@ -3,8 +3,8 @@
 XLA's `compiled.cost_analysis()` counts the body of every `while` loop once, whatever its trip
 count, and `lax.scan` compiles to a `while`: the PPO update (epochs x minibatches x micro-batches
 x layers) would be undercounted by the product of its trip counts. This module walks the
-program the compiler produced (`compiled.as_text()`, after SPMD partitioning: shapes are one
-chip's), and counts every instruction as many times as it runs:
+program the compiler produced, the text of `compiled.as_text()`; that text is after SPMD
+partitioning, so its shapes are one chip's. It counts every instruction as many times as it runs:
 
 - `flops`: `2 * prod(out) * K` per `dot` / `convolution` (`matmul_flops`; K the contracted size),
   plus one per output element of elementwise arithmetic and one per input element of a
@@ -134,8 +134,10 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
 
 
 def shapes(type_text: str, hbm_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
-    """[(dtype, dims)] of every array in a (tuple) type text; with `hbm_only`, only those in
-    the default memory space (a TPU layout's `S(n)`, n > 0, is on-chip memory or host)."""
+    """A `(dtype, dims)` pair for every array in a type text, tuples included.
+
+    With `hbm_only`, only those in the default memory space: a TPU layout's `S(n)` with n > 0 is
+    on-chip memory or host."""
     return [(dt, tuple(int(d) for d in dims.split(",") if d))
             for dt, dims, layout in _SHAPE.findall(type_text)
             if dt in DTYPE_BYTES and not (hbm_only and re.search(r"S\([1-9]", layout))]

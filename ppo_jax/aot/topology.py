@@ -36,8 +36,8 @@ class Chip:
     """The figures of one TPU chip kind.
 
     `hbm_bytes` is Google's published capacity; `usable_hbm_bytes` is what the compiler lets a
-    program use, read from its out-of-memory message ("exceeds available HBM (15.75G)") with
-    libtpu 0.0.42.1, and is what a program must fit in. `ici_bandwidth` is the bidirectional
+    program use, so what a program must fit in. It was read from libtpu 0.0.42.1's
+    out-of-memory message, "exceeds available HBM (15.75G)". `ici_bandwidth` is the bidirectional
     inter-chip bandwidth per chip (None where Google's page gives none).
     """
 

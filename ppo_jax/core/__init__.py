@@ -71,7 +71,9 @@ from ppo_jax.core.rollout_correction import (
     rollout_correction_weights,
     rollout_mismatch,
 )
-from ppo_jax.core.rewards import compute_rewards, compute_rewards_from_kl, last_valid_onehot
+from ppo_jax.core.rewards import (
+    compute_rewards, compute_rewards_from_kl, ended_rows, last_valid_onehot,
+)
 from ppo_jax.core.sequence_losses import gspo_loss, sequence_log_ratio
 from ppo_jax.core.shaping import kl_penalty_shaping
 from ppo_jax.core.dapo import group_rows, informative_groups, overlong_penalty, select_groups
@@ -117,6 +119,7 @@ __all__ = [
     "kl_penalty",
     "kl_penalty_shaping",
     "sequence_kl",
+    "ended_rows",
     "last_valid_onehot",
     "length_adaptive_lam",
     "logprobs_from_logits",

@@ -12,8 +12,9 @@ minibatch with ``N`` valid tokens, ``S`` rows (sequences) and padded response le
   normaliser ``S T``, so long and short responses are not reweighted by their length
   (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", section 3.1:
   ``1/|o_i|`` replaced by a constant, the maximum response length).
-  ``T`` is the width of the mask unless the caller pins it (``loss_normalizers(mask,
-  max_response_length)``): a trainer that drops all-pad columns keeps ``T`` = the maximum response length.
+  ``T`` is the width of the mask unless the caller passes ``max_response_length`` to
+  ``loss_normalizers``. A trainer that drops all-pad columns passes it, so ``T`` stays the
+  maximum response length.
 
 Exactness: the caller computes ``Normalizers`` ONCE from the whole minibatch's mask
 (``loss_normalizers``) and passes them to every micro-batch; each micro-batch's ``aggregate`` is

@@ -214,7 +214,7 @@ def chunked_logprobs_and_entropy(hidden: jax.Array, kernel: jax.Array, tokens: j
                                  bias: jax.Array | None = None, vocab_axis: int = 1,
                                  vocab_shards: int = 1):
     """Log-prob of ``tokens`` and entropy under ``softmax((hidden @ W + b) / temperature)``,
-    without forming the ``[B, T, V]`` logits (module docstring: formulas and sources).
+    without forming the ``[B, T, V]`` logits. The module docstring gives the formulas and sources.
 
     Equal (to float32 rounding) to ``logprobs_from_logits(logits, tokens, temperature)`` and
     ``entropy_from_logits(logits, temperature)`` with

@@ -36,8 +36,8 @@ def overlong_penalty(lengths: jax.Array, *, max_length: int, buffer: int,
                      penalty_factor: Any = 1.0) -> jax.Array:
     """DAPO's soft overlong punishment, a reward added to the score of each response.
 
-    With ``L = lengths``, ``L_max = max_length``, ``L_cache = buffer`` (DAPO eq. 13, times
-    ``penalty_factor`` as verl's ``overlong_penalty_factor``)::
+    With ``L = lengths``, ``L_max = max_length`` and ``L_cache = buffer``, the penalty is DAPO
+    eq. 13 times ``penalty_factor``, as verl's ``overlong_penalty_factor`` scales it::
 
         0                                      L <= L_max - L_cache
         ((L_max - L_cache) - L) / L_cache      L_max - L_cache < L <= L_max
@@ -48,7 +48,7 @@ def overlong_penalty(lengths: jax.Array, *, max_length: int, buffer: int,
     ``6, 7, 10, 11`` -> ``0, -0.25, -1, -1``.
 
     Args:
-      lengths: ``[B]`` int response lengths (``mask.sum(axis=1)``, the stop token included).
+      lengths: ``[B]`` int response lengths, the stop token included: ``mask.sum(axis=1)``.
       max_length: ``L_max``, static int >= 1 (the maximum response length).
       buffer: ``L_cache``, static int in ``[0, max_length]``.
       penalty_factor: non-negative scalar (static or traced) scaling the penalty.
@@ -76,9 +76,10 @@ def overlong_penalty(lengths: jax.Array, *, max_length: int, buffer: int,
 
 
 def informative_groups(scores: jax.Array, num_groups: int, samples_per_prompt: int) -> jax.Array:
-    """Which prompt groups have scores that are not all equal (DAPO sec. 3.2: keep a prompt
-    when ``0 < |{o_i : is_equivalent(a, o_i)}| < G``, neither all right nor all wrong,
-    generalised to any score).
+    """Which prompt groups have scores that are not all equal.
+
+    DAPO sec. 3.2 keeps a prompt when ``0 < |{o_i : is_equivalent(a, o_i)}| < G``, that is when
+    its answers are neither all right nor all wrong; this generalises that rule to any score.
 
     Group ``g`` (rows ``g n .. g n + n - 1``, ``n = samples_per_prompt``) is informative when
     ``max(scores) > min(scores)`` over its rows: an exact comparison, no tolerance, so scores

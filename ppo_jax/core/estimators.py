@@ -1,22 +1,25 @@
-"""The registered advantage estimators: GAE (with a critic) and the critic-free GRPO, RLOO,
-REINFORCE++, REINFORCE++-baseline and ReMax (formulas in `gae.py` and `outcome.py`).
+"""The registered advantage estimators: GAE with a critic, and the critic-free GRPO, RLOO,
+REINFORCE++, REINFORCE++-baseline and ReMax. The formulas are in `gae.py` and `outcome.py`.
 
 The trainer calls every estimator the same way:
 
     fn(values, rewards, mask, *, gamma, lam, scores, group_ids, baseline_scores,
        **advantage_kwargs) -> (advantages [B, T], returns [B, T])
 
-with `values [B, T]` (zeros when no critic is loaded), `rewards [B, T]` (the shaped rewards of
-the registered reward shaping: KL penalty per token plus the score at the last real token),
-`mask [B, T]`, `scores [B]` (the sequence scores after shaping: scaled, penalised), `group_ids [B]`
-int32 (rows answering the same prompt share an id; `generation.samples_per_prompt`) and
-`baseline_scores [B]` (ReMax: the score of the greedy response to the row's prompt, shaped like
-`scores`; zeros otherwise). The trainer adds `critic_lam` and `lam_length_alpha` (decoupled and
-length-adaptive GAE, `decoupled_gae.py`) only when `ppo.critic_lam` / `ppo.lam_length_alpha`
-are set, which the config allows only for an estimator that uses a critic. An estimator that needs no critic sets `fn.uses_critic = False`
-(the trainer then loads and trains none); one that needs the greedy baseline sets
-`fn.needs_greedy_baseline = True`; one that compares a prompt's samples sets
-`fn.needs_groups = True` (refused with one sample per prompt). A fork's estimator takes `**unused` for what it ignores.
+- `values [B, T]`: the critic's values, zeros when no critic is loaded;
+- `rewards [B, T]`: the shaped rewards, a KL penalty per token plus the score at the last real
+  token;
+- `mask [B, T]`: 0/1 response mask;
+- `scores [B]`: the sequence scores after shaping (scaled, penalised);
+- `group_ids [B]` int32: rows answering the same prompt share an id;
+- `baseline_scores [B]`: for ReMax, the shaped score of the greedy response to the row's
+  prompt; zeros otherwise.
+
+The trainer adds `critic_lam` and `lam_length_alpha` only when `ppo.critic_lam` /
+`ppo.lam_length_alpha` are set, which the config allows only for an estimator with a critic.
+Three attributes tell the trainer what an estimator needs: `fn.uses_critic = False` (no critic
+is loaded or trained), `fn.needs_greedy_baseline = True` and `fn.needs_groups = True` (refused
+with one sample per prompt). A fork's estimator takes `**unused` for what it ignores.
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ def _grouped(fn):
 def gae(values, rewards, mask, *, gamma, lam, scores=None, group_ids=None, baseline_scores=None,
         critic_lam=None, lam_length_alpha=0.0, method: str = DEFAULT_GAE_METHOD,
         unroll: int = DEFAULT_UNROLL, chunk: int = DEFAULT_CHUNK):
-    """`compute_gae` (Schulman et al. 2016) with the critic's values; `advantage_kwargs` may set
-    `method`, `unroll`, `chunk`. The trainer passes `critic_lam` (`ppo.critic_lam`: the returns'
-    own lambda) and `lam_length_alpha` (`ppo.lam_length_alpha`: VAPO's per-row policy lambda)
-    when they are set (`decoupled_gae.decoupled_gae`: VC-PPO / VAPO); with neither, this is one
+    """`compute_gae` (Schulman et al. 2016) on the critic's values; `advantage_kwargs` may set
+    `method`, `unroll`, `chunk`. With `critic_lam` (the returns' own lambda) or `lam_length_alpha`
+    (VAPO's per-row policy lambda) this is decoupled GAE, as in VC-PPO / VAPO; with neither, one
     `compute_gae` call. The outcome inputs are not used."""
     del scores, group_ids, baseline_scores
     return decoupled_gae(values, rewards, mask, gamma=gamma, lam=lam, critic_lam=critic_lam,
@@ -103,9 +105,9 @@ def uses_critic(fn) -> bool:
 
 
 def needs_groups(fn) -> bool:
-    """Whether estimator `fn` compares the samples of a prompt (a group baseline: GRPO, Dr.
-    GRPO, RLOO, REINFORCE++-baseline): with one sample per prompt its score advantages are all
-    zero, so the trainer refuses `generation.samples_per_prompt=1` for it."""
+    """Whether estimator `fn` compares the samples of a prompt (GRPO, Dr. GRPO, RLOO,
+    REINFORCE++-baseline). With one sample per prompt its advantages are all zero, so the trainer
+    refuses `generation.samples_per_prompt=1` for it."""
     return getattr(fn, "needs_groups", False)
 
 

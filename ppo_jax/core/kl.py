@@ -73,8 +73,8 @@ def full_kl(logits: jax.Array, ref_logits: jax.Array, temperature: Any = 1.0) ->
     """Exact per-token ``KL(pi || pi_ref) = sum_v p_v (log p_v - log q_v)`` from full logits.
 
     Both distributions are ``softmax(logits / temperature)``. Terms with ``p_v == 0`` contribute 0
-    (no ``0 * inf`` NaN). Source: TRL 0.11 ``_kl_penalty(..., "full")``
-    (``F.kl_div(ref_logprob, logprob, log_target=True).sum(-1)``).
+    rather than a ``0 * inf`` NaN. Source: TRL 0.11 ``_kl_penalty(..., "full")``, which computes
+    ``F.kl_div(ref_logprob, logprob, log_target=True).sum(-1)``.
 
     Args:
       logits: ``[B, T, V]`` float, the policy.
@@ -104,8 +104,8 @@ def full_kl(logits: jax.Array, ref_logits: jax.Array, temperature: Any = 1.0) ->
 def sequence_kl(logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
     """The k1 KL of each response: ``sum_t (logprobs - ref_logprobs)`` over its real tokens.
 
-    TRL 0.11's logged ``objective/kl`` is the mean of this over the batch (``kl.sum(1).mean()``),
-    and the adaptive KL controller is updated with that mean.
+    TRL 0.11 logs the batch mean of this as ``objective/kl`` and updates the adaptive KL
+    controller with that mean.
 
     Args:
       logprobs, ref_logprobs: ``[B, T]`` float, policy and reference log-probs of the sampled

@@ -60,9 +60,9 @@ def logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature: Any 
 def entropy_from_logits(logits: jax.Array, temperature: Any = 1.0) -> jax.Array:
     """Entropy of ``softmax(logits / temperature)`` per token.
 
-    ``H = -sum_v p_v log p_v`` with ``log p = z - logsumexp(z)``, ``z = logits / temperature``
-    (equal to TRL's ``logsumexp(z) - sum_v p_v z_v``); terms with ``p_v == 0`` (e.g. ``-inf``
-    logits) contribute 0, not NaN, in value and gradient.
+    ``H = -sum_v p_v log p_v`` with ``log p = z - logsumexp(z)``, ``z = logits / temperature``;
+    this equals TRL's ``logsumexp(z) - sum_v p_v z_v``. Terms with ``p_v == 0``, such as those
+    of ``-inf`` logits, contribute 0, not NaN, in value and gradient.
     Source: TRL 0.11 ``trl.core.entropy_from_logits``.
 
     Args:

@@ -1,11 +1,11 @@
 """PPO clipped policy loss and clipped value loss, per token; the entropy and KL-loss terms.
 
-The registered forms (``ppo_clip_loss``, ``clipped_value_loss``) take one ``LossInputs`` batch
-and return a PER-TOKEN loss ``[B, T]`` and per-token stats; the trainer reduces them once
-(``ppo_jax.core.aggregation``). ``policy_loss`` / ``value_loss`` are the scalar forms of the
-design doc: the token mean of the per-token forms (with ``loss_normalizer = N``, the total valid
-token count of the whole minibatch, every result is ``masked_sum / N``, so summing ``(loss,
-stats)`` over the micro-batches of a minibatch gives exactly the minibatch token means).
+The registered forms, ``ppo_clip_loss`` and ``clipped_value_loss``, take one ``LossInputs``
+batch and return a PER-TOKEN loss ``[B, T]`` and per-token stats; the trainer reduces them once,
+with ``core.aggregation``. ``policy_loss`` and ``value_loss`` are the design doc's scalar forms:
+the token means of the per-token forms. With ``loss_normalizer = N``, the valid-token count of
+the whole minibatch, every result is ``masked_sum / N``, so the sums of ``loss`` and ``stats``
+over a minibatch's micro-batches are exactly the minibatch token means.
 
 Masked slots may hold NaN/inf in any input: they are replaced with ``jnp.where`` before any
 arithmetic, so they reach neither the loss nor its gradient.
@@ -50,9 +50,9 @@ def ppo_clip_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = No
                   dual_clip: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO clipped surrogate loss per token (to minimise), optionally asymmetric and dual-clipped.
 
-    ``r = exp(lp - old)`` (the log-ratio is set to 0 on masked slots before ``exp``);
-    ``l = max(-A r, -A clip(r, 1 - cliprange, 1 + cliprange_high))`` (``cliprange_high``
-    defaults to ``cliprange``); with ``dual_clip = c > 1``, ``l = min(l, -c A)`` where ``A < 0``.
+    ``r = exp(lp - old)``, with the log-ratio set to 0 on masked slots before ``exp``;
+    ``l = max(-A r, -A clip(r, 1 - cliprange, 1 + cliprange_high))``, where ``cliprange_high``
+    defaults to ``cliprange``; with ``dual_clip = c > 1``, ``l = min(l, -c A)`` where ``A < 0``.
     Sources: Schulman et al. 2017 eq. 7 (sign flipped) as in TRL 0.11 ``PPOTrainer.loss``;
     asymmetric "clip-higher" from DAPO (Yu et al. 2025, eq. 10); dual-clip from Ye et al. 2020
     ("Mastering Complex Control in MOBA Games with Deep RL", eq. 5).
@@ -65,10 +65,10 @@ def ppo_clip_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = No
       dual_clip: optional constant ``c > 1`` bounding the loss of negative-advantage tokens.
 
     Returns:
-      ``(per_token_loss [B, T], stats)``: 0 on masked slots; per-token ``[B, T]`` stats
-      ``clipfrac`` (1 where the clipped term is the larger), ``dual_clipfrac`` (1 where capped
-      by dual-clip), ``approxkl`` (``0.5 (lp - old)^2``), ``policykl`` (``old - lp``),
-      ``ratio`` (``r``), all ``stop_gradient``-ed.
+      ``per_token_loss [B, T]``, 0 on masked slots, and ``stats``: per-token ``[B, T]``
+      ``stop_gradient``-ed arrays. ``clipfrac`` is 1 where the clipped term is the larger,
+      ``dual_clipfrac`` 1 where dual-clip caps the loss, ``approxkl`` is ``0.5 (lp - old)^2``,
+      ``policykl`` is ``old - lp`` and ``ratio`` is ``r``.
 
     Raises:
       ValueError: a missing field, wrong ranks / dtypes / shapes; a clip range or
@@ -121,9 +121,9 @@ def clipped_value_loss(batch: LossInputs, *, cliprange_value: Any
       cliprange_value: ``c``, the allowed move of the value from ``old_values``.
 
     Returns:
-      ``(per_token_loss [B, T], stats)``: 0 on masked slots; per-token stats ``vf_clipfrac``
-      (1 where the clipped error is the larger), ``value_error`` (``(V - R)^2``), ``vpred``
-      (``V``), all ``stop_gradient``-ed.
+      ``per_token_loss [B, T]``, 0 on masked slots, and ``stats``: per-token
+      ``stop_gradient``-ed arrays. ``vf_clipfrac`` is 1 where the clipped error is the larger,
+      ``value_error`` is ``(V - R)^2`` and ``vpred`` is ``V``.
 
     Raises:
       ValueError: a missing field, wrong ranks / dtypes / shapes; ``cliprange_value`` not a

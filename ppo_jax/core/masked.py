@@ -88,8 +88,8 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis: int | tuple[int, ...] | Non
 def masked_var(x: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
     """Variance of ``x`` over all valid entries (a scalar).
 
-    ``var = mean((x - mean)^2)``, times ``n / (n - 1)`` when ``unbiased`` and ``n >= 2``
-    (Bessel's correction is skipped for ``n < 2``, so one valid entry gives 0, not NaN/inf).
+    ``var = mean((x - mean)^2)``, times ``n / (n - 1)`` when ``unbiased`` and ``n >= 2``.
+    Bessel's correction is skipped for ``n < 2``, so one valid entry gives 0, not NaN or inf.
     Source: TRL 0.11 ``trl.core.masked_var``.
 
     Args:
@@ -151,12 +151,12 @@ def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -
     ``1 - Var(returns - values) / Var(returns)`` (population variances, ``masked_var``).
 
     1: the values equal the returns; 0: no better than a constant; negative: worse than one.
-    Where ``Var(returns)`` is 0 or at rounding level, at most ``1e-10 x (mean(returns^2) +
-    mean(values^2))`` (nothing to explain: every response got the same score, whose float32
-    returns ``A + V`` differ only in their last bits; no valid token), it is 0, finite: the
-    plain ratio there read -2e13 in an RLVR run where all 64 scores were 0.1.
-    Source: the critic diagnostic of OpenAI Baselines / Stable-Baselines3
-    (``explained_variance(y_pred, y_true)``), here masked.
+    The result is 0 where ``Var(returns)`` is 0 or at rounding level, at most ``1e-10`` times
+    ``mean(returns^2) + mean(values^2)``. There is nothing to explain then: no valid token, or
+    every response got the same score and the float32 returns ``A + V`` differ only in their
+    last bits. The plain ratio there read -2e13 in an RLVR run where all 64 scores were 0.1.
+    Source: the critic diagnostic ``explained_variance(y_pred, y_true)`` of OpenAI Baselines
+    and Stable-Baselines3, here masked.
 
     Args:
       values: ``[B, T]`` float critic values (the experience's old values).

@@ -1,9 +1,9 @@
 """Stage 2 (reward model): the Bradley-Terry pairwise loss on sequence scores.
 
-`loss = -log sigmoid(r_chosen - r_rejected - margin)`: InstructGPT (Ouyang et al. 2022, eq. 1),
-DeepSpeed-Chat step 2 (`-logsigmoid(c_truncated_reward - r_truncated_reward)`), and TRL's
-`RewardTrainer` (`-logsigmoid(rewards_chosen - rewards_rejected - margin)`, the margin term
-from Llama 2, Touvron et al. 2023, eq. 2). Per-pair values out, the caller reduces (optax style).
+`loss = -log sigmoid(r_chosen - r_rejected - margin)`, the loss of InstructGPT (Ouyang et al.
+2022, eq. 1), DeepSpeed-Chat step 2 and TRL's `RewardTrainer`. The margin term is Llama 2's
+(Touvron et al. 2023, eq. 2). The functions return per-pair values and the caller reduces them,
+as in optax.
 """
 
 from __future__ import annotations

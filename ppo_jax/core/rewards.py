@@ -1,7 +1,7 @@
 """Reward shaping: per-token KL penalty plus the sequence score on the last response token.
 
-Source: TRL 0.11 ``PPOTrainer.compute_rewards`` (Ziegler et al. 2019, eq. 2:
-``R(x, y) = r(x, y) - beta * log(pi(y|x) / rho(y|x))``), written without the per-row loop.
+Source: TRL 0.11 ``PPOTrainer.compute_rewards``, written without its per-row loop. The formula
+is Ziegler et al. 2019, eq. 2: ``R(x, y) = r(x, y) - beta * log(pi(y|x) / rho(y|x))``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ppo_jax.core.kl import check_estimator, kl_penalty
 def last_valid_onehot(valid: jax.Array) -> jax.Array:
     """``[B, T]`` bool, True only at the last valid position of each row (none for empty rows).
 
-    Works for any mask, not only prefixes (like TRL's ``mask.nonzero()[-1]``); an empty row
+    Works for any mask, not only prefixes, as TRL's ``mask.nonzero()[-1]`` does. An empty row
     has last index -1, which matches no position.
     """
     if valid.shape[-1] == 0:  # zero-length responses: no last position
@@ -110,3 +110,12 @@ def compute_rewards(
     valid = V.as_valid("mask", mask, logprobs.shape)
     kl = kl_penalty(jnp.where(valid, logprobs, 0), jnp.where(valid, ref_logprobs, 0), estimator)
     return compute_rewards_from_kl(scores, kl, valid, kl_coef=kl_coef, reward_clip=reward_clip)
+
+
+def ended_rows(response_ids: jax.Array, response_mask: jax.Array,
+               stop_token_ids) -> jax.Array:
+    """`[B]` bool: the response `[B, N]` holds one of `stop_token_ids` (it stopped rather than
+    being cut at the length budget) and at least one real token. No stop ids: all False. This
+    is the `ended` of `compute_rewards` (its missing-EOS penalty)."""
+    stops = jnp.asarray(tuple(stop_token_ids) or (-1,), jnp.int32)
+    return jnp.isin(response_ids, stops).any(axis=1) & (response_mask.sum(axis=1) > 0)

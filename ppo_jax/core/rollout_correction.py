@@ -90,9 +90,9 @@ def rollout_mismatch(logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax
     With ``d = logprobs - rollout_logprobs`` on real tokens:
 
     - ``mismatch/abs_logprob_diff``: token mean of ``|d|``.
-    - ``mismatch/k3_kl``: token mean of ``exp(d) - d - 1``, Schulman's (2020) k3 estimate of
-      ``KL(pi_rollout || pi_trainer)`` from tokens sampled by ``pi_rollout``
-      (``kl_penalty(rollout_logprobs, logprobs, "low_var_kl")``); >= 0.
+    - ``mismatch/k3_kl``: token mean of ``exp(d) - d - 1``, Schulman's 2020 k3 estimate of
+      ``KL(pi_rollout || pi_trainer)`` from tokens sampled by ``pi_rollout``; >= 0. It is
+      ``kl_penalty(rollout_logprobs, logprobs, "low_var_kl")``.
     - ``mismatch/max_ratio`` / ``mismatch/min_ratio``: max / min of ``exp(d)``; 1 when no
       token is real.
 
@@ -149,24 +149,24 @@ def rollout_correction_weights(old_logprobs: jax.Array, rollout_logprobs: jax.Ar
                                mask: jax.Array, *, mode: str, cap: Any = 2.0,
                                normalizers: Optional[Normalizers] = None
                                ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-token importance weights from the sampler's policy to the trainer's (module doc).
+    """Per-token importance weights from the sampler's policy to the trainer's.
 
     With ``d_t = old_logprobs - rollout_logprobs`` on real tokens:
 
     - ``"none"``: ``w_t = 1``.
     - ``"tis"`` (Yao et al. 2025): ``w_t = min(exp(d_t), C)``.
     - ``"mis"`` (Liu, Li et al. 2025): ``rho_b = exp(sum_t d_t)``; ``w_t = rho_b`` when
-      ``rho_b <= C``, else 0, for every real token of row ``b`` (computed in log space: a huge
-      sum gives weight 0, never inf or NaN).
+      ``rho_b <= C``, else 0, for every real token of row ``b``. It is computed in log space,
+      so a huge sum gives weight 0, never inf or NaN.
 
-    Stats (scalars, ``stop_gradient``-ed), each a sum over this call's rows divided by the
-    minibatch constants of ``normalizers`` (``core.aggregation``), so the stats of the
-    micro-batches of a minibatch add up to the minibatch's:
+    The stats are ``stop_gradient``-ed scalars. Each is a sum over this call's rows divided by
+    the minibatch constants in ``normalizers``, so the stats of a minibatch's micro-batches add
+    up to the minibatch's:
 
-    - ``rollout_correction/weight_mean``: token mean of ``w`` (``sum w / N``).
-    - ``rollout_correction/truncated_fraction``: tis: fraction of real tokens at the cap
-      (``exp(d_t) >= C``, ``/ N``); mis: fraction of rows rejected (``rho_b > C``, ``/ S``; a row
-      with no real token has ``rho = 1`` and is never rejected); none: 0.
+    - ``rollout_correction/weight_mean``: token mean of ``w``, ``sum w / N``.
+    - ``rollout_correction/truncated_fraction``: for tis, the real tokens at the cap, where
+      ``exp(d_t) >= C``, over ``N``; for mis, the rejected rows, where ``rho_b > C``, over
+      ``S``; for none, 0. A row with no real token has ``rho = 1`` and is never rejected.
 
     Args:
       old_logprobs: ``[B, T]`` float, the trainer's log-probs at rollout time (PPO's old).

@@ -56,11 +56,12 @@ def gspo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None,
     """GSPO clipped sequence-level surrogate (to minimise), per token.
 
     For row ``i`` with valid tokens ``t = 1..|y_i|``:
-    ``s_i = exp(mean_t (lp - old))`` (``sequence_log_ratio``, eq. 7);
-    ``A_i = mean_t advantages`` (stop-gradient; an outcome estimator's advantage is constant
-    over the row's tokens, so this is it; a per-token estimator such as GAE is averaged);
+    ``s_i = exp(mean_t (lp - old))``, eq. 7, from ``sequence_log_ratio``;
+    ``A_i = mean_t advantages``, under stop-gradient: an outcome estimator's advantage is
+    constant over the row's tokens, so this is it, and a per-token estimator such as GAE is
+    averaged;
     ``loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - cliprange, 1 + cliprange_high))``
-    (``cliprange_high`` defaults to ``cliprange``). ``loss_i`` is written on every valid token
+    where ``cliprange_high`` defaults to ``cliprange``. ``loss_i`` is written on every valid token
     of row ``i``. Source: Zheng et al. 2025 ("Group Sequence Policy Optimization",
     arXiv:2507.18071), eq. 5 (objective, sign flipped), eq. 6 (group advantage), eq. 7 (ratio);
     the paper's ranges are ``cliprange = 3e-4``, ``cliprange_high = 4e-4``.
@@ -89,14 +90,13 @@ def gspo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None,
         ``ppo.dual_clip`` set fails with a clear message).
 
     Returns:
-      ``(per_token_loss [B, T], stats)``: ``loss_i`` on row ``i``'s valid tokens, 0 on masked
-      slots; per-token ``[B, T]`` stats, 0 on masked slots, all ``stop_gradient``-ed:
-      ``clipfrac`` (1 on every token of a row whose clipped term is the larger; its token mean
-      is the fraction of clipped tokens, as the paper reports), ``clipfrac_low`` /
-      ``clipfrac_high`` (the same, split by the side: ``s_i < 1 - cliprange`` /
-      ``s_i > 1 + cliprange_high``), ``ratio`` (``s_i``), ``token_ratio`` (``exp(lp - old)``),
-      ``approxkl`` (``0.5 (lp - old)^2``, per token as ``ppo_clip``), ``policykl``
-      (``old - lp``).
+      ``per_token_loss [B, T]``, ``loss_i`` on row ``i``'s valid tokens and 0 on masked slots,
+      and ``stats``: per-token ``[B, T]`` arrays, 0 on masked slots, all ``stop_gradient``-ed.
+      ``clipfrac`` is 1 on every token of a row whose clipped term is the larger, so its token
+      mean is the fraction of clipped tokens, as the paper reports. ``clipfrac_low`` and
+      ``clipfrac_high`` split it by side, ``s_i < 1 - cliprange`` or ``s_i > 1 + cliprange_high``.
+      ``ratio`` is ``s_i``, ``token_ratio`` is ``exp(lp - old)``, ``approxkl`` is
+      ``0.5 (lp - old)^2`` per token as in ``ppo_clip``, and ``policykl`` is ``old - lp``.
 
     Raises:
       ValueError: a missing field, wrong ranks / dtypes / shapes; a clip range that is not a

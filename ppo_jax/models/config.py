@@ -61,14 +61,15 @@ class ModelConfig:
       rope_theta, rope_type ("default" | "linear" | "llama3"), rope_factor,
       rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings:
         RoPE settings (Su et al. 2021; Llama-3.1 frequency scaling).
-      sliding_windows: per-layer attention window (0 = full attention), or () for none.
-      bos_token_id, eos_token_ids, pad_token_id: special ids from config.json (may be None/()).
+      sliding_windows: per-layer attention window, 0 for full attention; empty for none.
+      bos_token_id, eos_token_ids, pad_token_id: special ids from config.json; None or empty
+        when it has none.
       param_dtype: "float32" | "bfloat16" | "float16" - storage dtype of the weights.
       dtype: compute dtype of activations and matmuls. Logits/values/scores are float32.
       remat: "none", "full", or a `jax.checkpoint_policies` name, applied per decoder layer.
-      lora_rank, lora_alpha, lora_targets: LoRA adapters (`models.lora`, Hu et al. 2021) of
-        rank `lora_rank` (0 = none) on the projections named in `lora_targets` (PEFT's module
-        names, `LORA_TARGETS`), scaled by `lora_alpha / lora_rank`.
+      lora_rank, lora_alpha, lora_targets: LoRA adapters (Hu et al. 2021) of rank `lora_rank`,
+        0 for none, on the projections named in `lora_targets` by PEFT's module names, one of
+        `LORA_TARGETS`; scaled by `lora_alpha / lora_rank`.
     """
 
     model_type: str

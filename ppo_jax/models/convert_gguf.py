@@ -7,10 +7,10 @@ The `gguf` package reads the file (`GGUFReader`) and dequantises each tensor in 
 (`gguf.quants.dequantize`); tensor names are mapped to HF Llama names and llama.cpp's rotary row
 permutation of q_proj / k_proj is undone; config.json and generation_config.json come from the
 metadata; the byte-level BPE tokenizer is rebuilt from the metadata with `tokenizers`. This
-reproduces, tensor for tensor and token for token, what transformers' GGUF loader
-(`from_pretrained(dir, gguf_file=name)`, which needs torch) gives (tests/models/test_convert_gguf.py
-pins it). The output is written to a temporary sibling folder and renamed into place, so an
-interrupted conversion never looks finished. torch is never imported.
+reproduces, tensor for tensor and token for token, what transformers' GGUF loader gives with
+torch, `from_pretrained(dir, gguf_file=name)`; tests/models/test_convert_gguf.py pins it. The
+output is written to a temporary sibling folder and renamed into place, so an interrupted
+conversion never looks finished. torch is never imported.
 """
 
 from __future__ import annotations

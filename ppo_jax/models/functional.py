@@ -96,8 +96,9 @@ def path_str(key_path) -> str:
 
 
 def param_paths(params: Any) -> Any:
-    """Same-structure pytree whose leaves are the path strings of `params` (for sharding rules:
-    `jax.tree.map(rule, param_paths(params), params)`)."""
+    """Same-structure pytree whose leaves are the path strings of `params`.
+
+    Sharding rules map over it and `params` together with `jax.tree.map`."""
     return jax.tree_util.tree_map_with_path(lambda kp, _: path_str(kp), params)
 
 

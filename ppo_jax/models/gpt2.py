@@ -1,7 +1,7 @@
 """GPT-2 backbone: learned absolute positions, pre-LayerNorm blocks, gelu_new MLP.
 
-Positions are taken from the attention mask (`max(cumsum(mask) - 1, 0)`), so left padding does
-not shift them (HF GPT-2 uses `arange` unless `position_ids` is passed). Kernels keep the HF
+Positions are `max(cumsum(mask) - 1, 0)` of the attention mask, so left padding does not shift
+them; HF GPT-2 uses `arange` unless `position_ids` is passed. Kernels keep the HF
 `Conv1D` layout `[in, out]` (no transpose on load). Source: transformers
 `models/gpt2/modeling_gpt2.py`; Radford et al. 2019.
 
@@ -64,7 +64,7 @@ class GPT2MLP(nnx.Module):
 
 
 class GPT2Block(nnx.Module):
-    """`x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (transformers `GPT2Block`)."""
+    """`x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`, as transformers' `GPT2Block`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         pd = cfg.jnp_param_dtype

@@ -166,5 +166,6 @@ def model_class(kind: str):
 
 
 def init_model(cfg: ModelConfig, kind: str = "causal_lm", seed: int = 0, **kwargs) -> nnx.Module:
-    """A randomly initialised model (N(0, 0.02) weights, unit norms; heads per their class)."""
+    """A randomly initialised model: N(0, 0.02) weights, unit norms, heads as their class
+    initialises them."""
     return model_class(kind)(cfg, rngs=nnx.Rngs(seed), **kwargs)

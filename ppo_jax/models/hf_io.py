@@ -161,20 +161,21 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     """Load a local HF checkpoint directory into `kind` ("causal_lm" | "value" | "reward" |
     "causal_lm_value").
 
-    - causal_lm: backbone + LM head (`lm_head.weight` when untied).
-    - reward: backbone + `score.weight` ([1, D], HF `*ForSequenceClassification`, num_labels=1).
-      With `fresh_score_head=True`, a checkpoint without `score.weight` (a causal LM) gets a
-      fresh score head, N(0, head_init_std^2) (reward-model training from an SFT model).
-    - value: backbone + value head copied from `score.weight` (and `score.bias`) when present
-      (critic from a reward model, DeepSpeed-Chat); otherwise a fresh head: zeros, or
-      N(0, head_init_std^2) (critic from an SFT / causal-LM checkpoint, TRL).
-    - causal_lm_value: a causal LM with a fresh value head on its backbone (zeros, or
-      N(0, head_init_std^2)): the shared actor-critic.
+    - causal_lm: backbone + LM head, `lm_head.weight` when untied.
+    - reward: backbone + `score.weight` `[1, D]`, as HF `*ForSequenceClassification` with
+      num_labels=1 stores it. With `fresh_score_head=True`, a causal-LM checkpoint without
+      `score.weight` gets a fresh score head drawn from N(0, head_init_std^2), for reward-model
+      training from an SFT model.
+    - value: backbone + value head copied from `score.weight` and `score.bias` when present,
+      a critic from a reward model as in DeepSpeed-Chat; otherwise a fresh head, zeros or
+      N(0, head_init_std^2), a critic from an SFT or causal-LM checkpoint as in TRL.
+    - causal_lm_value: a causal LM with a fresh value head on its backbone, zeros or
+      N(0, head_init_std^2): the shared actor-critic.
     sharding_fn(path_str, shape) -> jax.sharding.Sharding places each param as it is read.
-    lora: LoRA adapters on the projections it names (`models.lora`), fresh (`lora.init`, from
-    `seed`; B = 0, so the model equals the checkpoint) or, when `adapters` is given, those
-    (`{param path: array}`, e.g. `peft_io.load_adapter`; a reward adapter's `score/kernel`
-    replaces the checkpoint's score head too).
+    lora: LoRA adapters on the projections it names. They are fresh, from `lora.init` and
+    `seed`, with B = 0 so the model equals the checkpoint; or, when `adapters` is given, those:
+    a `{param path: array}` dict such as `peft_io.load_adapter` returns. A reward adapter's
+    `score/kernel` replaces the checkpoint's score head too.
     Returns (model, cfg). Raises FileNotFoundError, ValueError, CheckpointError (see module doc);
     warns when backbone tensors of the checkpoint were left unread.
     """
@@ -222,9 +223,10 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
 def abstract_model(cfg: ModelConfig, kind: str = "causal_lm", *,
                    sharding_fn: Callable | None = None):
     """The `(graphdef, params)` of a `kind` model of `cfg` with `jax.ShapeDtypeStruct` leaves
-    in place of arrays (each with `sharding_fn(path_str, shape)` when given): no weights are
-    read or made. What `load_model` would give, for lowering and compiling jitted functions
-    ahead of time (`train.py --compile-for`) from a config.json alone.
+    in place of arrays; no weights are read or made. Given `sharding_fn`, each leaf carries the
+    sharding it returns for the leaf's path and shape. What `load_model` would give, for
+    lowering and compiling jitted functions ahead of time (`train.py --compile-for`) from a
+    config.json alone.
 
     Raises ValueError: an unknown `kind`.
     """

@@ -60,8 +60,10 @@ def activation(name: str) -> Callable:
 
 
 class RMSNorm(nnx.Module):
-    """`x / sqrt(mean(x^2) + eps) * scale`, statistics in float32 (Zhang & Sennrich 2019;
-    transformers `LlamaRMSNorm`: normalise in float32, cast to the input dtype, then scale)."""
+    """`x / sqrt(mean(x^2) + eps) * scale`, with statistics in float32.
+
+    As transformers' `LlamaRMSNorm` does, it normalises in float32, casts to the input dtype,
+    then scales. Source: Zhang & Sennrich 2019."""
 
     def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs | None = None):
         del rngs

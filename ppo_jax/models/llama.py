@@ -1,8 +1,8 @@
 """Llama-family decoder backbone: Llama 2/3, Qwen2/2.5, Mistral, SmolLM2.
 
 Pre-norm blocks `x + attn(rmsnorm(x))`, `x + mlp(rmsnorm(x))` with grouped-query attention,
-RoPE, SwiGLU MLP (`down(act(gate(x)) * up(x))`), optional q/k/v bias (Qwen2) and per-layer
-sliding windows (Mistral, Qwen2 `layer_types`). Source: transformers
+RoPE and a SwiGLU MLP, `down(act(gate(x)) * up(x))`. Qwen2 adds optional q/k/v bias; Mistral
+and Qwen2's `layer_types` add per-layer sliding windows. Source: transformers
 `models/{llama,qwen2,mistral}/modeling_*.py`; Touvron et al. 2023; Shazeer 2020 (SwiGLU).
 
 Param paths (layer axis first in every `layers/...` leaf):
@@ -54,7 +54,7 @@ class LlamaAttention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """`down_proj(act(gate_proj(x)) * up_proj(x))` (transformers `LlamaMLP`)."""
+    """`down_proj(act(gate_proj(x)) * up_proj(x))`, as transformers' `LlamaMLP`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -91,7 +91,8 @@ class LlamaBackbone(nnx.Module):
     cache_index=None, paged=None) -> (hidden [B, L, D] in cfg.dtype, cache)`; S == L without
     a cache. Over a `PagedKVCache`, `paged` (a `PagedView`) gives positions and pages and the
     mask is not read.
-    Positions come from the mask (`max(cumsum(mask) - 1, 0)`), see `kv_cache.slot_layout`.
+    Positions come from the mask, so left padding does not shift them; see
+    `kv_cache.slot_layout`.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

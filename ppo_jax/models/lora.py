@@ -5,11 +5,11 @@ A projection `y = x W (+ b)` with `W [in, out]` that `ModelConfig.lora_on(name)`
 
     y = x W (+ b) + scale * (x A) B,    A [in, r], B [r, out],    scale = lora_alpha / r
 
-(PEFT `LoraLayer`: `result + lora_B(lora_A(x)) * scaling`; no dropout: dropout is off in every
-model here). The adapters sit beside the kernel in the params tree, with the layer axis first
-like every stacked param: `backbone/layers/attn/q_proj/{kernel [N, in, out], lora_a [N, in, r],
-lora_b [N, r, out]}`. PEFT's default init (`init_lora_weights=True`): A ~ U(-1/sqrt(in),
-1/sqrt(in)) (`kaiming_uniform_(a=sqrt(5))`), B = 0, so a fresh adapter changes nothing.
+This is PEFT's `LoraLayer` without dropout, which is off in every model here. The adapters sit
+beside the kernel in the params tree, with the layer axis first like every stacked param:
+`backbone/layers/attn/q_proj/{kernel [N, in, out], lora_a [N, in, r], lora_b [N, r, out]}`.
+The init is PEFT's default, `init_lora_weights=True`: A ~ U(-1/sqrt(in), 1/sqrt(in)), PEFT's
+`kaiming_uniform_(a=sqrt(5))`, and B = 0, so a fresh adapter changes nothing.
 
 Why not qwix: `qwix.apply_lora_to_model` (qwix 0.1.8) creates its adapters on the model's first
 call; on our decoders, whose layers are stacked with `nnx.vmap` and run by `jax.lax.scan` over
@@ -103,10 +103,12 @@ def is_adapter(path: str) -> bool:
 
 
 def fresh_adapter(path: str, shape, dtype, seed: int, init: str = "default") -> np.ndarray:
-    """A new adapter matrix for the param `path` of `shape` (`[N, in, r]` / `[N, r, out]`):
-    `lora_b` zeros; `lora_a` U(-1/sqrt(in), 1/sqrt(in)) ("default", PEFT's kaiming-uniform
-    with a=sqrt(5)) or N(0, 1/r^2) ("gaussian", PEFT's `init_lora_weights="gaussian"`), from
-    `seed` and the path (the same adapter for the same seed, whatever else the model holds).
+    """A new adapter matrix for the param `path` of `shape`, `[N, in, r]` or `[N, r, out]`.
+
+    `lora_b` is zeros. `lora_a` is drawn from U(-1/sqrt(in), 1/sqrt(in)) for "default", PEFT's
+    kaiming-uniform with a=sqrt(5), or from N(0, 1/r^2) for "gaussian", PEFT's
+    `init_lora_weights="gaussian"`. The draw depends only on `seed` and the path, so a seed
+    gives the same adapter whatever else the model holds.
 
     Raises ValueError: an unknown `init`.
     """

@@ -1,6 +1,6 @@
-"""LoRA adapters as Hugging Face PEFT directories (`adapter_config.json` +
-`adapter_model.safetensors`), as `peft.PeftModel.save_pretrained` writes and `from_pretrained`
-reads them (peft 0.21 `utils.save_and_load.get_peft_model_state_dict`, `tuners.lora.LoraConfig`).
+"""LoRA adapters as Hugging Face PEFT directories, `adapter_config.json` and
+`adapter_model.safetensors`, as `peft.PeftModel.save_pretrained` writes and `from_pretrained`
+reads them. The layout follows peft 0.21's `get_peft_model_state_dict` and `LoraConfig`.
 
 One tensor per layer and projection, keyed by the HF module name under the `PeftModel`
 wrapper, adapter name ("default") removed; `lora_A.weight [r, in]` = our `lora_a[i].T`,

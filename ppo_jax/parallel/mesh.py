@@ -60,10 +60,10 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
 
     Devices are laid out by `jax.make_mesh` (topology-aware on TPU); their order is
     process-major, so each process owns a contiguous block of every batch. On a TPU torus whose
-    axes the sizes do not divide whole (tensor=4 on v6e-64's 8x8), a physical axis is split
-    between mesh axes (`mesh_utils.create_device_mesh(allow_split_physical_axes=True)`)
-    instead of failing. The axes are `AxisType.Auto`: shardings are propagated by the SPMD
-    partitioner from the in/out shardings of `jax.jit` and the constraints below.
+    axes the sizes do not divide whole, such as tensor=4 on v6e-64's 8x8, a physical axis is
+    split between mesh axes instead of failing, with `allow_split_physical_axes=True`. The axes
+    are `AxisType.Auto`: shardings are propagated by the SPMD partitioner from the in/out
+    shardings of `jax.jit` and the constraints below.
 
     Raises:
       ValueError: see `resolve_axis_sizes`.

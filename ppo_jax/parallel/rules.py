@@ -18,7 +18,7 @@ sharded. Kernels are `[in, out]` (`x @ W`):
 | mlp/c_fc/bias                                  | [F]         | (tensor,)            |
 | mlp/{down_proj,c_proj}/kernel  (row-parallel)  | [F, D]      | (tensor, fsdp)       |
 | anything else: norms, row-parallel biases, value / score heads | replicated      |
-| .../lora_a, .../lora_b (LoRA adapters of a kernel ruled (i, o)) | [in, r] / [r, out] | (i, None) / (None, o) |
+| .../lora_a, .../lora_b of a kernel ruled (i, o)             | [in, r] / [r, out] | (i, None) / (None, o) |
 
 Column-parallel then row-parallel (Megatron-LM, Shoeybi et al. 2019): q/k/v and gate/up split
 their output features (heads, MLP columns) over `tensor`, o/down split their input features the

@@ -1,24 +1,23 @@
-"""The rollout: responses sampled from the actor, and the forward passes that turn them into
-PPO's experience.
+"""The rollout: responses sampled from the actor, and the forward passes over them.
 
-  sampler.py          the static batch: prefill, then one jitted decode loop with a
-                      preallocated KV cache (`ppo_jax.models.kv_cache`), up to the stop token
+  sampler.py          `Sampler`, the one interface: training, dynamic sampling, episodes and
+                      evaluation call it; `generation.engine` picks what runs behind it
+  draws.py            `SamplingSettings` (with `TurnSettings`), the draw (filters, one key per
+                      sample, its log-prob), `Generation` (what a sampler returns)
+  static_batch.py     single-turn sampling with one preallocated KV cache: prefill, then one
+                      jitted decode loop up to the stop token (`generation.engine: static`)
   prefill.py          the prompts run once into a fresh cache, shared within a group
-  sampling.py         drawing the next token: filters, one key per sample, its log-prob
-  engine.py           the paged engine (`generation.engine: paged`): KV pages, decode slots
-                      refilled as rows finish
-  engine_programs.py  the engine's jitted prefill / decode-chunk / gather programs
+  engine.py           the engine: KV pages, decode slots refilled as rows finish
+                      (`generation.engine: paged`), and the turn loop of multi-turn episodes
+                      with either engine (static: one page per row, `static_layout`)
+  engine_programs.py  the engine's jitted prefill / decode-chunk / resume / gather programs
+  engine_layout.py    the engine's settings and sizes, what one call did
   scheduler.py        the engine's host scheduler (slots, pages, preemption)
-  multi_turn.py       multi-turn episodes on the static batch: a turn ends at a stop sequence
-                      or token, a host callback (the environment) answers, its observation
-                      joins the same sequence (`action_mask` 0) and decoding resumes
-  multi_turn_programs.py  its jitted prefill and decode segments (observations as forced
-                      tokens through the same one-token passes and KV cache)
-  observations.py     an environment's text as observation ids, framed by the chat template
   page_pool.py        a replica's free pages, with reference counts
+  turns.py            multi-turn episodes: turn settings checked, the environment asked at
+                      turn ends, the observations written, `Episodes`
+  observations.py     an environment's text as observation ids, framed by the chat template
   weights.py          the rollout copy of the actor's weights (dtype, layout)
   forward.py          forward passes over prompt + response: log-probs, values, reward-model
                       scores
-  experience.py       `make_experience`: the forward passes and the PPO math on one rollout
-                      (KL-shaped rewards, advantages, returns)
 """

@@ -1,9 +1,9 @@
-"""The paged rollout engine: a KV cache in pages, a fixed number of decode slots, continuous
-batching (`generation.engine: paged`; the static batch of `rollout.sampler` is the reference).
+"""The paged rollout engine (`generation.engine: paged`): a KV cache in pages, a fixed number of
+decode slots and continuous batching. It also runs the turn loop of multi-turn episodes for
+both engines: static multi-turn is this engine with one page per row (`static_layout`).
 
-    engine = PagedEngine(graphdef, sampling, EngineSettings(page_size=16, max_concurrent=64),
-                         batch=256, prompt_width=64, mesh=mesh)
-    response_ids, response_mask, logprobs = engine.generate(params, prompt_ids, prompt_mask, key)
+    engine = PagedEngine(graphdef, cfg, sampling, EngineSettings(...), batch=256, prompt_width=64)
+    out = engine.generate(params, prompt_ids, prompt_mask, key)  # a `draws.Generation`
 
 A batch of B rows (adjacent groups of n samples of one prompt) is answered by R replicas, one
 per row block of the mesh's batch axes (`data` x `fsdp`; R = 1 on one device): replica r owns
@@ -12,12 +12,12 @@ live on its devices, so no decode step moves pages or rows between devices. On t
 `scheduler.ReplicaScheduler` per replica admits groups into free slots (prefill into pages,
 `engine_programs.prefill_program`), the devices run a decode chunk of up to k tokens in every
 slot (`decode_program`), finished sequences free their slots and pages, and the loop repeats
-until every row is answered. The tokens equal the static sampler's under the same key: both
-draw token t of row b with the key (step key, b, t) (`rollout.sampling`).
+until every row is answered. The tokens equal those `rollout.static_batch` draws under the
+same key: both draw token t of row b with the key (step key, b, t), see `rollout.draws`.
 
-Built with `rollout.multi_turn.MultiTurnSettings`, the engine plays multi-turn episodes: a turn
-that ends waits at the chunk boundary for its environment, and its observation is prefilled
-into its pages (`engine_turns`).
+With `SamplingSettings.turns` the engine plays multi-turn episodes: a turn that ends waits at
+the chunk boundary for its environment, and its observation is prefilled into its pages
+(`rollout.turns`).
 
 Shapes stay static: the prefill compiles once per admitted-group count bucket (powers of two)
 and the decode chunk once per page-table width bucket (`decode_buckets` widths up to the
@@ -40,19 +40,30 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ppo_jax.models.functional import Model
 from ppo_jax.models.paged_cache import TRASH_PAGE, init_paged_cache
 from ppo_jax.parallel.mesh import BATCH_AXES, batch_shards
-from ppo_jax.rollout.engine_layout import (  # noqa: F401  (the engine's names, re-exported)
-    ENGINES, AttentionKernel, EngineLayout, EngineSettings, EngineStats, RolloutEngine,
-    check_page_size, engine_layout,
-)
+from ppo_jax.rollout.engine_layout import EngineSettings, EngineStats, engine_layout
+from ppo_jax.rollout.draws import Generation, SamplingSettings
 from ppo_jax.rollout.engine_programs import (
-    Admission, DrawSettings, Resumption, decode_program, decode_width_buckets, empty_state,
-    finalize, pick_width, prefill_program, resume_program,
-)
-from ppo_jax.rollout.engine_turns import TurnRecord, answer_turns, rollout_of
-from ppo_jax.rollout.multi_turn import (
-    MultiTurnRollout, MultiTurnSettings, TurnCallback, check_multi_turn_settings,
+    Admission, Resumption, decode_program, decode_width_buckets, empty_state, finalize,
+    pick_width, prefill_program, resume_program,
 )
 from ppo_jax.rollout.scheduler import Admitted, ReplicaScheduler, pages_for
+from ppo_jax.rollout.static_batch import is_key
+from ppo_jax.rollout.turns import (
+    TurnCallback, TurnRecord, answer_turns, checked_settings, episodes_of,
+)
+
+STATIC_DECODE_CHUNK = 8  # static multi-turn: tokens per chunk (generation.decode_chunk's default)
+
+
+def static_layout(batch: int, prompt_width: int, max_new_tokens: int) -> EngineSettings:
+    """The engine settings of `generation.engine: static` with turns: static multi-turn is the
+    engine with one page per row. Every row has its own slot (`max_concurrent` = B) and one
+    page holds its whole sequence (`page_size` = P + N; the pool: B pages and the trash page),
+    one page-table width, attention by the reference gather: the static batch's cache, cut
+    per row, with the engine's turn loop."""
+    return EngineSettings(page_size=prompt_width + max_new_tokens, num_pages=0,
+                          max_concurrent=batch, decode_chunk=STATIC_DECODE_CHUNK,
+                          decode_buckets=1, attention="reference")
 
 
 class PagedEngine:
@@ -61,32 +72,26 @@ class PagedEngine:
     Args:
       graphdef, cfg: the actor's graph (a model with `backbone` and `lm_head`) and its
         `ModelConfig`.
-      sampling: a `rollout.sampler.SamplingSettings` (its `mesh` lays the engine out), or a
-        `rollout.multi_turn.MultiTurnSettings` for multi-turn episodes (`generate` then takes
-        an `on_turn_end`; `engine_turns`).
-      settings: `EngineSettings`.
+      sampling: `draws.SamplingSettings` (its `mesh` lays the engine out); with `turns`, the
+        engine plays multi-turn episodes (`generate` then takes an `on_turn_end`).
+      settings: `EngineSettings` (`static_layout` for the static cache layout).
       batch, prompt_width: B rows of prompts P wide per `generate` call.
       cache_dtype: the pool's dtype (default the model's compute dtype).
 
     Raises:
-      ValueError: see `engine_layout`; all before any compile.
+      ValueError: bad sampling settings (`turns.checked_settings`); see `engine_layout`; all
+        before any compile.
     """
 
-    def __init__(self, graphdef, cfg, sampling, settings: EngineSettings, *, batch: int,
-                 prompt_width: int, cache_dtype=None):
+    def __init__(self, graphdef, cfg, sampling: SamplingSettings, settings: EngineSettings, *,
+                 batch: int, prompt_width: int, cache_dtype=None):
         self.graphdef, self.cfg, self.settings, self.mesh = graphdef, cfg, settings, sampling.mesh
-        self.turns = isinstance(sampling, MultiTurnSettings)
-        if self.turns:
-            sampling = check_multi_turn_settings(sampling, cfg, prompt_width)
-        self.sampling = sampling
+        self.sampling = checked_settings(sampling, cfg, prompt_width)
+        self.turns = self.sampling.turns is not None
         self.layout = engine_layout(settings, batch=batch, prompt_width=prompt_width,
                                     max_new_tokens=sampling.max_new_tokens,
                                     group_size=sampling.samples_per_prompt,
                                     replicas=batch_shards(self.mesh), turns=self.turns)
-        self.draw = DrawSettings(sampling.max_new_tokens, sampling.temperature, sampling.top_k,
-                                 sampling.top_p, sampling.greedy, sampling.stop_token_ids,
-                                 sampling.pad_token_id, settings.attention, self.mesh,
-                                 getattr(sampling, "stop_sequences", ()), self.turns)
         self.batch, self.prompt_width, self.cache_dtype = batch, prompt_width, cache_dtype
         self.head_major = settings.attention == "reference"  # the pool's layout (PagedKVCache)
         self.widths = decode_width_buckets(self.layout.max_pages, settings.decode_buckets)
@@ -111,7 +116,7 @@ class PagedEngine:
         """The jitted programs; with a mesh, their outputs laid out explicitly (pool and slots
         by replica, the host's reads replicated); pool, slots and responses are donated."""
         rows, rep, pool = self._sharding(P(BATCH_AXES)), self._sharding(P()), self.cache_sharding()
-        lay, d = self.layout, self.draw
+        lay, d, kernel = self.layout, self.sampling, self.settings.attention
         self._prompt_lens = jax.jit(lambda m: jnp.sum(m.astype(jnp.int32), axis=1),
                                     out_shardings=rep)
         self._empty = jax.jit(partial(empty_state, lay.replicas, lay.slots, lay.rows,
@@ -121,11 +126,12 @@ class PagedEngine:
                                           self.head_major), out_shardings=pool)
         self._prefill = jax.jit(partial(prefill_program, settings=d), donate_argnums=(1, 2, 3),
                                 out_shardings=(pool, rows, rows))
-        self._decode = jax.jit(partial(decode_program, settings=d,
+        self._decode = jax.jit(partial(decode_program, settings=d, kernel=kernel,
                                        chunk=self.settings.decode_chunk),
                                donate_argnums=(1, 2, 3),
                                out_shardings=(pool, rows, rows, rep, rep, rep, rep))
-        self._resume = jax.jit(partial(resume_program, settings=d), donate_argnums=(1, 2, 3),
+        self._resume = jax.jit(partial(resume_program, settings=d, kernel=kernel),
+                               donate_argnums=(1, 2, 3),
                                out_shardings=(pool, rows, rows))
         self._finalize = jax.jit(partial(finalize, pad_token_id=d.pad_token_id),
                                  out_shardings=(rows, rows, rows))
@@ -147,34 +153,39 @@ class PagedEngine:
           prompt_ids, prompt_mask: `[B, P]` int32, left-padded, batch rows (on the mesh: split
             over the batch axes), B and P as given to the constructor; rows in adjacent groups
             of n = `samples_per_prompt` copies of a prompt.
-          step_key: the step's PRNG key (replicated).
-          on_turn_end: with `MultiTurnSettings`, the environment, as for
-            `rollout.multi_turn.generate_multi_turn` (required then, refused otherwise).
+          step_key: the step's PRNG key (replicated); None when greedy.
+          on_turn_end: with turns, the environment, called on the host as
+            `on_turn_end(rows, turn_tokens)` whenever turns end: `rows` the batch rows whose
+            turn ended, `turn_tokens` each one's turn as a list of token ids (from its first
+            drawn token to the stop token / the last token of the stop sequence). It returns
+            one answer per row: None ends the episode; a list of token ids (the observation;
+            [] is allowed) is appended and the model's next turn follows it. At a row's
+            `max_turns`-th turn end it is still called (to let the environment score the turn)
+            and the row ends whatever it says. Required with turns, refused without.
 
         Returns:
-          `(response_ids [B, N] int32, response_mask [B, N] int32, logprobs [B, N] float32)`,
-          as `rollout.sampler.generate(..., return_logprobs=True)` (the same tokens under the
-          same key); with `MultiTurnSettings`, a `MultiTurnRollout` as `generate_multi_turn`'s
-          (the same episodes under the same key). `self.last_stats` holds the call's
-          `EngineStats`.
+          a `draws.Generation` `[B, N]`, with the tokens, mask and log-probs the static batch
+          draws under the same key, and with turns its `episodes`. `self.last_stats` holds the
+          call's `EngineStats`.
 
         Raises:
           ValueError: prompts of another shape than the engine's; `on_turn_end` missing or not
-            callable with `MultiTurnSettings`, given without; its bad answers (naming the row).
+            callable with turns, given without; its bad answers (naming the row).
         """
         lay = self.layout
         if tuple(prompt_ids.shape) != (self.batch, self.prompt_width):
             raise ValueError(f"prompts {tuple(prompt_ids.shape)}; this engine was built for "
                              f"{(self.batch, self.prompt_width)}")
         if self.turns != (on_turn_end is not None) or (self.turns and not callable(on_turn_end)):
-            raise ValueError(f"on_turn_end={on_turn_end!r}: a multi-turn engine (built with "
-                             "MultiTurnSettings) needs a callable, a single-turn one takes none")
+            raise ValueError(f"on_turn_end={on_turn_end!r}: a multi-turn engine (settings with "
+                             "turns) needs a callable, a single-turn one takes none")
+        step_key = self._key(step_key)
         model = Model(self.graphdef, params)
         lens = np.asarray(jax.device_get(self._prompt_lens(prompt_mask)))
         scheds = [ReplicaScheduler(lens[r * lay.rows:(r + 1) * lay.rows], group_size=lay.group_size,
                                    slots=lay.slots, num_pages=lay.pages,
                                    page_size=self.settings.page_size,
-                                   max_new_tokens=self.draw.max_new_tokens,
+                                   max_new_tokens=self.sampling.max_new_tokens,
                                    chunk=self.settings.decode_chunk) for r in range(lay.replicas)]
         state, responses = self._empty()
         cache, stats = self._new_cache(), EngineStats()
@@ -200,16 +211,27 @@ class PagedEngine:
         stats.slot_occupancy /= max(stats.chunks, 1)
         self.last_stats = stats
         out = self._finalize(responses, self._put(final))
-        return self._episodes(record, out) if self.turns else out
+        return self._episodes(record, out) if self.turns else Generation(*out, None)
 
-    def _episodes(self, record: TurnRecord, out) -> MultiTurnRollout:
-        """The finished multi-turn batch, observations and action mask written on the host,
-        laid out by row as `generate_multi_turn`'s (`engine_turns.rollout_of`)."""
-        rollout = rollout_of(record, *jax.device_get(out))
+    def _key(self, step_key):
+        """The step's key, checked; None only when greedy (a fixed key, never read)."""
+        if step_key is None:
+            if not self.sampling.greedy:
+                raise ValueError("step_key is required for sampling (greedy=False)")
+            return self._put(np.asarray(jax.random.PRNGKey(0)))
+        if not is_key(step_key):
+            raise ValueError(f"step_key must be a PRNG key (jax.random.key or PRNGKey), got "
+                             f"{type(step_key).__name__} {getattr(step_key, 'shape', '')}")
+        return step_key
+
+    def _episodes(self, record: TurnRecord, out) -> Generation:
+        """The finished multi-turn batch, observations and action mask written on the host
+        (`turns.episodes_of`), laid out by row."""
+        ids, mask, logp, episodes = episodes_of(record, *jax.device_get(out))
         rows = self._sharding(P(BATCH_AXES))
         put = (lambda x: jax.device_put(x, rows)) if rows is not None else jnp.asarray  # noqa: E731
-        return rollout._replace(**{k: put(getattr(rollout, k)) for k in
-                                   ("response_ids", "response_mask", "action_mask", "logprobs")})
+        return Generation(put(ids), put(mask), put(logp),
+                          episodes._replace(action_mask=put(episodes.action_mask)))
 
     def _resumption(self, resumes: list[list]) -> Resumption:
         """Replica r's resuming slots `(slot, fed tokens, pages)` as one `Resumption`: K slots
@@ -221,7 +243,7 @@ class PagedEngine:
         width = 1 << max(0, math.ceil(math.log2(longest)))
         pages = pick_width(self.widths, max(len(p) for r in resumes for _, _, p in r))
         slots = np.full((lay.replicas, k), lay.slots, np.int32)
-        tokens = np.full((lay.replicas, k, width), self.draw.pad_token_id, np.int32)
+        tokens = np.full((lay.replicas, k, width), self.sampling.pad_token_id, np.int32)
         counts = np.ones((lay.replicas, k), np.int32)
         table = np.full((lay.replicas, k, pages), TRASH_PAGE, np.int32)
         for r, items in enumerate(resumes):
@@ -293,9 +315,10 @@ class PagedEngine:
         """The engine's jitted programs with abstract arguments (`jax.ShapeDtypeStruct`s of
         `params`, prompts and key) for `train.py --compile-for`, at their upper bound: every
         response `max_new_tokens` long, so each replica fills its slots `rounds` = rows / slots
-        times. Each item: `{"name", "fn", "args", "per_step", "while_trips"}`: the prefill
-        admitting a full set of slots (`rounds` calls), the decode chunk at the widest page
-        table (`rounds * ceil((N - 1) / k)` calls of k steps)."""
+        times. Each item is a dict with keys "name", "fn", "args", "per_step" and
+        "while_trips". The first is the prefill admitting a full set of slots, called `rounds`
+        times. The second is the decode chunk of k steps at the widest page table, called
+        `rounds * ceil((N - 1) / k)` times."""
         lay, k = self.layout, self.settings.decode_chunk
         rep, rows = self._sharding(P()), self._sharding(P(BATCH_AXES))
         abstract = lambda fn, sh: jax.tree.map(  # noqa: E731
@@ -311,7 +334,7 @@ class PagedEngine:
                               host(per_sample), host(per_sample))
         model = Model(self.graphdef, params)
         rounds = -(-lay.rows // lay.slots)
-        chunks = rounds * -(-(self.draw.max_new_tokens - 1) // k)
+        chunks = rounds * -(-(self.sampling.max_new_tokens - 1) // k)
         table = host((lay.replicas, lay.slots, self.widths[-1]))
         live, slots = host((lay.replicas, lay.slots), bool), host((lay.replicas, lay.slots))
         return [

@@ -20,14 +20,15 @@ AttentionKernel = Literal[ATTENTION_KERNELS]  # generation.attention
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The paged engine's own settings (`generation.*`); 0 means the default named."""
+    """The paged engine's own settings, the `generation.*` keys of the same names (built by
+    `stages.ppo.settings.engine_settings`); 0 means the default named."""
 
-    page_size: int = 16  # tokens per page
-    num_pages: int = 0  # pages in all replicas' pools; 0: the static sampler's KV memory
-    max_concurrent: int = 0  # decode slots in all replicas; 0: the batch size
-    decode_chunk: int = 8  # tokens per decode chunk between two scheduling rounds
-    decode_buckets: int = 4  # page-table widths the decode chunk compiles for
-    attention: str = "reference"  # "reference" (gather the pages) or "pallas" (TPU kernel)
+    page_size: int  # tokens per page
+    num_pages: int  # pages in all replicas' pools; 0: the static sampler's KV memory
+    max_concurrent: int  # decode slots in all replicas; 0: the batch size
+    decode_chunk: int  # tokens per decode chunk between two scheduling rounds
+    decode_buckets: int  # page-table widths the decode chunk compiles for
+    attention: str  # "reference" (gather the pages) or "pallas" (TPU kernel)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def engine_layout(settings: EngineSettings, *, batch: int, prompt_width: int,
     never fed back). Each replica's pool must hold the trash page and one sequence of that
     length (and a whole group's first chunk), its slots one group; for multi-turn episodes
     (`turns`), a sequence of that length in every slot (they are never preempted:
-    `engine_turns`).
+    `rollout.turns`).
 
     Raises:
       ValueError: naming the `generation.*` setting and its value: too few pages; slots not a

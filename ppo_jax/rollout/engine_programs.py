@@ -10,58 +10,34 @@ only the slots' lengths and done flags after each chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from ppo_jax.models.functional import Model
 from ppo_jax.models.paged_cache import PagedKVCache, PagedView
-from ppo_jax.rollout.sampling import draw, sample_keys
+from ppo_jax.rollout.draws import SamplingSettings, draw, sample_keys
 
 
-@dataclass(frozen=True)
-class DrawSettings:
-    """How tokens are drawn and when a sequence ends (static): `sampling.draw`'s filters, the
-    stop tokens, the pad id written after a response, N = max_new_tokens, the attention kernel
-    ("reference" | "pallas") and the mesh it is mapped over."""
+def _draw(s: SamplingSettings, logits, keys, t):
+    return draw(logits, keys, t, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                greedy=s.greedy)
 
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    kernel: str = "reference"
-    mesh: Any = None
-    stop_sequences: tuple[tuple[int, ...], ...] = ()  # multi-turn: token ids ending a turn
-    turns: bool = False  # multi-turn: a turn end waits for the host instead of ending the row
 
-    def draw(self, logits, keys, t):
-        return draw(logits, keys, t, temperature=self.temperature, top_k=self.top_k,
-                    top_p=self.top_p, greedy=self.greedy)
-
-    def stops(self, token):
-        return jnp.isin(token, jnp.asarray(self.stop_token_ids or (-1,), jnp.int32))
-
-    def turn_ends(self, responses: "Responses", rows, column, turn_start, token):
-        """`[R, X]` bool: the token just recorded at `(rows, column)` ends a turn: a stop token,
-        or the last of a stop sequence whose k tokens (columns column - k + 1 .. column of the
-        responses) lie inside the turn (column - k + 1 >= turn_start); `rollout.multi_turn`'s
-        rule (`multi_turn_programs.turn_ends_at`)."""
-        hit = self.stops(token)
-        take = jax.vmap(lambda x, r, c: x[r, c])  # per replica: [B/R, N] at [X], [X]
-        for seq in self.stop_sequences:
-            first = column - len(seq) + 1
-            match = first >= turn_start
-            for i, tok in enumerate(seq):
-                cols = jnp.clip(first + i, 0, responses.tokens.shape[2] - 1)
-                match = match & (take(responses.tokens, rows, cols) == tok)
-            hit = hit | match
-        return hit
+def _turn_ends(s: SamplingSettings, responses: "Responses", rows, column, turn_start, token):
+    """`[R, X]` bool: the token just recorded at `(rows, column)` ends a turn (single-turn: the
+    row): a stop token, or the last of a stop sequence whose k tokens (columns column - k + 1 ..
+    column of the responses) lie inside the turn (column - k + 1 >= turn_start)."""
+    hit = jnp.isin(token, jnp.asarray(s.stop_token_ids or (-1,), jnp.int32))
+    take = jax.vmap(lambda x, r, c: x[r, c])  # per replica: [B/R, N] at [X], [X]
+    for seq in (s.turns.stop_sequences if s.turns is not None else ()):
+        first = column - len(seq) + 1
+        match = first >= turn_start
+        for i, tok in enumerate(seq):
+            cols = jnp.clip(first + i, 0, responses.tokens.shape[2] - 1)
+            match = match & (take(responses.tokens, rows, cols) == tok)
+        hit = hit | match
+    return hit
 
 
 @struct.dataclass
@@ -143,13 +119,13 @@ def _copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
     return cache.replace(kv=cache.kv.at[:, replica, dst].set(cache.kv[:, replica, src]))
 
 
-def _prefill_logits(model, cache: PagedKVCache, ids, mask, pages, s: DrawSettings):
+def _prefill_logits(model, cache: PagedKVCache, ids, mask, pages, mesh):
     """The admitted prompts `[R, G, P]` through the model into their pages -> logits of each
     prompt's last position `[R, G, V]`, the cache."""
     replicas, groups, width = ids.shape
     mask = _rows_of(mask)
     view = PagedView(pages, jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0), mask > 0,
-                     mask.sum(axis=1), "reference", s.mesh, whole_pages=True)
+                     mask.sum(axis=1), "reference", mesh, whole_pages=True)
     hidden, cache = model.backbone(_rows_of(ids), None, cache=cache, paged=view)
     logits = model.lm_head(hidden[:, -1])
     return logits.reshape(replicas, groups, -1), cache
@@ -157,7 +133,7 @@ def _prefill_logits(model, cache: PagedKVCache, ids, mask, pages, s: DrawSetting
 
 def prefill_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
                     prompt_ids, prompt_mask, admission: Admission, step_key, *,
-                    settings: DrawSettings):
+                    settings: SamplingSettings):
     """Admit groups: prompts `[B, P]` (left-padded, batch rows) -> the admitted groups' prompts
     in their pages, the later samples' partial pages copied, each sample's first token drawn
     (key of its batch row, position 0) into its slot and its response row.
@@ -169,49 +145,49 @@ def prefill_program(model: Model, cache: PagedKVCache, state: SlotState, respons
     take = jax.vmap(lambda x, i: x[i])
     ids = take(local(prompt_ids.astype(jnp.int32)), a.group_rows)
     mask = take(local(prompt_mask.astype(jnp.int32)), a.group_rows) * a.valid[:, :, :1]
-    logits, cache = _prefill_logits(model.merge(), cache, ids, mask, a.prompt_pages, s)
+    logits, cache = _prefill_logits(model.merge(), cache, ids, mask, a.prompt_pages, s.mesh)
     cache = _copy_pages(cache, a.copy_src.reshape(replicas, -1), a.copy_dst.reshape(replicas, -1))
     n = a.rows.shape[2]
     sample_logits = jnp.repeat(logits, n, axis=1)  # [R, G * n, V]
     keys = sample_keys(step_key, _global_rows(a.rows, rows).reshape(-1))
-    token, logp = s.draw(_rows_of(sample_logits), keys, 0)
+    token, logp = _draw(s, _rows_of(sample_logits), keys, 0)
     token, logp = token.reshape(replicas, -1), logp.reshape(replicas, -1)
     valid, sample_rows = a.valid.reshape(replicas, -1), a.rows.reshape(replicas, -1)
     prompt_len = jnp.repeat(mask.sum(axis=2), n, axis=1)
     zero = jnp.zeros_like(token)
     responses = _record(responses, sample_rows, zero, token, logp, valid)
-    turn_end = s.turn_ends(responses, sample_rows, zero, zero, token)
+    turn_end = _turn_ends(s, responses, sample_rows, zero, zero, token)
     done = turn_end | (s.max_new_tokens <= 1)
     slots = jnp.where(valid, a.slots.reshape(replicas, -1), state.token.shape[1])
     put = jax.vmap(lambda x, i, v: x.at[i].set(v, mode="drop"))
     state = SlotState(put(state.token, slots, token), put(state.position, slots, prompt_len),
                       put(state.row, slots, sample_rows), put(state.length, slots, zero + 1),
                       put(state.done, slots, done), put(state.turn_start, slots, zero),
-                      put(state.waiting, slots, turn_end & s.turns))
+                      put(state.waiting, slots, turn_end & (s.turns is not None)))
     return cache, state, responses
 
 
 def _decode_step(model, cache, state: SlotState, responses: Responses, page_table, live,
-                 step_key, s: DrawSettings):
+                 step_key, s: SamplingSettings, kernel: str):
     """Feed every active slot's last token, draw the next one, record it."""
     replicas, slots = state.token.shape
     active = live & ~state.done
     position = jnp.where(active, state.position, 0)
     view = PagedView(page_table, _rows_of(position)[:, None], _rows_of(active)[:, None],
-                     _rows_of(position) + 1, s.kernel, s.mesh)
+                     _rows_of(position) + 1, kernel, s.mesh)
     hidden, cache = model.backbone(_rows_of(state.token)[:, None], None, cache=cache, paged=view)
     logits = model.lm_head(hidden[:, 0])
     rows_per_replica = responses.tokens.shape[1]
     keys = sample_keys(step_key, _rows_of(_global_rows(state.row, rows_per_replica)))
-    token, logp = s.draw(logits, keys, _rows_of(state.length))
+    token, logp = _draw(s, logits, keys, _rows_of(state.length))
     token, logp = token.reshape(replicas, slots), logp.reshape(replicas, slots)
     responses = _record(responses, state.row, state.length, token, logp, active)
-    turn_end = s.turn_ends(responses, state.row, state.length, state.turn_start, token)
+    turn_end = _turn_ends(s, responses, state.row, state.length, state.turn_start, token)
     ended = turn_end | (state.length + 1 >= s.max_new_tokens)
     step = active.astype(jnp.int32)
     state = SlotState(jnp.where(active, token, state.token), state.position + step, state.row,
                       state.length + step, state.done | (active & ended), state.turn_start,
-                      state.waiting | (active & turn_end & s.turns))
+                      state.waiting | (active & turn_end & (s.turns is not None)))
     return cache, state, responses
 
 
@@ -229,11 +205,13 @@ def _put_slots(state: SlotState, slots, sub: SlotState) -> SlotState:
 
 
 def decode_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
-                   slots, page_table, live, step_key, *, settings: DrawSettings, chunk: int):
+                   slots, page_table, live, step_key, *, settings: SamplingSettings, kernel: str,
+                   chunk: int):
     """Up to `chunk` one-token steps of the slots `slots [R, K]` (the host's live slots, packed
     first, padded with an index past the last slot; K a bucket: the model runs on K rows, not
     on every slot), `live [R, K]` and `page_table [R, K, W]` (every page the chunk writes) of
-    the same slots, stopping early when none is active. Returns `(cache, state, responses,
+    the same slots, stopping early when none is active; `kernel` the attention over the pages
+    ("reference" | "pallas"). Returns `(cache, state, responses,
     lengths [R, S], done [R, S], waiting [R, S], steps)` (steps: the one-token steps run,
     int32)."""
     module = model.merge()
@@ -245,7 +223,8 @@ def decode_program(model: Model, cache: PagedKVCache, state: SlotState, response
 
     def body(carry):
         i, c, st, resp = carry
-        c, st, resp = _decode_step(module, c, st, resp, page_table, live, step_key, settings)
+        c, st, resp = _decode_step(module, c, st, resp, page_table, live, step_key, settings,
+                                    kernel)
         return i + 1, c, st, resp
 
     steps, cache, state, responses = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, state,
@@ -268,13 +247,12 @@ class Resumption:
 
 
 def resume_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
-                   resumption: Resumption, step_key, *, settings: DrawSettings):
+                   resumption: Resumption, step_key, *, settings: SamplingSettings, kernel: str):
     """Feed each resuming slot's last drawn token and its observation (m tokens) into its pages
     in one forward call (a chunked prefill at the slot's own positions: nothing before them is
     re-encoded), then draw the first token of its next turn at column length + m with the key
-    of its batch row (`rollout.sampling`), as `rollout.multi_turn` draws it after feeding the
-    observation one token a pass. The observation's columns are left to the host (it knows
-    them; `engine_turns`); the slot's length, position and turn start move past them.
+    of its batch row (`rollout.draws`). The observation's columns are left to the host (it
+    knows them; `rollout.turns`); the slot's length, position and turn start move past them.
 
     Returns `(cache, state, responses)`."""
     s, z = settings, resumption
@@ -286,19 +264,19 @@ def resume_program(model: Model, cache: PagedKVCache, state: SlotState, response
     positions = sub.position[..., None] + j
     write = valid[..., None] & (j < counts[..., None])
     view = PagedView(z.page_table, _rows_of(positions), _rows_of(write),
-                     _rows_of(sub.position + counts), s.kernel, s.mesh)
+                     _rows_of(sub.position + counts), kernel, s.mesh)
     lm = model.merge()
     hidden, cache = lm.backbone(_rows_of(z.tokens), None, cache=cache, paged=view)
     last = jnp.take_along_axis(hidden, (_rows_of(counts) - 1)[:, None, None], axis=1)[:, 0]
     column = sub.length + counts - 1  # the observation's m columns, then this draw
     keys = sample_keys(step_key, _rows_of(_global_rows(sub.row, responses.tokens.shape[1])))
-    token, logp = s.draw(lm.lm_head(last), keys, _rows_of(column))
+    token, logp = _draw(s, lm.lm_head(last), keys, _rows_of(column))
     token, logp = token.reshape(replicas, k), logp.reshape(replicas, k)
     responses = _record(responses, sub.row, column, token, logp, valid)
-    turn_end = s.turn_ends(responses, sub.row, column, column, token)
+    turn_end = _turn_ends(s, responses, sub.row, column, column, token)
     done = turn_end | (column + 1 >= s.max_new_tokens)
     sub = SlotState(token, sub.position + counts, sub.row, column + 1, done, column,
-                    turn_end & s.turns)
+                    turn_end & (s.turns is not None))
     return cache, _put_slots(state, jnp.where(valid, z.slots, state.token.shape[1]), sub), responses
 
 

@@ -44,19 +44,26 @@ class Rollout:
 @dataclass(frozen=True)
 class ForwardSettings:
     """Static settings of the forward passes that score a rollout (hashable: a static jit
-    argument). Shared by experience making and the held-out evaluation."""
+    argument), shared by the experience pass and the held-out evaluation; built from the config
+    by `stages.ppo.settings.forward_settings`.
 
-    temperature: float = 1.0  # the sampling temperature: log-probs of softmax(logits / T)
-    micro_batch_size: int = 8  # rows per forward pass (`map_in_chunks`); ppo.micro_batch_size's default
-    # vocabulary columns per block of the log-prob / entropy head (`head_logprobs`); 0: the
-    # full [B, N, V] logits
-    logprob_chunk_size: int = 0
-    mesh: Optional[Mesh] = None  # split the rows of every chunk over ("data", "fsdp")
-    # (mean, std): reward-model scores become (score - mean) / std (reward.normalize)
-    score_normalizer: Optional[tuple[float, float]] = None
-    # EOS id written over the last response token before the reward model reads it
-    # (reward.eos_at_end; `end_with_eos`); None: the response as sampled
-    reward_eos_id: Optional[int] = None
+    temperature: the sampling temperature; log-probs are those of softmax(logits / T).
+    micro_batch_size: rows per forward pass (`ppo.micro_batch_size`).
+    logprob_chunk_size: vocabulary columns per block of the log-prob / entropy head; 0: the
+      whole `[B, N, V]` logits at once.
+    mesh: the rows of every chunk split over ("data", "fsdp"), or None.
+    score_normalizer: `(mean, std)` measured when the reward model was trained: its scores become
+      (score - mean) / std (`reward.normalize`), or None.
+    reward_eos_id: the EOS id written over the last response token before the reward model
+      reads it (`reward.eos_at_end`), or None: the response as sampled.
+    """
+
+    temperature: float
+    micro_batch_size: int
+    logprob_chunk_size: int
+    mesh: Optional[Mesh]
+    score_normalizer: Optional[tuple[float, float]]
+    reward_eos_id: Optional[int]
 
 
 def _sequence(query_ids, query_mask, response_ids, response_mask):

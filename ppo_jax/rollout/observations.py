@@ -1,4 +1,4 @@
-"""An environment's text as observation tokens for a chat model (`rollout.multi_turn`).
+"""An environment's text as observation tokens for a chat model (`rollout.turns`).
 
 In a chat, what follows the assistant's words before its next turn is the template's: the end of
 the assistant's turn, the header of the next role, its text, its end, the header of the next

@@ -70,7 +70,7 @@ def prefill_cache(model, prompt_ids, prompt_mask, *, max_new_tokens: int,
       prompt_ids, prompt_mask: `[B, P]` left-padded (checked by the caller); with
         n = `samples_per_prompt` > 1, B/n groups of n identical adjacent rows (`check_groups`).
       max_new_tokens: N; the cache holds S = P + N - 1 slots (the last token is not fed back).
-      cache_dtype, mesh: as `sampler.generate`. The B/n prefill rows are split over the batch
+      cache_dtype, mesh: as `static_batch.generate`. The B/n prefill rows are split over the batch
         axes only where those divide them, else replicated (`shard_rows`).
 
     Returns:

@@ -1,320 +1,156 @@
-"""Batched autoregressive sampling with a preallocated KV cache, as one jitted call.
+"""The sampler: one interface over the static batch and the paged engine, built once per run
+and called by training, ReMax's greedy baseline, dynamic sampling, episodes and evaluation, so
+`generation.engine` means the same thing everywhere.
 
-Prompts are left-padded `[B, P]`; the cache holds `S = P + max_new_tokens - 1` slots shared by
-all rows. One prefill call writes the prompt and gives the first token (each distinct prompt
-once when `samples_per_prompt` > 1: `rollout.prefill`); a `lax.while_loop` then runs each
-sampled token through the model to sample the next (N tokens: the prefill and N - 1 one-token
-passes), stopping early once every row has emitted a stop token. Positions come from
-the attention mask (docs/contracts.md), so left padding never changes a row's distribution.
+    sampler = Sampler(engine_settings, model_cfg, actor_shardings=..., by_row=..., replicated=...)
+    out = sampler(actor, prompt_ids, prompt_mask, key, settings)              # single-turn
+    out = sampler(actor, prompt_ids, prompt_mask, key, settings, on_turn_end)  # episodes
 
-Draws (filters, one key per sample and position, the draw's log-prob) are `rollout.sampling`'s,
-shared with the paged engine (`rollout.engine`), so both give the same tokens under one key.
-This static batch is the reference engine (`generation.engine: static`).
+What runs behind it:
+
+  engine settings   settings.turns   runs
+  None (static)     None             `static_batch.sample`, one jitted call
+  None (static)     TurnSettings     the engine's turn loop, one page per row
+                                     (`engine.static_layout`)
+  EngineSettings    either           the paged engine, `engine.PagedEngine`
+
+Both layouts draw token t of row b with the same key, so they give the same tokens; see
+`rollout.draws`. Jitted static calls are cached per settings, engines per (settings, batch, width):
+each compiles on first use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from functools import partial
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from jax.sharding import Mesh
 
 from ppo_jax.models.functional import Model
-from ppo_jax.parallel.mesh import shard_rows
-from ppo_jax.rollout.prefill import check_groups, prefill_cache, shard_cache
-from ppo_jax.rollout.sampling import draw, filter_logits, sample_keys, sample_tokens  # noqa: F401
-
-def int_setting(name: str, value, minimum: int) -> int:
-    """`value` as an int >= `minimum`; ValueError naming `name` otherwise (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return int(value)
+from ppo_jax.rollout.draws import Generation, SamplingSettings
+from ppo_jax.rollout.engine import PagedEngine, static_layout
+from ppo_jax.rollout.engine_layout import EngineSettings, EngineStats
+from ppo_jax.rollout.static_batch import sample
+from ppo_jax.rollout.turns import TurnCallback
 
 
-def token_id(name: str, value, vocab_size: int) -> int:
-    """`value` as a token id in [0, vocab_size); ValueError naming `name` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}: {value!r} is not an int token id")
-    if not 0 <= value < vocab_size:
-        raise ValueError(f"{name}: {value} is outside the vocabulary [0, {vocab_size})")
-    return int(value)
-
-
-def _check_prompts(prompt_ids, prompt_mask, vocab_size: int) -> None:
-    """Shapes and dtypes always; values (ids in the vocabulary, 0/1 left-padded masks) when the
-    arrays are concrete (not traced inside a caller's jit) and fully addressable."""
-    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
-        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
-                         f"{tuple(prompt_mask.shape)} must both be [B, P]")
-    if prompt_ids.shape[1] == 0:
-        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)}: prompts need at least one column")
-    if not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
-        raise ValueError(f"prompt_ids must be integer, got {prompt_ids.dtype}")
-    if not (jnp.issubdtype(prompt_mask.dtype, jnp.integer) or prompt_mask.dtype == bool):
-        raise ValueError(f"prompt_mask must be integer or bool (1 = real token), got "
-                         f"{prompt_mask.dtype}")
-    if any(isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True)
-           for x in (prompt_ids, prompt_mask)):
-        return
-    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask).astype(np.int64)
-    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
-    if len(bad):
-        r, c = bad[0]
-        raise ValueError(f"prompt_ids[{r}, {c}] = {ids[r, c]} is outside the vocabulary "
-                         f"[0, {vocab_size}) ({len(bad)} such entries; padding positions are "
-                         "embedded too, so the pad id must be a real token)")
-    if not np.isin(mask, (0, 1)).all():
-        raise ValueError(f"prompt_mask must hold 0 and 1 only, got values "
-                         f"{np.unique(mask)[:8].tolist()}")
-    right_padded = np.flatnonzero(np.diff(mask, axis=1).min(axis=1, initial=0) < 0)
-    if right_padded.size:
-        r = right_padded[0]
-        raise ValueError(f"prompts must be left-padded (padding first, then the prompt): row {r} "
-                         f"has padding after a real token (prompt_mask[{r}] = {mask[r].tolist()})")
-    empty = np.flatnonzero(mask.sum(axis=1) == 0)
-    if empty.size:
-        raise ValueError(f"row {empty[0]} of prompt_mask is all 0: every row needs a prompt token")
-
-
-def prompt_arrays(prompt_ids, prompt_mask, vocab_size: int):
-    """Nested lists as numpy arrays (arrays stay as they are), checked (`_check_prompts`)."""
-    prompt_ids = prompt_ids if hasattr(prompt_ids, "ndim") else np.asarray(prompt_ids)
-    prompt_mask = prompt_mask if hasattr(prompt_mask, "ndim") else np.asarray(prompt_mask)
-    _check_prompts(prompt_ids, prompt_mask, vocab_size)
-    return prompt_ids, prompt_mask
-
-
-def check_settings(cfg, prompt_width: int, max_new_tokens, temperature, top_k, top_p, greedy,
-                   stop_token_ids, pad_token_id, cache_dtype) -> dict:
-    """Validate the static settings; returns them normalised for `_generate`."""
-    out = {"max_new_tokens": int_setting("max_new_tokens", max_new_tokens, 1),
-           "top_k": int_setting("top_k", top_k, 0), "greedy": bool(greedy)}
-    if not isinstance(temperature, (int, float, np.number)) or not 0 < temperature < np.inf:
-        if not greedy:
-            raise ValueError(f"temperature={temperature!r} must be a finite number > 0 "
-                             "(greedy=True for argmax)")
-        temperature = 1.0  # unused when greedy
-    if not isinstance(top_p, (int, float, np.number)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
-    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
-        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a sequence of token ids")
-    out["stop_token_ids"] = tuple(token_id("stop_token_ids", t, cfg.vocab_size)
-                                 for t in stop_token_ids)
-    out["pad_token_id"] = token_id("pad_token_id", pad_token_id, cfg.vocab_size)
-    if cache_dtype is not None:
-        try:
-            dt = jnp.dtype(cache_dtype)
-        except TypeError:
-            raise ValueError(f"cache_dtype={cache_dtype!r} is not a dtype") from None
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise ValueError(f"cache_dtype={cache_dtype!r} must be a float dtype")
-        cache_dtype = dt.name
-    total = prompt_width + out["max_new_tokens"]
-    if cfg.model_type == "gpt2" and total > cfg.max_position_embeddings:
-        raise ValueError(f"prompt width {prompt_width} + max_new_tokens {out['max_new_tokens']} "
-                         f"= {total} exceeds GPT-2's {cfg.max_position_embeddings} learned "
-                         "positions")
-    return {**out, "temperature": float(temperature), "top_p": float(top_p),
-            "cache_dtype": cache_dtype}
-
-
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "samples_per_prompt",
-                                   "cache_dtype", "mesh"))
-def _prefill_jit(graphdef, params, prompt_ids, prompt_mask, *, max_new_tokens,
-                 samples_per_prompt, cache_dtype, mesh):
-    return prefill_cache(nnx.merge(graphdef, params), prompt_ids, prompt_mask,
-                         max_new_tokens=max_new_tokens, samples_per_prompt=samples_per_prompt,
-                         cache_dtype=cache_dtype, mesh=mesh)
-
-
-def prefill(graphdef, params, prompt_ids, prompt_mask, *, max_new_tokens: int,
-            samples_per_prompt: int = 1, cache_dtype=None, mesh=None):
-    """The sampler's prefill alone, jitted: what `generate` samples its first token from.
-
-    Args: as `generate` (`prompt_ids`, `prompt_mask` `[B, P]`).
-    Returns:
-      `(logits [B, V], cache KVCache [num_layers, B, P + N - 1, num_kv_heads, head_dim])`:
-      the last prompt position's logits and the cache with the prompt in slots [0, P).
-    Raises:
-      ValueError: as `generate` for the prompts, `max_new_tokens` and `samples_per_prompt`.
-    """
-    cfg = nnx.merge(graphdef, params).cfg
-    prompt_ids, prompt_mask = prompt_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
-    n = check_groups(prompt_ids, prompt_mask, samples_per_prompt)
-    settings = check_settings(cfg, prompt_ids.shape[1], max_new_tokens, 1.0, 0, 1.0, True, (),
-                              0, cache_dtype)
-    logits, cache, _ = _prefill_jit(
-        graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
-        max_new_tokens=settings["max_new_tokens"], samples_per_prompt=n,
-        cache_dtype=settings["cache_dtype"], mesh=mesh)
-    return logits, cache
-
-
-class _Decoded(NamedTuple):
-    """The decode loop's record: tokens and their log-probs `[B, N]`, the response mask, the
-    last drawn token `[B]` and which rows are done `[B]`."""
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    mask: jax.Array
-    token: jax.Array
-    done: jax.Array
-
-
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
-                                   "greedy", "stop_token_ids", "pad_token_id", "cache_dtype",
-                                   "samples_per_prompt", "mesh"))
-def _generate(graphdef, params, prompt_ids, prompt_mask, rng, first_row, *, max_new_tokens,
-              temperature,
-              top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype, samples_per_prompt,
-              mesh):
-    model = nnx.merge(graphdef, params)
-    batch, prompt_len = prompt_ids.shape
-    rows = partial(shard_rows, mesh=mesh)
-    logits, cache, mask = prefill_cache(model, prompt_ids, prompt_mask,
-                                        max_new_tokens=max_new_tokens,
-                                        samples_per_prompt=samples_per_prompt,
-                                        cache_dtype=cache_dtype, mesh=mesh)
-    stops = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
-    row_keys = sample_keys(rng, first_row + jnp.arange(batch, dtype=jnp.int32))
-
-    def sample_at(t, logits, rec: _Decoded) -> _Decoded:
-        """Draw token t of every row (pad once a row is done) and record it."""
-        token, logp = draw(logits, row_keys, t, temperature=temperature, top_k=top_k,
-                           top_p=top_p, greedy=greedy)
-        token = jnp.where(rec.done, pad_token_id, token)
-        return _Decoded(rows(rec.tokens.at[:, t].set(token)),
-                        rows(rec.logprobs.at[:, t].set(jnp.where(rec.done, 0.0, logp))),
-                        rows(rec.mask.at[:, t].set((~rec.done).astype(jnp.int32))), token,
-                        rows(rec.done | jnp.isin(token, stops)))
-
-    def cond(state):  # another token is wanted and some row is still going
-        t, _, _, rec = state
-        return (t + 1 < max_new_tokens) & ~jnp.all(rec.done)
-
-    def body(state):  # run token t through the model, then sample token t + 1
-        t, cache, mask, rec = state
-        slot = prompt_len + t
-        mask = mask.at[:, slot].set(1)
-        hidden, cache = model.backbone(rec.token[:, None], mask, cache=cache, cache_index=slot)
-        rec = sample_at(t + 1, rows(model.lm_head(hidden[:, 0])), rec)
-        return t + 1, shard_cache(cache, mesh), rows(mask), rec
-
-    shape = (batch, max_new_tokens)
-    empty = _Decoded(rows(jnp.full(shape, pad_token_id, jnp.int32)),
-                     rows(jnp.zeros(shape, jnp.float32)), rows(jnp.zeros(shape, jnp.int32)),
-                     jnp.zeros((batch,), jnp.int32), rows(jnp.zeros((batch,), bool)))
-    init = (jnp.int32(0), cache, mask, sample_at(0, logits, empty))
-    rec = jax.lax.while_loop(cond, body, init)[3]
-    return rec.tokens, rec.mask, rec.logprobs
-
-
-def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-             stop_token_ids: Sequence[int] = (), pad_token_id: int = 0, cache_dtype=None,
-             samples_per_prompt: int = 1, mesh=None, return_logprobs: bool = False,
-             first_row: int = 0):
-    """Sample responses for a batch of left-padded prompts in one jitted call.
+class Sampler:
+    """Samples responses, or plays episodes, for batches of left-padded prompts (module doc).
 
     Args:
-      graphdef, params: a split `CausalLM`.
-      prompt_ids: `[B, P]` int32, left-padded; every id (padding included) in [0, vocab).
-      prompt_mask: `[B, P]` int or bool, 1 on real prompt tokens: zeros then ones in each row,
-        at least one 1.
-      rng: PRNG key (`jax.random.key` / `PRNGKey`); may be None when greedy.
-      max_new_tokens: N, the response length (static int >= 1).
-      temperature, top_k, top_p, greedy: sampling settings (static; top_k=0 / top_p=1 = off;
-        temperature is ignored when greedy).
-      stop_token_ids: tokens that end a row (e.g. the tokenizer's EOS); each row stops on its
-        own; the loop ends early once every row has stopped.
-      pad_token_id: written after a row's stop token (a token of the vocabulary).
-      cache_dtype: KV cache float dtype (default: the model's compute dtype).
-      samples_per_prompt: n (static int >= 1 dividing B): the rows come in adjacent groups of n
-        copies of one prompt (`check_groups`); the prefill runs on the B/n distinct prompts and
-        its cache and first-token logits are repeated to the n rows of each group (`prefill`).
-        The draws are those of the repeated path: the same tokens under the same key.
-      mesh: a `jax.sharding.Mesh` (static) to lay the rows of every per-row array (tokens,
-        masks, logits, KV cache) over its ("data", "fsdp") axes and the KV heads over
-        "tensor"; None (single device) adds no constraint. Params keep whatever sharding they
-        come with (`ppo_jax.parallel.tree_shardings`).
+      engine: the paged engine's `EngineSettings` (`generation.engine: paged`), or None for
+        the static batch.
+      model_cfg: the actor's `ModelConfig` (the engine's pool and checks).
+      actor_shardings: the layout of the actor's params as the static batch receives them (a
+        `Model` of shardings; None: whatever layout they come with); by_row, replicated: the
+        batch's row and replicated shardings (None: no constraint). The engine lays itself
+        out by `settings.mesh` instead.
 
-      return_logprobs: also return the log-prob of each drawn token (`sampling.draw`).
-      first_row: the batch row of this call's first row, for the draws' keys (a batch answered
-        in sub-batches draws the tokens of the whole batch; traced, no recompile).
-
-    Returns:
-      `(response_ids [B, N] int32, response_mask [B, N] int32)`, and with `return_logprobs`
-      `logprobs [B, N]` float32 (0 after a row's stop); the mask is 1 on every generated token
-      up to and including the first stop token, 0 after it. N tokens take the prefill and
-      N - 1 one-token passes (the last token is not fed back). Token t of row b is drawn with
-      the key `fold_in(fold_in(rng, first_row + b), t)` (`rollout.sampling`).
-
-    Raises:
-      ValueError: malformed shapes, dtypes or settings, ids outside the vocabulary, a mask that
-        is not 0/1 left padding (value checks only on concrete arrays, not under a caller's
-        jit), or more positions than GPT-2's table, a bad `samples_per_prompt` or a group of
-        rows that is not one prompt (`check_groups`); all before compiling.
+    Attributes:
+      last_stats: the paged engine's `EngineStats` of the last call; None with the static
+        batch (`generation.engine: static` logs no `rollout/*` figures, turns or not).
     """
-    cfg = nnx.merge(graphdef, params).cfg
-    prompt_ids, prompt_mask = prompt_arrays(prompt_ids, prompt_mask, cfg.vocab_size)
-    n = check_groups(prompt_ids, prompt_mask, samples_per_prompt)
-    settings = check_settings(cfg, prompt_ids.shape[1], max_new_tokens, temperature, top_k,
-                              top_p, greedy, stop_token_ids, pad_token_id, cache_dtype)
-    if rng is None:
-        if not greedy:
-            raise ValueError("rng is required for sampling (greedy=False)")
-        rng = jax.random.PRNGKey(0)
-    elif not is_key(rng):
-        raise ValueError(f"rng must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
-                         f"{type(rng).__name__} {getattr(rng, 'shape', '')}")
-    out = _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
-                    jnp.int32(first_row), samples_per_prompt=n, mesh=mesh, **settings)
-    return out if return_logprobs else out[:2]
+
+    def __init__(self, engine: Optional[EngineSettings], model_cfg, *,
+                 actor_shardings: Optional[Model] = None, by_row=None, replicated=None):
+        self.engine, self.model_cfg = engine, model_cfg
+        self.actor_shardings, self.by_row, self.replicated = actor_shardings, by_row, replicated
+        self.statics: dict[SamplingSettings, object] = {}
+        self.engines: dict[tuple, PagedEngine] = {}
+        self.last_stats: Optional[EngineStats] = None
+
+    def laid_out(self, actor_shardings: Optional[Model]) -> "Sampler":
+        """This sampler for an actor in another layout (the evaluator's trained params, where
+        the step samples from the rollout copy): its own jitted static calls, the same
+        engines (they take params in any layout)."""
+        other = Sampler(self.engine, self.model_cfg, actor_shardings=actor_shardings,
+                        by_row=self.by_row, replicated=self.replicated)
+        other.engines = self.engines
+        return other
+
+    def static(self, settings: SamplingSettings):
+        """The jitted static batch of single-turn `settings`: `(actor, prompt_ids, prompt_mask,
+        key) -> (response_ids, response_mask, logprobs)`, laid out as the constructor says."""
+        if settings not in self.statics:
+            fn = partial(sample, settings=settings)
+            if self.by_row is None:
+                self.statics[settings] = jax.jit(fn)
+            else:
+                rows, rep = self.by_row, self.replicated
+                self.statics[settings] = jax.jit(
+                    fn, in_shardings=(self.actor_shardings, rows, rows, rep),
+                    out_shardings=(rows, rows, rows))
+        return self.statics[settings]
+
+    def paged(self, graphdef, settings: SamplingSettings, batch: int, width: int) -> PagedEngine:
+        """The engine of `settings` for a `[batch, width]` prompt batch: the paged engine, or
+        with the static batch and turns the engine in its static layout (raises ValueError on
+        bad settings, before any compile)."""
+        key = (settings, batch, width)
+        if key not in self.engines:
+            engine = self.engine or static_layout(batch, width, settings.max_new_tokens)
+            self.engines[key] = PagedEngine(graphdef, self.model_cfg, settings, engine,
+                                            batch=batch, prompt_width=width)
+        return self.engines[key]
+
+    def uses_engine(self, settings: SamplingSettings) -> bool:
+        """Whether `settings` run on the engine (paged, or static with turns)."""
+        return self.engine is not None or settings.turns is not None
+
+    def __call__(self, actor: Model, prompt_ids, prompt_mask, key, settings: SamplingSettings,
+                 on_turn_end: Optional[TurnCallback] = None) -> Generation:
+        """Responses to `[B, P]` left-padded prompts (rows in adjacent groups of
+        `settings.samples_per_prompt` copies) drawn with `key`.
+
+        Args:
+          actor: the actor (`Model`: graphdef and params).
+          settings: `SamplingSettings`; with `turns`, `on_turn_end` is the environment
+            (`engine.PagedEngine.generate`: required then, refused otherwise).
+
+        Returns:
+          a `Generation` `[B, N]` (`episodes` None single-turn).
+
+        Raises:
+          ValueError: bad settings or prompts, `on_turn_end` without turns or turns without
+            it, an environment's bad answer (naming the row).
+        """
+        if not self.uses_engine(settings):
+            if on_turn_end is not None:
+                raise ValueError(f"on_turn_end={on_turn_end!r}: single-turn settings (turns "
+                                 "None) take none")
+            self.last_stats = None
+            return Generation(*self.static(settings)(actor, prompt_ids, prompt_mask, key), None)
+        engine = self.paged(actor.graphdef, settings, *prompt_ids.shape)
+        out = engine.generate(actor.params, prompt_ids, prompt_mask, key, on_turn_end)
+        self.last_stats = engine.last_stats if self.engine is not None else None
+        return out
+
+    def programs(self, actor: Model, prompt_ids, prompt_mask, key, settings: SamplingSettings,
+                 prefix: str = "") -> list[dict]:
+        """The jitted programs of one call with abstract arguments (`jax.ShapeDtypeStruct`s),
+        for `train.py --compile-for`: `{"name", "fn", "args", "per_step", "while_trips"}`
+        each, named `prefix + name`. The static batch: `sampler`, its decode loop at most
+        N - 1 steps; the engine: `PagedEngine.programs`."""
+        if not self.uses_engine(settings):
+            return [{"name": prefix + "sampler", "fn": self.static(settings), "per_step": 1.0,
+                     "while_trips": settings.max_new_tokens - 1,
+                     "args": (actor, prompt_ids, prompt_mask, key)}]
+        engine = self.paged(actor.graphdef, settings, *prompt_ids.shape)
+        return [{**p, "name": prefix + p["name"]}
+                for p in engine.programs(actor.params, prompt_ids, prompt_mask, key)]
 
 
-def is_key(rng) -> bool:
-    """A typed key (`jax.random.key`) or a raw uint32 `[..., 2]` one (`PRNGKey`)."""
-    dtype = getattr(rng, "dtype", None)
-    if dtype is None:
-        return False
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return dtype == jnp.uint32 and tuple(rng.shape[-1:]) == (2,)
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Static settings of `generate` (hashable: a static jit argument); see `generate`."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    samples_per_prompt: int = 1
-    mesh: Optional[Mesh] = None
-
-
-def sample(model: Model, prompt_ids, prompt_mask, rng, *, settings: SamplingSettings):
-    """`generate` with a `Model` and `SamplingSettings`: `(response_ids, response_mask,
-    logprobs)` `[B, N]` for `[B, P]` left-padded prompts (the draws' log-probs, float32)."""
-    kwargs = {f.name: getattr(settings, f.name) for f in fields(settings)}
-    return generate(model.graphdef, model.params, prompt_ids, prompt_mask, rng,
-                    return_logprobs=True, **kwargs)
-
-
-def ended_rows(response_ids: jax.Array, response_mask: jax.Array,
-               stop_token_ids: Sequence[int]) -> jax.Array:
-    """`[B]` bool: the response holds one of `stop_token_ids` (it stopped, rather than being
-    cut at max_new_tokens) and has at least one real token. No stop ids: all False."""
-    stops = jnp.asarray(tuple(stop_token_ids) or (-1,), jnp.int32)
-    return jnp.isin(response_ids, stops).any(axis=1) & (response_mask.sum(axis=1) > 0)
+def engine_metrics(stats: Optional[EngineStats]) -> dict:
+    """The engine's figures of a call (`rollout/*`; none after a static batch): preemptions,
+    the mean fraction of slots live per chunk, decode steps, prefill calls, the most pages in
+    use at once (in one replica); with an environment, the host rounds that answered waiting
+    turns."""
+    if stats is None:
+        return {}
+    out = {"rollout/preemptions": float(stats.preemptions),
+           "rollout/slot_occupancy": stats.slot_occupancy,
+           "rollout/decode_steps": float(stats.steps), "rollout/prefills": float(stats.prefills),
+           "rollout/peak_pages": float(stats.peak_pages)}
+    if stats.turn_rounds:
+        out["rollout/turn_rounds"] = float(stats.turn_rounds)
+    return out

@@ -14,7 +14,7 @@ A group is admitted only when its slots and pages fit beside the growth the live
 need, in queue order. When growth alone exceeds the pool (more live sequences than pages for
 them), the youngest sequence is preempted: its pages are released and it is queued again at
 the front, to be recomputed from its prompt. Its tokens come out the same, since every draw is
-keyed by (row, position) (`rollout.sampling`), and the oldest sequence always fits (the pool
+keyed by (row, position) (`rollout.draws`), and the oldest sequence always fits (the pool
 holds one sequence of the maximum length: `engine.engine_layout` refuses a smaller one), so
 every batch finishes.
 """

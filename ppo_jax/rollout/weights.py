@@ -61,8 +61,9 @@ def cast_floats(params: Any, dtype: Optional[str]) -> Any:
 
 
 def rollout_copy_fn(params: Any, mesh: Optional[Mesh], layout: str, param_dtype: Optional[str]):
-    """A jitted `params -> rollout params` (cast, laid out by `rollout_rules(layout)`), or None
-    when sampling can use the training params as they are (`needs_rollout_copy`).
+    """A jitted `params -> rollout params` that casts and lays them out by
+    `rollout_rules(layout)`, or None when `needs_rollout_copy` says sampling can use the
+    training params as they are.
 
     `params` may be arrays or `jax.ShapeDtypeStruct`s (only their tree and shapes are read)."""
     if not needs_rollout_copy(mesh, layout, param_dtype):

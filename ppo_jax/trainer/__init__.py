@@ -3,10 +3,6 @@
 Files here (what every stage shares):
   loop.py         `StageTrainer`: build -> step -> log / save -> export, run-directory guards,
                   `--resume`, the progress line, HF export
-  checkpoint.py   orbax checkpoints (train states, KL controller, RNG, data position)
-  run_dir.py      who may write the run directory, what a resume keeps
-  resume.py       `--resume [auto|STEP]`: which checkpoint, under which config
-  preemption.py   SIGTERM / SIGINT: stop at the next step boundary, saved
   state.py        `TrainState` (trained params + optimiser state of one model), and the
                   one place trained and frozen (LoRA base) params are split and joined
   optim.py        AdamW with warmup / cosine schedules, clipping, backbone learning rates
@@ -16,6 +12,8 @@ Files here (what every stage shares):
 
 Rooms:
   config/         the typed config: schema, cross-field checks, `--help-config`
+  lifecycle/      the run directory's life: checkpoints, `--resume`, the lock and the config
+                  files, preemption (SIGTERM / SIGINT, `train.max_minutes`)
   data/           prompt sets (PPO), reasoning tasks, SFT rows, preference pairs, packing
   rewards/        reward functions on decoded text (registry) and answer verifiers
   environments/   multi-turn environments (registry): tools (a safe calculator), retries with

@@ -2,29 +2,26 @@
 checkpoints with `--resume`, metrics, the progress bar, and the loop build -> step -> log/save
 -> export.
 
-A stage subclasses `StageTrainer` and fills in four methods. `__init__` calls the first two
-(then restores a checkpoint under `--resume`); `train()` calls the other two:
+A stage subclasses `StageTrainer` and fills in four methods. `__init__` calls the first two,
+then restores a checkpoint under `--resume`; `train()` calls the other two:
 
-    _check_inputs()   read and validate config names and data files (nothing written yet)
-    _build()          load models, create `self.state` (a pytree of arrays, what a checkpoint
-                      holds) and `self.prompt_order` (the data order), jit the update
-    step() -> dict    one optimiser step (or one PPO step); its metrics as floats
-    export()          write the trained model as an HF directory (once, after the last step)
+    _check_inputs()   read and validate config names and data files; nothing is written yet
+    _build()          load models, create `self.state` (the pytree of arrays a checkpoint
+                      holds) and `self.prompt_order`, jit the update
+    step() -> dict    one optimiser step, or one PPO step; its metrics as floats
+    export()          write the trained model as an HF directory, once, after the last step
 
-A stage that `train.py --compile-for` can compile also gives `_check_config()` (the config
-checks of `_check_inputs` that read no file), `programs()` (its jitted functions with abstract
-arguments, `trainer.programs.Program`) and `resident()` (what stays in device memory between
-them); `Trainer.abstract(cfg, devices)` builds it with shapes in place of arrays.
+A stage that `train.py --compile-for` can compile also gives `_check_config()`, `programs()`
+and `resident()`; `Trainer.abstract(cfg, devices)` builds it with shapes in place of arrays.
 
-SIGTERM or SIGINT during `train()` stops every process after the same step, saved
-(`trainer.preemption`); `preempted_at` is then that step and the model is not exported.
-`train.max_minutes` ends a run early on its wall clock: the step that crosses it is the last,
-as `train.steps` would be (`is_last_step`: evaluated, saved, exported); `budget_spent_at` says
-which.
+SIGTERM or SIGINT during `train()` stops every process after the same step, which is saved;
+`preempted_at` is then that step and the model is not exported. `train.max_minutes` makes the
+step that crosses it the last one, evaluated, saved and exported as `train.steps` would be;
+`budget_spent_at` records it.
 
-A stage may override `start_metrics()` (figures of the starting model, logged as step 0 when a run
-starts, not on resume), `periodic_metrics(step)` (held-out evaluation), `after_log(step)`
-(samples), `finite_keys` / `finite_hint` (what stops a run, the advice) and `progress_postfix`.
+A stage may override `start_metrics()`, `periodic_metrics(step)`, `after_log(step)`,
+`finite_keys` / `finite_hint` (which metrics stop a run when not finite, and the advice
+printed) and `progress_postfix`.
 """
 
 from __future__ import annotations
@@ -35,16 +32,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ppo_jax.trainer.checkpoint import Checkpointer
+from ppo_jax.trainer.lifecycle.checkpoint import Checkpointer
 from ppo_jax.trainer.config import Config, ConfigError, to_dict
 from ppo_jax.trainer.faults import checkpoint_kept
 from ppo_jax.trainer.host.memory import release_host_memory
 from ppo_jax.trainer.placement import Placement
-from ppo_jax.trainer.preemption import StopSignals, WallClockBudget
-from ppo_jax.trainer.resume import (
+from ppo_jax.trainer.lifecycle.preemption import StopSignals, WallClockBudget
+from ppo_jax.trainer.lifecycle.resume import (
     format_changes, plan_resume, restore_planned, resume_changes, supersede_later,
 )
-from ppo_jax.trainer.run_dir import (
+from ppo_jax.trainer.lifecycle.run_dir import (
     CONFIG, METRICS, OLD_SAMPLES, SAMPLES, SUPERSEDED, RunLock, check_writable, config_in_effect,
     plural, supersede_configs, supersede_rows, write_run_config,
 )
@@ -54,13 +51,13 @@ from ppo_jax.trainer.tracking.progress import progress_bar, trained_params_line
 
 
 class StageTrainer:
-    """Owns the state, jitted update and outputs of one run of one stage (see module doc).
+    """The state, jitted update and outputs of one run of one stage.
 
-    `Trainer(cfg, resume=False, resume_fallback=False, devices=None)` checks and loads everything
-    (raising ConfigError / FileNotFoundError / ValueError before any compile; an error raised
-    after the run directory and its lock were made removes them again when nothing else is in
-    it); `train()` runs the remaining steps. `resume`: False, True (the latest checkpoint),
-    "auto", a step, or a `resume.ResumePlan` (`trainer.resume`).
+    `Trainer(cfg, resume=False, resume_fallback=False, devices=None)` checks and loads everything,
+    raising ConfigError / FileNotFoundError / ValueError before any compile. An error raised after
+    the run directory and its lock were made removes them again when nothing else is in it.
+    `resume` is False, True (the latest checkpoint), "auto", a step, or a `ResumePlan`.
+    `train()` runs the remaining steps.
     """
 
     name = "stage"  # progress-bar label
@@ -103,11 +100,10 @@ class StageTrainer:
 
     @classmethod
     def abstract(cls, cfg: Config, devices=None) -> "StageTrainer":
-        """The trainer of `cfg` built on `devices` (default all) with `jax.ShapeDtypeStruct`s in
-        place of every array (`Placement(abstract=True)`; models from config.json alone): its
-        jitted functions, shardings, dtypes, remat and donation are the ones a run uses, ready
-        to be lowered and compiled (`programs()`). Reads no weights, tokenizer or data file;
-        writes nothing; `step()` cannot run.
+        """The trainer of `cfg` on `devices` (default all) with `jax.ShapeDtypeStruct`s in place of
+        every array, models built from config.json alone. Its jitted functions, shardings, dtypes,
+        remat and donation are a run's, ready to be lowered and compiled. Reads no weights,
+        tokenizer or data file, writes nothing, and cannot `step()`.
 
         Raises:
           ConfigError / FileNotFoundError / ValueError: as `__init__` does for the config.
@@ -129,15 +125,15 @@ class StageTrainer:
         """Validate names and data before anything is written (override)."""
 
     def _check_config(self) -> None:
-        """The checks of `_check_inputs` that read no file (an abstract build runs only these)."""
+        """The checks of `_check_inputs` that read no file; an abstract build runs only these."""
 
     def programs(self) -> list:  # pragma: no cover - abstract
-        """The jitted functions of a step with abstract arguments (`trainer.programs.Program`)."""
+        """The jitted functions of a step with abstract arguments, as `Program`s."""
         raise NotImplementedError
 
     def resident(self) -> dict:
-        """What stays in device memory between the programs of a step (train states, frozen
-        params): `{name: pytree}`, arrays or `ShapeDtypeStruct`s."""
+        """What stays in device memory between the programs of a step (train states, frozen params):
+        `{name: pytree}` of arrays or `ShapeDtypeStruct`s."""
         return {"state": self.state}
 
     def _build(self) -> None:  # pragma: no cover - abstract
@@ -151,18 +147,17 @@ class StageTrainer:
 
     # --- optional hooks -------------------------------------------------------------------
     def start_metrics(self) -> dict:
-        """Metrics of the starting model (e.g. a held-out evaluation before any update); a
-        non-empty dict is logged as step 0, then `after_log(0)` runs. Called when a run starts
-        at step 0, not when it resumes from a checkpoint. Not checked for finiteness."""
+        """Metrics of the starting model, such as a held-out evaluation. A non-empty dict is logged
+        as step 0 and followed by `after_log(0)`, only when a run starts at step 0, not on
+        resume. Not checked for finiteness."""
         return {}
 
     def periodic_metrics(self, step: int) -> dict:
-        """Extra metrics merged into step `step`'s record (e.g. held-out evaluation); the last
-        step of a run is `is_last_step(step)`."""
+        """Extra metrics merged into step `step`'s record, such as a held-out evaluation."""
         return {}
 
     def after_log(self, step: int) -> None:
-        """Called after step `step` is logged (e.g. decoded samples)."""
+        """Called after step `step` is logged, e.g. to write decoded samples."""
 
     def progress_postfix(self, metrics: dict) -> dict:
         loss = next((k for k in metrics if k.endswith("loss")), None)
@@ -183,8 +178,9 @@ class StageTrainer:
             self._write_config()
 
     def _supersede_logged(self) -> None:
-        """Rows of metrics.jsonl and samples.jsonl past the restored step (at step 0, no
-        checkpoint: the step-0 rows too) run again: moved to their `.superseded.jsonl`, said."""
+        """Move the rows of metrics.jsonl and samples.jsonl that will run again to their
+        `.superseded.jsonl`: those past the restored step, or with no checkpoint the step-0 rows
+        too."""
         keep = self.step_count if self.step_count else -1
         for name, aside in ((METRICS, SUPERSEDED), (SAMPLES, OLD_SAMPLES)):
             moved = supersede_rows(self.out, keep, name, aside)
@@ -193,10 +189,9 @@ class StageTrainer:
                       f"state (step {self.step_count}) moved to {self.out / aside}; they run again")
 
     def _write_config(self) -> None:
-        """Record this start's config (`run_dir.write_run_config`). Config files that do not
-        apply to it are moved aside first, kept (`run_dir.supersede_configs`): at step 0 (a new
-        run; no checkpoint) any left by a start that wrote no checkpoint, unless its config.json
-        says the same; on a resume, those of resumes from later checkpoints."""
+        """Record this start's config. Config files that do not apply to it are moved aside first
+        and kept: at step 0, any left by a start that wrote no checkpoint (unless its
+        config.json says the same); on a resume, those of resumes from later checkpoints."""
         config, step = to_dict(self.cfg), self.step_count
         for old, new in supersede_configs(self.out, step if step else -1,
                                           same=None if step else config):
@@ -219,9 +214,9 @@ class StageTrainer:
         release_host_memory()  # orbax's write buffers, freed on its threads
 
     def _restore(self) -> None:
-        """Read the planned checkpoint (`resume.restore_planned`; with fallback the newest that
-        reads). A run that goes on from an earlier step than the newest moves the later
-        checkpoints to checkpoints.superseded/ (`resume.supersede_later`)."""
+        """Read the planned checkpoint, or with fallback the newest that reads. A run that goes on
+        from an earlier step than the newest moves the later checkpoints to
+        checkpoints.superseded/."""
         plan = self.resume_plan
         if not plan.steps:  # --resume auto on a directory with no run: a new run
             return
@@ -238,11 +233,11 @@ class StageTrainer:
             supersede_later(self.checkpointer, plan, step, self.process_index)
 
     def write_hf(self, graphdef, params, model_cfg, out_dir: Path, select=None) -> Path:
-        """Save a model as an HF directory (with the run's tokenizer), the shared export path.
+        """Save a model as an HF directory with the run's tokenizer.
 
-        Collective: every process gathers the sharded `params` to host memory (one tensor at a
-        time is replicated for the gather); process 0 writes. `select(params)` picks the model's
-        params out of a larger tree (the shared-critic actor)."""
+        Collective: every process gathers the sharded `params` to host memory, replicating one
+        tensor at a time; process 0 writes. `select(params)` picks the model's params out of a
+        larger tree, as the shared-critic actor needs."""
         from flax import nnx
 
         from ppo_jax.models import save_pretrained
@@ -256,9 +251,9 @@ class StageTrainer:
         return out_dir
 
     def write_adapter(self, params, model_cfg, out_dir: Path, kind: str, base_model: str = "") -> Path:
-        """Save a LoRA model's adapters (and a reward model's score head) in PEFT's format,
-        `adapter_config.json` + `adapter_model.safetensors` (`models.peft_io`); collective as
-        `write_hf`. `base_model` is recorded as PEFT's `base_model_name_or_path`."""
+        """Save a LoRA model's adapters, and a reward model's score head, in PEFT's format
+        (`adapter_config.json` + `adapter_model.safetensors`). Collective, as `write_hf`.
+        `base_model` is recorded as PEFT's `base_model_name_or_path`."""
         from ppo_jax.models.peft_io import save_adapter
         from ppo_jax.parallel.host import to_host
 
@@ -288,8 +283,8 @@ class StageTrainer:
         return step == self.cfg.train.steps or step == self.budget_spent_at
 
     def _check_budget(self, step: int) -> None:
-        """After step `step`: past `train.max_minutes` on any process's clock (collective with
-        several processes, so all stop at the same step), it is the last one; said once."""
+        """Make step `step` the last when it is past `train.max_minutes` on any process's clock.
+        Collective with several processes, so that all stop at the same step."""
         if step < self.cfg.train.steps and self.budget.spent():
             self.budget_spent_at = step
             if self.process_index == 0:
@@ -314,7 +309,7 @@ class StageTrainer:
         return metrics
 
     def frozen_params(self, name: str):
-        """The frozen params of the trained model `name` (a LoRA model's base; {} without)."""
+        """The frozen params of the trained model `name`: a LoRA model's base, else {}."""
         frozen = getattr(self, "frozen", {})
         return frozen.get(name, {}) if name in ("actor", "critic") else frozen
 
@@ -326,9 +321,8 @@ class StageTrainer:
             self.after_log(0)
 
     def _progress_bar(self, progress: bool | None):
-        """On process 0 when `train.progress` (or `progress`) asks for one: a tqdm bar on a
-        terminal, else a plain line every `train.log_every` steps (`trainer.tracking.progress`); else
-        None."""
+        """On process 0, when `train.progress` (or `progress`) asks for one: a tqdm bar on a
+        terminal, else a plain line every `train.log_every` steps. None otherwise."""
         show = self.cfg.train.progress if progress is None else progress
         if not (show and self.process_index == 0):
             return None
@@ -337,30 +331,30 @@ class StageTrainer:
                             every=self.cfg.train.log_every)
 
     def _stop_on_signal(self) -> None:
-        """A stop signal was agreed at this step boundary: save this step unless it is saved
-        already (the periodic save, or a resume's checkpoint) or no step ran (step 0: nothing to
-        save, a resume starts over), and record `preempted_at`. Collective, as `save`."""
+        """A stop signal was agreed at this step boundary: save this step unless it is saved already
+        or no step ran (a resume then starts over), and record `preempted_at`. Collective, as
+        `save`."""
         if self.step_count > 0 and self.saved_step != self.step_count:
             self.save()
         self.preempted_at = self.step_count
 
     def train(self, progress: bool | None = None) -> list[dict]:
-        """Run steps until `train.steps` (a run that starts at step 0 first logs
-        `start_metrics()` as step 0); log, checkpoint; export the model at the end (when
-        `train.export_hf`). Returns the metrics of the steps run (step 0 not among them).
+        """Run steps until `train.steps`, logging and checkpointing, then export the model when
+        `train.export_hf`. A run that starts at step 0 first logs `start_metrics()` as step 0.
+        Returns the metrics of the steps run, step 0 not among them.
 
-        SIGTERM or SIGINT to any process (`trainer.preemption.StopSignals`) ends the step in
-        progress on every process, which then save that step, close the metrics, release the
-        lock, say "preempted at step N; resume with --resume" on stderr and return without
-        exporting (`preempted_at` = N). A signal during the last step lets the run finish.
+        SIGTERM or SIGINT to any process ends the step in progress on every process; each then
+        saves that step, closes the metrics, releases the lock, prints "preempted at step N; resume
+        with --resume" on stderr and returns without exporting (`preempted_at` = N). A signal
+        during the last step lets the run finish.
 
-        `train.max_minutes` (counted from this call, so a resume has a budget of its own) ends
-        the run after the step that crosses it, as if it were step `train.steps`; a later
-        `--resume` goes on towards `train.steps`.
+        `train.max_minutes` is counted from this call, so a resume has a budget of its own; it ends
+        the run after the step that crosses it, and a later `--resume` goes on towards
+        `train.steps`.
 
         Raises:
-          CheckpointWriteError: a checkpoint write failed (the metrics written stay).
-          FloatingPointError: a step's losses were not finite (nothing of it saved).
+          CheckpointWriteError: a checkpoint write failed; the metrics written stay.
+          FloatingPointError: a step's losses were not finite; nothing of it is saved.
         """
         cfg = self.cfg.train
         self.preempted_at = self.budget_spent_at = None

@@ -1,5 +1,5 @@
 """Where the arrays of a run live: the device mesh, the shardings of train states, frozen params
-and batches, and the host <-> device moves of a step (safe with several processes).
+and batches, and the host <-> device moves of a step. All are safe with several processes.
 
     place = Placement.from_config(cfg.mesh)            # mesh over all devices of all processes
     models = build_models(cfg, sharding_fn=place.sharding_fn)   # params placed as they are read
@@ -11,9 +11,9 @@ Frozen params (reference, reward model) can be kept in pinned host memory betwee
 (`model.offload_frozen`): `offload` moves them to host, `onload` brings a device copy for the
 experience pass, which is dropped after it.
 
-An abstract placement (`Placement.from_config(..., abstract=True)`, used by `train.py
---compile-for`) lays out the same shardings over devices that hold no data (a TPU topology
-compiled for on a CPU host): every method that would move data returns
+An abstract placement, made with `abstract=True` for `train.py --compile-for`, lays out the
+same shardings over devices that hold no data, such as a TPU topology compiled for on a CPU
+host. Every method that would move data returns
 `jax.ShapeDtypeStruct`s with the sharding the real call would give, so a trainer built on it
 holds shapes in place of arrays and its jitted functions can be lowered and compiled as is.
 """

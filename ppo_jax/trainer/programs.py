@@ -1,8 +1,8 @@
 """The jitted programs of a trainer's step, with abstract arguments, for ahead-of-time compiles.
 
 A trainer built with `StageTrainer.abstract(cfg, devices)` holds `jax.ShapeDtypeStruct`s in
-place of arrays; its `programs()` lists each jitted function a step calls (the very objects
-`step()` calls) with the arguments of its widest call, so `Program.lower()` lowers what a run
+place of arrays. Its `programs()` lists the very jitted functions `step()` calls, each with
+the arguments of its widest call, so `Program.lower()` lowers what a run
 would run: same shardings, dtypes, remat, donation. `ppo_jax.aot` compiles them for a TPU
 topology and reads their memory and costs.
 """

@@ -8,8 +8,8 @@ Which leaves train is a filter over param paths (levanter's `is_trainable`):
 `loading.lora.is_trained` (with LoRA: the adapters and a value / score head; without: every
 leaf). `split_trainable` applies it once, at load; the state holds the trained leaves, the
 frozen ones (a LoRA base) sit beside it. `full_params` joins them for a forward pass and
-`over_trained` turns a loss of the whole params into a loss of the trained leaves, the function
-`jax.grad` differentiates. Every caller goes through these two, so the join has one home.
+`loss_of_trained` turns a loss of the whole params into a loss of the trained leaves, the
+function `jax.grad` differentiates. Every caller goes through these two, so the join has one home.
 
 Why the frozen leaves are not fields of the state: the update donates the train states
 (`donate_argnums`), and a donation covers a whole argument. A LoRA base is shared, with no copy,
@@ -65,12 +65,12 @@ def full_params(frozen: dict | None, trained: dict) -> dict:
     return join(frozen or {}, trained)
 
 
-def over_trained(fn: Callable, frozen: dict | None) -> Callable:
+def loss_of_trained(fn: Callable, frozen: dict | None) -> Callable:
     """`fn(params, *args)`, a function of a model's whole params, as `g(trained, *args)`, a
     function of its trained leaves alone: `jax.grad(g)` gives gradients of the trained leaves
     only, and no gradient is formed for the frozen ones."""
 
-    def of_trained(trained, *args, **kwargs):
+    def loss(trained, *args, **kwargs):
         return fn(full_params(frozen, trained), *args, **kwargs)
 
-    return of_trained
+    return loss

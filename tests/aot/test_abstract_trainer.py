@@ -40,7 +40,7 @@ def test_abstract_build_has_the_real_builds_arrays(tmp_path, monkeypatch, extra)
     assert abstract.settings.sampling.pad_token_id == real.settings.sampling.pad_token_id
     programs = {p.name: p for p in abstract.programs()}
     assert programs["update"].fn is abstract.jit.update
-    assert programs["sampler"].fn is abstract.jit.sample
+    assert programs["sampler"].fn is abstract.jit.sampler.static(abstract.settings.sampling)
     # the widest batch a run can meet: prompts max_prompt_length wide (the real set's width is
     # at most that), responses max_new_tokens long
     exp = programs["update"].args[3]  # (actor, critic, frozen base, experience, key)

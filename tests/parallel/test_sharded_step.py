@@ -177,7 +177,7 @@ def test_multi_turn_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache, en
     got, want = load(out, mesh), load(out, (1, 1, 1))
     assert_same_run(got, want, f"multi-turn {engine}, mesh 2x2x2", skip=ENGINE_FIGURES)
     first = want[0]["metrics"][0]
-    assert first["env/tool_call_rate"] > 0 and first["action_length"] < first["response_length"]
+    assert first["env/tool_call"] > 0 and first["action_length"] < first["response_length"]
 
 
 def free_port() -> int:

@@ -21,8 +21,9 @@ from ppo_jax.models.heads import init_model  # noqa: E402
 from ppo_jax.models.tiny_random import tiny_config  # noqa: E402
 from ppo_jax.parallel.mesh import batch_sharding, make_mesh, replicated  # noqa: E402
 from ppo_jax.parallel.rules import tree_shardings  # noqa: E402
-from ppo_jax.rollout.engine import EngineSettings, PagedEngine  # noqa: E402
-from ppo_jax.rollout.sampler import SamplingSettings, generate  # noqa: E402
+from ppo_jax.rollout.engine import PagedEngine  # noqa: E402
+from ppo_jax.rollout.static_batch import generate  # noqa: E402
+from tests.rollout.sampling_settings import engine_settings, sampling_settings  # noqa: E402
 
 
 def main() -> None:
@@ -33,14 +34,14 @@ def main() -> None:
     kw = dict(max_new_tokens=10, temperature=1.0, top_k=20, pad_token_id=0, stop_token_ids=(5,))
     key, mesh = jax.random.PRNGKey(11), make_mesh(2, 2, 2)  # 4 replicas
     p = jax.device_put(params, tree_shardings(params, mesh))
-    for n, engine in ((1, EngineSettings(page_size=4, max_concurrent=8, num_pages=4 * 7,
+    for n, engine in ((1, engine_settings(page_size=4, max_concurrent=8, num_pages=4 * 7,
                                          decode_chunk=3)),
-                      (2, EngineSettings(page_size=8, decode_chunk=4))):
+                      (2, engine_settings(page_size=8, decode_chunk=4))):
         ids = np.repeat(rng.integers(4, 96, (16 // n, 6)).astype(np.int32), n, axis=0)
         mask = np.ones_like(ids)
         mask[n:2 * n, :2], ids[n:2 * n, :2] = 0, 0  # the second group's prompt is left-padded
         want = generate(graphdef, params, ids, mask, key, return_logprobs=True, **kw)
-        settings = SamplingSettings(samples_per_prompt=n, mesh=mesh, **kw)
+        settings = sampling_settings(samples_per_prompt=n, mesh=mesh, **kw)
         eng = PagedEngine(graphdef, cfg, settings, engine, batch=16, prompt_width=6)
         q, qm = (jax.device_put(x, batch_sharding(mesh)) for x in (ids, mask))
         got = eng.generate(p, q, qm, jax.device_put(key, replicated(mesh)))

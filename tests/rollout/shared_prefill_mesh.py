@@ -21,7 +21,7 @@ from ppo_jax.models.heads import init_model  # noqa: E402
 from ppo_jax.models.tiny_random import tiny_config  # noqa: E402
 from ppo_jax.parallel.mesh import batch_sharding, make_mesh, replicated  # noqa: E402
 from ppo_jax.parallel.rules import tree_shardings  # noqa: E402
-from ppo_jax.rollout.sampler import generate  # noqa: E402
+from ppo_jax.rollout.static_batch import generate  # noqa: E402
 
 
 def main() -> None:

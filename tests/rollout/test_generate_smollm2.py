@@ -18,7 +18,7 @@ import pytest
 
 from ppo_jax.models import load_model, load_tokenizer, split_model
 from ppo_jax.models import smollm2
-from ppo_jax.rollout.sampler import generate
+from ppo_jax.rollout.static_batch import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -114,8 +114,8 @@ def test_the_paged_engine_draws_the_static_samplers_greedy_tokens_on_smollm2(smo
     """The same prompts through the paged engine with 2 slots for 3 rows (a slot refilled as
     a row ends at EOS) and pages of 8: the static sampler's tokens, masks and log-probs, which
     the test above holds to transformers'."""
-    from ppo_jax.rollout.engine import EngineSettings, PagedEngine
-    from ppo_jax.rollout.sampler import SamplingSettings
+    from ppo_jax.rollout.engine import PagedEngine
+    from tests.rollout.sampling_settings import engine_settings, sampling_settings
 
     tok = load_tokenizer(smol_dir)
     eos, pad = int(tok.eos_token_id), int(tok.pad_token_id)
@@ -127,8 +127,8 @@ def test_the_paged_engine_draws_the_static_samplers_greedy_tokens_on_smollm2(smo
     graphdef, params = split_model(model)
     kw = dict(max_new_tokens=NEW_TOKENS, greedy=True, stop_token_ids=(eos,), pad_token_id=pad)
     want = generate(graphdef, params, ids, mask, None, return_logprobs=True, **kw)
-    engine = PagedEngine(graphdef, model.cfg, SamplingSettings(**kw),
-                         EngineSettings(page_size=8, max_concurrent=2, decode_chunk=4),
+    engine = PagedEngine(graphdef, model.cfg, sampling_settings(**kw),
+                         engine_settings(page_size=8, max_concurrent=2, decode_chunk=4),
                          batch=len(PROMPTS), prompt_width=ids.shape[1])
     got = engine.generate(params, ids, mask, jax.random.PRNGKey(0))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))

@@ -17,8 +17,10 @@ import pytest
 from ppo_jax.models import load_model, split_model
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.tiny_random import tiny_config
-from ppo_jax.rollout.engine import EngineSettings, PagedEngine, check_page_size, engine_layout
-from ppo_jax.rollout.sampler import SamplingSettings, generate
+from ppo_jax.rollout.engine import PagedEngine
+from ppo_jax.rollout.engine_layout import EngineSettings, check_page_size, engine_layout
+from ppo_jax.rollout.static_batch import generate
+from tests.rollout.sampling_settings import engine_settings, sampling_settings
 from tests.xla_env import xla_flags
 
 torch = pytest.importorskip("torch")
@@ -47,7 +49,7 @@ def mixed_prompts(batch=8, width=8, n=1, seed=0):
 
 
 def run_engine(cfg, graphdef, params, ids, mask, key, engine: EngineSettings, **sampling):
-    settings = SamplingSettings(**sampling)
+    settings = sampling_settings(**sampling)
     eng = PagedEngine(graphdef, cfg, settings, engine, batch=ids.shape[0], prompt_width=ids.shape[1])
     out = eng.generate(params, jnp.asarray(ids), jnp.asarray(mask), key)
     return [np.asarray(x) for x in out], eng.last_stats
@@ -75,7 +77,7 @@ def test_greedy_tokens_equal_transformers_generate_and_the_static_sampler(tmp_pa
     ids, mask = mixed_prompts(6, 8)
     kw = dict(max_new_tokens=24, greedy=True, pad_token_id=0)
     got, stats = run_engine(model.cfg, graphdef, params, ids, mask, jax.random.PRNGKey(0),
-                            EngineSettings(page_size=8, max_concurrent=2, decode_chunk=5), **kw)
+                            engine_settings(page_size=8, max_concurrent=2, decode_chunk=5), **kw)
     with torch.no_grad():
         want = hf.generate(torch.tensor(ids, dtype=torch.long),
                            attention_mask=torch.tensor(mask, dtype=torch.long), max_new_tokens=24,
@@ -96,7 +98,7 @@ def test_sampled_tokens_equal_the_static_sampler_under_the_same_keys(tiny, n):
     key = jax.random.PRNGKey(7)
     want = generate(graphdef, params, ids, mask, key, return_logprobs=True, **kw)
     got, stats = run_engine(cfg, graphdef, params, ids, mask, key,
-                            EngineSettings(page_size=4, max_concurrent=4, decode_chunk=3), **kw)
+                            engine_settings(page_size=4, max_concurrent=4, decode_chunk=3), **kw)
     assert_same(got, want, f"n={n} ")
     assert 0 < got[1].sum() < got[1].size  # some rows stopped early, none is empty
 
@@ -110,7 +112,7 @@ def test_finished_sequences_free_the_pages_a_pool_too_small_for_the_batch_needs(
     kw = dict(max_new_tokens=12, temperature=1.0, pad_token_id=0, stop_token_ids=(5, 7, 9, 11))
     key = jax.random.PRNGKey(3)
     want = generate(graphdef, params, ids, mask, key, return_logprobs=True, **kw)
-    engine = EngineSettings(page_size=4, num_pages=6, max_concurrent=4, decode_chunk=2)
+    engine = engine_settings(page_size=4, num_pages=6, max_concurrent=4, decode_chunk=2)
     got, stats = run_engine(cfg, graphdef, params, ids, mask, key, engine, **kw)
     assert_same(got, want)
     assert stats.peak_pages <= 5 and stats.prefills >= 4
@@ -123,26 +125,26 @@ def test_the_smallest_pool_equals_the_roomiest(tiny):
     kw = dict(max_new_tokens=16, temperature=1.0, pad_token_id=0, stop_token_ids=(5,),
               samples_per_prompt=2)
     key = jax.random.PRNGKey(5)
-    small = engine_layout(EngineSettings(page_size=4), batch=8, prompt_width=8,
+    small = engine_layout(engine_settings(page_size=4), batch=8, prompt_width=8,
                           max_new_tokens=16, group_size=2, replicas=1)
     tight, _ = run_engine(cfg, graphdef, params, ids, mask, key,
-                          EngineSettings(page_size=4, num_pages=1 + small.max_pages + 1,
+                          engine_settings(page_size=4, num_pages=1 + small.max_pages + 1,
                                          max_concurrent=2, decode_chunk=4), **kw)
     roomy, _ = run_engine(cfg, graphdef, params, ids, mask, key,
-                          EngineSettings(page_size=4, decode_chunk=4), **kw)
+                          engine_settings(page_size=4, decode_chunk=4), **kw)
     assert_same(tight, roomy)
 
 
 @pytest.mark.parametrize("engine, kwargs, message", [
-    (EngineSettings(page_size=4, num_pages=4), {},
+    (engine_settings(page_size=4, num_pages=4), {},
      r"generation.num_pages=4 gives 4 pages per replica .* needs 5"),
-    (EngineSettings(page_size=4, max_concurrent=1), {"group_size": 2},
+    (engine_settings(page_size=4, max_concurrent=1), {"group_size": 2},
      r"generation.max_concurrent=1 .* at least samples_per_prompt=2"),
-    (EngineSettings(page_size=4, max_concurrent=6), {"replicas": 4},
+    (engine_settings(page_size=4, max_concurrent=6), {"replicas": 4},
      r"generation.max_concurrent=6 must be a multiple of the 4 replicas"),
-    (EngineSettings(page_size=4, decode_chunk=0), {}, r"generation.decode_chunk=0"),
-    (EngineSettings(page_size=4, attention="flash"), {}, r"generation.attention='flash'"),
-    (EngineSettings(page_size=4), {"group_size": 3}, r"not whole groups of samples_per_prompt=3"),
+    (engine_settings(page_size=4, decode_chunk=0), {}, r"generation.decode_chunk=0"),
+    (engine_settings(page_size=4, attention="flash"), {}, r"generation.attention='flash'"),
+    (engine_settings(page_size=4), {"group_size": 3}, r"not whole groups of samples_per_prompt=3"),
 ])
 def test_bad_engine_settings_are_refused_by_name(engine, kwargs, message):
     args = dict(batch=8, prompt_width=8, max_new_tokens=8, group_size=1, replicas=1)

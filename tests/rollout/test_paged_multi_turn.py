@@ -1,7 +1,8 @@
-"""Multi-turn episodes on the paged engine (rollout.engine with MultiTurnSettings,
-rollout.engine_turns): the episodes of the static multi-turn sampler under the same key (tokens,
-masks, turns, turn ends; log-probs to float tolerance), with fewer slots than rows, small pages
-and short chunks; the pool sized so no episode is preempted; bad calls refused by name."""
+"""Multi-turn episodes in the paged layout (rollout.engine with turns, rollout.turns): the
+episodes of the static layout (`generation.engine: static`, one page per row) under the same
+key (tokens, masks, turns, turn ends; log-probs to float tolerance), with fewer slots than rows,
+small pages and short chunks; the pool sized so no episode is preempted; bad calls refused by
+name."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from ppo_jax.models import split_model
 from ppo_jax.models.functional import Model
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.tiny_random import tiny_config
-from ppo_jax.rollout.engine import EngineSettings, PagedEngine
-from ppo_jax.rollout.multi_turn import MultiTurnSettings, generate_multi_turn
-from ppo_jax.rollout.sampler import SamplingSettings
+from ppo_jax.rollout.engine import PagedEngine
+from ppo_jax.rollout.engine_layout import EngineSettings
+from ppo_jax.rollout.sampler import Sampler
+from tests.rollout.sampling_settings import sampling_settings
 
 VOCAB, N, WIDTH = 64, 24, 6
 STOPS = tuple(range(4, 12))  # one token in eight ends a turn
@@ -51,16 +53,22 @@ def environment(calls):
     return on_turn_end
 
 
-def settings(**kw):
-    return MultiTurnSettings(**{"max_new_tokens": N, "temperature": 1.0, "stop_token_ids": STOPS,
-                                "stop_sequences": ((12,), (13, 14)), "max_turns": 3,
-                                "samples_per_prompt": 2, **kw})
+def settings(stop_sequences=((12,), (13, 14)), max_turns=3, **kw):
+    return sampling_settings(**{"max_new_tokens": N, "temperature": 1.0, "stop_token_ids": STOPS,
+                                "turns": (stop_sequences, max_turns), "samples_per_prompt": 2,
+                                **kw})
+
+
+def engine(**kw):
+    return EngineSettings(**{"page_size": 4, "num_pages": 0, "max_concurrent": 0,
+                             "decode_chunk": 3, "decode_buckets": 4, "attention": "reference",
+                             **kw})
 
 
 def static_episodes(model, ids, mask, key, s):
+    """The static layout (`Sampler` without engine settings: one page per row)."""
     calls = []
-    out = generate_multi_turn(model[1], ids, mask, key, settings=s,
-                              on_turn_end=environment(calls))
+    out = Sampler(None, model[0])(model[1], ids, mask, key, s, environment(calls))
     return out, calls
 
 
@@ -74,46 +82,49 @@ def engine_episodes(model, ids, mask, key, s, engine: EngineSettings):
 
 
 def assert_same_episodes(got, want):
-    for name in ("response_ids", "response_mask", "action_mask"):
+    for name in ("response_ids", "response_mask"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)),
                                       np.asarray(getattr(want, name)), err_msg=name)
+    g, w = got.episodes, want.episodes
+    np.testing.assert_array_equal(np.asarray(g.action_mask), np.asarray(w.action_mask))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
-    np.testing.assert_array_equal(got.turns, want.turns)
-    np.testing.assert_array_equal(got.ended, want.ended)
-    assert got.turn_ends == want.turn_ends
+    np.testing.assert_array_equal(g.turns, w.turns)
+    np.testing.assert_array_equal(g.ended, w.ended)
+    assert g.turn_ends == w.turn_ends
 
 
-@pytest.mark.parametrize("engine", [
-    EngineSettings(page_size=4, max_concurrent=4, decode_chunk=3),  # 2 groups at a time
-    pytest.param(EngineSettings(page_size=6, decode_chunk=5, decode_buckets=2),
+@pytest.mark.parametrize("paged", [
+    engine(page_size=4, max_concurrent=4, decode_chunk=3),  # 2 groups at a time
+    pytest.param(engine(page_size=6, decode_chunk=5, decode_buckets=2),
                  marks=pytest.mark.slow),  # default-run budget: `make test-slow`
 ], ids=["4-slots", "all-slots"])
-def test_engine_episodes_equal_the_static_multi_turn_sampler(model, engine):
+def test_paged_episodes_equal_the_static_layouts(model, paged):
     ids, mask = prompts()
     key = jax.random.PRNGKey(7)
     want, want_calls = static_episodes(model, ids, mask, key, settings())
-    got, calls, stats = engine_episodes(model, ids, mask, key, settings(), engine)
+    got, calls, stats = engine_episodes(model, ids, mask, key, settings(), paged)
     assert_same_episodes(got, want)
     assert sorted(calls) == sorted(want_calls)  # every turn handed over once, with its tokens
     # the batch holds what the test is for: observations between turns, episodes ended by the
     # environment, by max_turns and by the budget
-    actions, rmask = np.asarray(got.action_mask), np.asarray(got.response_mask)
+    actions, rmask = np.asarray(got.episodes.action_mask), np.asarray(got.response_mask)
     assert ((rmask == 1) & (actions == 0)).any(axis=1).sum() >= 2
-    assert got.turns.max() == 3 and got.ended.any() and not got.ended.all()
+    ep = got.episodes
+    assert ep.turns.max() == 3 and ep.ended.any() and not ep.ended.all()
     assert stats.turn_rounds >= 2 and stats.preemptions == 0
 
 
-@pytest.mark.slow  # default-run budget (17 s; the static sampler's cut stays in tests/rollout/test_multi_turn.py); `make test-slow`
+@pytest.mark.slow  # default-run budget (17 s; both layouts' cut: tests/rollout/test_multi_turn.py); `make test-slow`
 def test_a_long_observation_is_cut_to_the_budget_and_ends_the_row(model):
-    """Every turn gets 30 observation tokens: more than the budget leaves; as the static
-    sampler, the observation is written up to column N - 1 and the row ends, not ended."""
+    """Every turn gets 30 observation tokens: more than the budget leaves; as in the static
+    layout, the observation is written up to column N - 1 and the row ends, not ended."""
     ids, mask = prompts(4, 1, seed=1)
     s = settings(samples_per_prompt=1, stop_sequences=())
     key = jax.random.PRNGKey(3)
     long_obs = lambda rows, turns: [[30] * 30 for _ in rows]  # noqa: E731
-    want = generate_multi_turn(model[1], ids, mask, key, settings=s, on_turn_end=long_obs)
+    want = Sampler(None, model[0])(model[1], ids, mask, key, s, long_obs)
     cfg, m = model
-    eng = PagedEngine(m.graphdef, cfg, s, EngineSettings(page_size=5, decode_chunk=4), batch=4,
+    eng = PagedEngine(m.graphdef, cfg, s, engine(page_size=5, decode_chunk=4), batch=4,
                       prompt_width=WIDTH)
     got = eng.generate(m.params, jnp.asarray(ids), jnp.asarray(mask), key, on_turn_end=long_obs)
     assert_same_episodes(got, want)
@@ -125,25 +136,25 @@ def test_a_multi_turn_pool_holds_every_slots_longest_sequence():
     # 8 slots x pages_for(6 + 24 - 1, 4) = 8 pages each: 65 with the trash page
     with pytest.raises(ValueError, match=r"generation.num_pages=40 .* a replica needs 65: every "
                                          r"slot of 30 tokens"):
-        PagedEngine(graphdef, cfg, settings(), EngineSettings(page_size=4, num_pages=40),
+        PagedEngine(graphdef, cfg, settings(), engine(page_size=4, num_pages=40),
                     batch=8, prompt_width=WIDTH)
     # single-turn, the same pool is enough: finished sequences free their pages, or are preempted
-    PagedEngine(graphdef, cfg, SamplingSettings(max_new_tokens=N, samples_per_prompt=2),
-                EngineSettings(page_size=4, num_pages=40), batch=8, prompt_width=WIDTH)
+    PagedEngine(graphdef, cfg, sampling_settings(N, samples_per_prompt=2),
+                engine(page_size=4, num_pages=40), batch=8, prompt_width=WIDTH)
 
 
-def test_on_turn_end_goes_with_multi_turn_settings_only(model):
+def test_on_turn_end_goes_with_turns_only(model):
     cfg, m = model
     ids, mask = prompts()
     key = jax.random.PRNGKey(0)
-    multi = PagedEngine(m.graphdef, cfg, settings(), EngineSettings(page_size=6), batch=8,
+    multi = PagedEngine(m.graphdef, cfg, settings(), engine(page_size=6), batch=8,
                         prompt_width=WIDTH)
     with pytest.raises(ValueError, match="needs a callable"):
         multi.generate(m.params, ids, mask, key)
-    single = PagedEngine(m.graphdef, cfg, SamplingSettings(max_new_tokens=N, samples_per_prompt=2),
-                         EngineSettings(page_size=6), batch=8, prompt_width=WIDTH)
+    single = PagedEngine(m.graphdef, cfg, sampling_settings(N, samples_per_prompt=2),
+                         engine(page_size=6), batch=8, prompt_width=WIDTH)
     with pytest.raises(ValueError, match="a single-turn one takes none"):
         single.generate(m.params, ids, mask, key, on_turn_end=environment([]))
     with pytest.raises(ValueError, match="max_turns"):
-        PagedEngine(m.graphdef, cfg, settings(max_turns=0), EngineSettings(page_size=6), batch=8,
+        PagedEngine(m.graphdef, cfg, settings(max_turns=0), engine(page_size=6), batch=8,
                     prompt_width=WIDTH)

@@ -18,7 +18,8 @@ from ppo_jax.models import split_model
 from ppo_jax.models.functional import Model
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.tiny_random import tiny_config
-from ppo_jax.rollout.sampler import SamplingSettings, generate, prefill, sample
+from ppo_jax.rollout.static_batch import generate, prefill, sample
+from tests.rollout.sampling_settings import sampling_settings
 from tests.xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +87,7 @@ def test_shared_prefill_samples_the_tokens_of_the_repeated_path(split, n, how):
               **SAMPLERS[how])
     key = jax.random.PRNGKey(7)
     got, got_mask, _ = sample(Model(*split), ids, mask, key,
-                           settings=SamplingSettings(samples_per_prompt=n, **kw))
+                           settings=sampling_settings(samples_per_prompt=n, **kw))
     want, want_mask = generate(*split, ids, mask, key, **kw)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(got_mask), np.asarray(want_mask))
@@ -105,15 +106,15 @@ def test_shared_prefill_samples_the_tokens_of_the_repeated_path(split, n, how):
     (16, "samples_per_prompt=16 does not divide the batch of 8 rows"),
 ])
 def test_bad_samples_per_prompt_is_named_before_compiling(split, n, match):
-    from ppo_jax.rollout import sampler
+    from ppo_jax.rollout import static_batch
 
     ids, mask = grouped_prompts(4)
-    compiled = sampler._generate._cache_size(), sampler._prefill_jit._cache_size()
+    compiled = static_batch._generate._cache_size(), static_batch._prefill_jit._cache_size()
     with pytest.raises(ValueError, match=match):
         generate(*split, ids, mask, jax.random.PRNGKey(0), max_new_tokens=2, samples_per_prompt=n)
     with pytest.raises(ValueError, match=match):
         prefill(*split, ids, mask, max_new_tokens=2, samples_per_prompt=n)
-    assert (sampler._generate._cache_size(), sampler._prefill_jit._cache_size()) == compiled
+    assert (static_batch._generate._cache_size(), static_batch._prefill_jit._cache_size()) == compiled
 
 
 def test_a_group_whose_rows_differ_is_named(split):

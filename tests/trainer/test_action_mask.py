@@ -16,8 +16,9 @@ from ppo_jax.core import (
 )
 from ppo_jax.core.registry import POLICY_LOSSES, VALUE_LOSSES
 from ppo_jax.models import Model, load_model, split_model
-from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
-from ppo_jax.rollout.forward import ForwardSettings, Rollout
+from ppo_jax.trainer.stages.ppo.experience import PPOModels, make_experience
+from tests.trainer.default_settings import experience_settings, forward_settings
+from ppo_jax.rollout.forward import Rollout
 
 B, P, N = 3, 4, 8
 LENGTH = np.array([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0]])
@@ -71,7 +72,7 @@ def experience(models, action_mask, *, whiten=False):
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.integers(4, 200, (B, P)), jnp.int32)
     r = jnp.asarray(rng.integers(4, 200, (B, N)), jnp.int32)
-    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=B), gamma=GAMMA,
+    settings = experience_settings(forward=forward_settings(micro_batch_size=B), gamma=GAMMA,
                                   lam=LAM, whiten_advantages=whiten)
     kl = init_kl_controller("fixed", KL_COEF, 6.0, 10000)
     scores = jnp.asarray([1.0, -0.5, 0.25])

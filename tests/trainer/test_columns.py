@@ -1,4 +1,4 @@
-"""Column buckets (`trainer.stages.ppo.columns`): bucket widths, cutting prompts and responses, and a tiny
+"""Column buckets (`trainer.stages.ppo.step_data`): bucket widths, cutting prompts and responses, and a tiny
 PPO run whose responses stop early giving the same figures with buckets on as off."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns, bucket_width, bucket_widths
+from ppo_jax.trainer.stages.ppo.step_data import PromptColumns, ResponseColumns, bucket_width, bucket_widths
 from ppo_jax.trainer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -134,7 +134,8 @@ def _code_accepts():
     from ppo_jax.models.config import DTYPES, remat_policy_names
     from ppo_jax.models.lora import INITS, fresh_adapter
     from ppo_jax.models.tiny_random import tiny_config, tiny_tokenizer
-    from ppo_jax.rollout.engine_layout import ATTENTION_KERNELS, ENGINES, EngineSettings, engine_layout
+    from ppo_jax.rollout.engine_layout import ATTENTION_KERNELS, ENGINES, engine_layout
+    from tests.rollout.sampling_settings import engine_settings
     from ppo_jax.rollout.observations import OBSERVATION_ROLES, observation_frame
     from ppo_jax.rollout.weights import ROLLOUT_LAYOUTS, resolve_layout
     from ppo_jax.trainer.data.prompts import TRUNCATIONS, tokenize_prompts
@@ -165,7 +166,7 @@ def _code_accepts():
         "env.observation_role": (OBSERVATION_ROLES, lambda v: observation_frame(tok, v)),
         "generation.engine": (ENGINES, None),
         "generation.attention": (ATTENTION_KERNELS, lambda v: engine_layout(
-            EngineSettings(attention=v), batch=2, prompt_width=8, max_new_tokens=8,
+            engine_settings(attention=v), batch=2, prompt_width=8, max_new_tokens=8,
             group_size=1, replicas=1)),
         "generation.rollout_layout": (ROLLOUT_LAYOUTS, lambda v: resolve_layout(v, "paged")),
     }

@@ -87,7 +87,8 @@ def test_remax_baseline_is_the_greedy_response_score(tmp_path, monkeypatch):
     actor = trainer.ppo_models(trainer.state["actor"].params).actor
     baseline = trainer.greedy_baseline(actor, ids, mask, jax.random.PRNGKey(0),
                                        trainer.prompts.texts[:8])
-    g_resp, g_mask, _ = trainer.jit.sample_greedy(actor, ids, mask, jax.random.PRNGKey(1))
+    g_resp, g_mask = trainer.jit.sampler(actor, ids, mask, jax.random.PRNGKey(1),
+                                         trainer.settings.greedy_baseline)[:2]
     texts = trainer.decode(np.asarray(g_resp), np.asarray(g_mask))
     want = trainer.reward_fn(trainer.prompts.texts[:8], texts)  # greedy: the key does not matter
     np.testing.assert_allclose(np.asarray(baseline), want, atol=1e-6)

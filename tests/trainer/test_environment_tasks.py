@@ -23,8 +23,10 @@ ROW = {"prompt": "What is 47 * 382?", "answer": "17954"}
 CHAIN = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
 
 
-def _info(call=0, bad=0, error=0, answered=0) -> dict:
-    return {"tool_call": call, "malformed": bad, "tool_error": error, "answered": answered}
+def _info(call=0, bad=0, error=0, answered=0, first=None) -> dict:
+    """A turn's info; `first` (the episode's first call: `used_tool`) defaults to `call`."""
+    return {"tool_call": call, "used_tool": call if first is None else first, "malformed": bad,
+            "tool_error": error, "answered": answered}
 
 
 # --- final_number --------------------------------------------------------------------------
@@ -98,7 +100,8 @@ def test_a_call_returns_its_result_and_costs_the_tool_cost():
                              CalculatorState(Fraction(17954), calls=1), _info(call=1))
     hermes = ('<tool_call>{"name": "calculator", "arguments": {"expression": "47*382"}}'
               "</tool_call>")
-    assert run_step(env, out.state, hermes, timeout_s=5).observation == "17954"
+    second = run_step(env, out.state, hermes, timeout_s=5)
+    assert second.observation == "17954" and second.info == _info(call=1, first=0)
 
 
 @pytest.mark.parametrize("text, observation", [

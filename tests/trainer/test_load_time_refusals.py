@@ -54,7 +54,7 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused(estimator, no_m
 
 def test_a_group_estimator_with_groups_is_accepted():
     from ppo_jax.trainer.config import load_config
-    from ppo_jax.trainer.stages.ppo.checks import check_names
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     check_names(load_config(TINY, ["ppo.advantage_estimator=grpo", "generation.samples_per_prompt=2"]))
 

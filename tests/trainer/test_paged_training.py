@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import train
-from ppo_jax.trainer.checkpoint import finished_steps
+from ppo_jax.trainer.lifecycle.checkpoint import finished_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/tiny.yaml"

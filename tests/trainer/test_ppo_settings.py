@@ -1,6 +1,6 @@
 """`stages.ppo.settings`: every static setting of a PPO step is built once from the config, each
-field written out from its key; every field that has a config key's name carries its value, and
-the settings dataclasses' defaults are the config's."""
+field written out from its key; every field that has a config key's name carries its value (the
+dataclasses have no defaults of their own to hold equal)."""
 
 from __future__ import annotations
 
@@ -80,29 +80,6 @@ def test_every_field_named_after_a_config_key_carries_its_value():
                 assert value == want[name], f"{type(part).__name__}.{name}: {value!r}"
                 seen.add(name)
     assert seen == set(want), sorted(set(want) - seen)
-
-
-@pytest.mark.parametrize("cls", ["UpdateSettings", "ExperienceSettings", "ForwardSettings",
-                                 "SamplingSettings", "EngineSettings"])
-def test_the_settings_defaults_are_the_configs(cls):
-    """A settings dataclass made with its defaults is the default run's (configs/default.yaml)
-    in every field named after a config key."""
-    from ppo_jax.rollout import engine, experience, forward, sampler
-    from ppo_jax.trainer.stages.ppo import update
-
-    module = {"UpdateSettings": update, "ExperienceSettings": experience, "ForwardSettings": forward,
-              "SamplingSettings": sampler, "EngineSettings": engine}[cls]
-    cfg = load_config(None)
-    sections = {"ppo": cfg.ppo, "generation": cfg.generation, "model": cfg.model}
-    keys = {f"{sec}.{k}": v for sec, obj in sections.items() for k, v in _fields(obj).items()}
-    by_name = {}
-    for key, value in keys.items():
-        by_name.setdefault(key.split(".")[1], []).append(value)
-    for f in dataclasses.fields(getattr(module, cls)):
-        if f.name in by_name and f.default is not dataclasses.MISSING:
-            config = by_name[f.name][0]
-            config = tuple(config) if isinstance(config, (list, dict)) else config
-            assert f.default == config, f"{cls}.{f.name}: default {f.default!r}, config {config!r}"
 
 
 @pytest.mark.parametrize("share,want", [(True, 4), (False, 1)])

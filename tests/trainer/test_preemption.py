@@ -27,8 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
-from ppo_jax.trainer.checkpoint import finished_steps  # noqa: E402
-from ppo_jax.trainer.preemption import StopSignals  # noqa: E402
+from ppo_jax.trainer.lifecycle.checkpoint import finished_steps  # noqa: E402
+from ppo_jax.trainer.lifecycle.preemption import StopSignals  # noqa: E402
 from tests.xla_env import xla_flags  # noqa: E402
 
 TINY = ROOT / "configs/tiny.yaml"

@@ -20,12 +20,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
-from ppo_jax.trainer.checkpoint import Checkpointer, CheckpointReadError, finished_steps  # noqa: E402
+from ppo_jax.trainer.lifecycle.checkpoint import Checkpointer, CheckpointReadError, finished_steps  # noqa: E402
 from ppo_jax.trainer.config import ConfigError, load_config, to_dict  # noqa: E402
-from ppo_jax.trainer.resume import (  # noqa: E402
+from ppo_jax.trainer.lifecycle.resume import (  # noqa: E402
     UNSAFE, config_changes, flat, resume_mode, unsafe_reason,
 )
-from ppo_jax.trainer.run_dir import config_in_effect, write_run_config  # noqa: E402
+from ppo_jax.trainer.lifecycle.run_dir import config_in_effect, write_run_config  # noqa: E402
 
 TINY = ROOT / "configs/tiny.yaml"
 VOLATILE = ("time/", "tokens_per_s/")  # wall-clock figures
@@ -309,7 +309,7 @@ def test_a_new_start_writes_its_config_json_and_moves_a_leftover_one_aside(tmp_p
 
 
 def test_a_new_start_keeps_a_leftover_config_json_that_says_the_same(tmp_path):
-    from ppo_jax.trainer.run_dir import supersede_configs
+    from ppo_jax.trainer.lifecycle.run_dir import supersede_configs
 
     (tmp_path / "config.json").write_text(json.dumps({"x": 1}))
     (tmp_path / "config.resume-2.json").write_text(json.dumps({"x": 2}))

@@ -17,10 +17,10 @@ import pytest
 from ppo_jax.core import unregister
 from ppo_jax.trainer.config import load_config
 from ppo_jax.trainer.environments import register_environment
-from ppo_jax.trainer.preemption import StopSignals
+from ppo_jax.trainer.lifecycle.preemption import StopSignals
 from ppo_jax.trainer.rewards.calls import RewardFunctionError, call_reward_function
 from ppo_jax.trainer.rewards.functions import register_reward_function
-from ppo_jax.trainer.stages.ppo import faults
+from ppo_jax.trainer.stages.ppo import rewards
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -133,11 +133,11 @@ def user_code():
 def test_a_non_finite_stop_names_the_users_reward_function_or_environment(user_code):
     base = [f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}"]
     cfg = load_config(ROOT / "configs/tiny.yaml", base + ["reward.function=huge_54"])
-    assert faults.forks_in_play(cfg) == [
+    assert rewards.forks_in_play(cfg) == [
         f"reward.function='huge_54' ({__name__}.user_code.<locals>.<lambda>)"]
-    assert "reward.function='huge_54'" in faults.finite_hint(cfg, "Check the reward scale")
+    assert "reward.function='huge_54'" in rewards.finite_hint(cfg, "Check the reward scale")
     cfg = load_config(ROOT / "configs/tiny.yaml", base + ["env.name=user_env_54"])
-    assert [f.split(" ")[0] for f in faults.forks_in_play(cfg)] == ["env.name='user_env_54'"]
+    assert [f.split(" ")[0] for f in rewards.forks_in_play(cfg)] == ["env.name='user_env_54'"]
     builtin = load_config(ROOT / "configs/tiny.yaml", base)  # vader: nothing of the user's
-    assert faults.forks_in_play(builtin) == []
-    assert faults.finite_hint(builtin, "Check the reward scale") == "Check the reward scale"
+    assert rewards.forks_in_play(builtin) == []
+    assert rewards.finite_hint(builtin, "Check the reward scale") == "Check the reward scale"

@@ -23,7 +23,7 @@ from ppo_jax.trainer.config import ConfigError, load_config
 from ppo_jax.trainer.faults import UserCodeError
 from ppo_jax.trainer.rewards.deadline import WATCHDOG_SIGNAL, Expired, call_with_deadline
 from ppo_jax.trainer.rewards.calls import RewardFunctionError, call_reward_function
-from ppo_jax.trainer.stages.ppo import checks, faults
+from ppo_jax.trainer.stages.ppo import load_checks, rewards
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -182,8 +182,8 @@ def test_a_reward_function_that_fails_mid_run_stops_naming_it_and_the_step(user_
     """It passes the probe and step 1, then raises at step 2: exit 1, one line naming the
     function, the step and the checkpoint kept; checkpoint 1 and its metrics stay, and the run
     directory is free for `--resume`."""
-    from ppo_jax.trainer.checkpoint import finished_steps
-    from ppo_jax.trainer.run_dir import RunLock
+    from ppo_jax.trainer.lifecycle.checkpoint import finished_steps
+    from ppo_jax.trainer.lifecycle.run_dir import RunLock
     from ppo_jax.trainer.tracking.metrics import read_metrics
 
     out = user_module
@@ -226,13 +226,13 @@ def test_the_probe_is_skipped_where_the_function_is_not_called(user_module):
         cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.prompts={PROMPTS}",
                                                        f"eval.prompts={EVAL_PROMPTS}",
                                                        "reward.function=no_probe_54"])
-        checks.check_prompt_files(cfg)
+        load_checks.check_prompt_files(cfg)
     finally:
         unregister("reward function", "no_probe_54")
     tools = load_config(ROOT / "configs/tools.yaml", ["reward.function=raises"])
-    checks.check_prompt_files(tools)
+    load_checks.check_prompt_files(tools)
     with pytest.raises(ConfigError, match="reward.function='raises' failed its load-time probe"):
-        checks.check_prompt_files(load_config(ROOT / "configs/tiny.yaml", [
+        load_checks.check_prompt_files(load_config(ROOT / "configs/tiny.yaml", [
             f"data.prompts={PROMPTS}", f"eval.prompts={EVAL_PROMPTS}", "reward.function=raises"]))
 
 
@@ -251,7 +251,7 @@ def test_the_eval_prompts_are_probed_too(tmp_path):
                                                    "reward.function=eval_nan_54"])
     try:
         with pytest.raises(ConfigError) as e:
-            checks.check_prompt_files(cfg)
+            load_checks.check_prompt_files(cfg)
     finally:
         unregister("reward function", "eval_nan_54")
     assert str(e.value) == (
@@ -280,12 +280,12 @@ class Saved:
                          "must be [2], one number per response"),
 ])
 def test_a_failure_mid_run_is_a_user_code_error_with_the_step(fn, what):
-    """`faults.reward_faults` around a call, as `PPOTrainer.score_texts` makes it: a timeout, a
+    """`rewards.reward_faults` around a call, as `PPOTrainer.score_texts` makes it: a timeout, a
     non-finite component or the wrong shape at step 5 after checkpoint 4."""
     from ppo_jax.trainer.rewards.calls import with_timeout
 
     with pytest.raises(UserCodeError) as e:
-        with faults.reward_faults("mine", "step 5", Saved(4)):
+        with rewards.reward_faults("mine", "step 5", Saved(4)):
             call_reward_function(with_timeout(fn, 0.2), ["first", "second prompt"], ["a", "b"])
     assert str(e.value) == (f"reward.function='mine' failed at step 5: it {what}; stopped "
                             "before saving (the last checkpoint, step 4, is kept)")

@@ -42,8 +42,9 @@ def test_experience_scores_are_the_reward_model_at_the_last_real_token(tiny_chec
     from ppo_jax.core import init_kl_controller
     from ppo_jax.models import split_model
     from ppo_jax.models import Model
-    from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
-    from ppo_jax.rollout.forward import Rollout, ForwardSettings
+    from ppo_jax.trainer.stages.ppo.experience import PPOModels, make_experience
+    from tests.trainer.default_settings import experience_settings, forward_settings
+    from ppo_jax.rollout.forward import Rollout
 
     actor, _ = load_model(tiny_checkpoint, "causal_lm")
     critic, _ = load_model(reward_dir, "value")
@@ -57,7 +58,7 @@ def test_experience_scores_are_the_reward_model_at_the_last_real_token(tiny_chec
     models = PPOModels(Model(ag, ap), Model(ag, ap), Model(cg, cp), Model(rg, rp))
     exp, _, _ = make_experience(models, Rollout(q, qm, r, rmask), init_kl_controller("fixed", 0.1),
                                 None, jnp.ones(2, bool),
-                                settings=ExperienceSettings(ForwardSettings(micro_batch_size=1)))
+                                settings=experience_settings(forward_settings(micro_batch_size=1)))
     for b in range(2):  # each row alone, without any padding
         ids = np.concatenate([q[b][qm[b] > 0], r[b][rmask[b] > 0]])[None]
         want = rm(jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids)))[0][0]
@@ -71,8 +72,9 @@ def test_eos_at_end_scores_every_response_at_an_eos(tiny_checkpoint, reward_dir)
     from ppo_jax.core import init_kl_controller
     from ppo_jax.models import split_model
     from ppo_jax.models import Model
-    from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
-    from ppo_jax.rollout.forward import Rollout, ForwardSettings
+    from ppo_jax.trainer.stages.ppo.experience import PPOModels, make_experience
+    from tests.trainer.default_settings import experience_settings, forward_settings
+    from ppo_jax.rollout.forward import Rollout
     from ppo_jax.rollout.forward import end_with_eos
 
     eos = 1
@@ -90,14 +92,14 @@ def test_eos_at_end_scores_every_response_at_an_eos(tiny_checkpoint, reward_dir)
     models = PPOModels(Model(ag, ap), Model(ag, ap), None, Model(rg, rp))
     rollout, kl = Rollout(q, qm, r, rmask), init_kl_controller("fixed", 0.1)
     exp, _, _ = make_experience(models, rollout, kl, None, jnp.array([True, False]),
-                                settings=ExperienceSettings(ForwardSettings(micro_batch_size=1,
+                                settings=experience_settings(forward_settings(micro_batch_size=1,
                                                                             reward_eos_id=eos)))
     for b, resp in enumerate(([5, 6, eos], [7, 8, 9, eos])):
         ids = jnp.asarray([q[b][qm[b] > 0].tolist() + resp])
         want = rm(ids, jnp.ones_like(ids))[0][0]
         assert float(exp.scores[b]) == pytest.approx(float(want), abs=1e-5)
     plain, _, _ = make_experience(models, rollout, kl, None, jnp.array([True, False]),
-                                  settings=ExperienceSettings(ForwardSettings(micro_batch_size=1)))
+                                  settings=experience_settings(forward_settings(micro_batch_size=1)))
     assert float(plain.scores[0]) == pytest.approx(float(exp.scores[0]), abs=1e-6)
     assert abs(float(plain.scores[1]) - float(exp.scores[1])) > 1e-4
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from ppo_jax.core import init_kl_controller
-from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
-from ppo_jax.rollout.forward import Rollout, ForwardSettings
+from ppo_jax.trainer.stages.ppo.experience import PPOModels, make_experience
+from tests.trainer.default_settings import experience_settings, forward_settings
+from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.config import load_config
 from ppo_jax.trainer.data.tasks import PLAIN_INSTRUCTION
 from ppo_jax.trainer.rewards.functions import register_reward_function
@@ -132,7 +133,7 @@ def test_overlong_punishment_is_added_to_the_score_before_shaping(tiny_checkpoin
     mask = jnp.asarray(np.arange(5)[None] < lengths[:, None], jnp.int32)
     ids = jnp.full((4, 5), 7, jnp.int32)
     models = PPOModels(Model(graphdef, params), Model(graphdef, params))
-    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=4), overlong_buffer=2,
+    settings = experience_settings(forward=forward_settings(micro_batch_size=4), overlong_buffer=2,
                                   overlong_penalty_factor=0.5, max_response_length=5,
                                   advantage_estimator="grpo", whiten_advantages=False)
     exp, _, stats = make_experience(models, Rollout(ids, jnp.ones_like(ids), ids, mask),

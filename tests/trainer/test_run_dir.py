@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ppo_jax.trainer.config import ConfigError, load_config
-from ppo_jax.trainer.run_dir import RunLock, logged_steps, supersede_rows
+from ppo_jax.trainer.lifecycle.run_dir import RunLock, logged_steps, supersede_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny.yaml")
@@ -63,7 +63,7 @@ def test_bad_values_are_named_by_the_config(override, match):
     ("ppo.reward_shaping_kwargs.kl_coef=0", "reward_shaping_kwargs.kl_coef: the trainer passes"),
 ])
 def test_config_kwargs_may_not_shadow_the_trainers_own(override, match):
-    from ppo_jax.trainer.stages.ppo.checks import check_names
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     with pytest.raises(ConfigError, match=match):
         check_names(load_config(TINY, [override]))
@@ -110,7 +110,7 @@ def test_metrics_without_a_checkpoint_are_refused_with_advice_that_works(tmp_pat
     row, both point at --resume auto, the start that works there."""
     import sys
 
-    from ppo_jax.trainer.resume import plan_resume
+    from ppo_jax.trainer.lifecycle.resume import plan_resume
 
     sys.path.insert(0, str(ROOT))
     import train
@@ -147,7 +147,7 @@ def test_a_run_that_goes_non_finite_stops_before_saving(tmp_path, monkeypatch):
     """An absurd learning rate makes the losses non-finite within the first steps: the run stops
     with a clear error, logs the bad step, and saves no checkpoint of it (earlier ones stay)."""
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    from ppo_jax.trainer.checkpoint import finished_steps
+    from ppo_jax.trainer.lifecycle.checkpoint import finished_steps
     from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
     out = tmp_path / "run"

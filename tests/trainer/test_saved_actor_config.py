@@ -19,7 +19,7 @@ def write_run(out: Path, resumed_at: int = 4, steps=(1, 2, 3, 4, 5, 6)) -> Path:
     """A run started under tiny.yaml (generation.top_k 0) and resumed from checkpoint
     `resumed_at` with generation.top_k=1 and train.steps=7; its finished checkpoints `steps`;
     an actor_hf beside them."""
-    from ppo_jax.trainer.checkpoint import JSON_FILES
+    from ppo_jax.trainer.lifecycle.checkpoint import JSON_FILES
     from ppo_jax.trainer.config import load_config, to_dict
 
     first = to_dict(load_config(ROOT / "configs/tiny.yaml", [f"train.output_dir={out}"]))
@@ -67,7 +67,7 @@ def test_an_exported_actor_reads_the_config_of_the_runs_last_step(tmp_path):
 
 
 def test_a_fresh_starts_config_resume_0_of_older_runs_applies_from_step_0(tmp_path):
-    from ppo_jax.trainer.run_dir import config_in_effect, config_of_step
+    from ppo_jax.trainer.lifecycle.run_dir import config_in_effect, config_of_step
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "config.resume-0.json").write_text("{}")

@@ -14,7 +14,7 @@ import pytest
 
 from ppo_jax.trainer.loading.lora import is_trained
 from ppo_jax.trainer.stages.supervised import supervised_update
-from ppo_jax.trainer.state import TrainState, full_params, over_trained, split_trainable
+from ppo_jax.trainer.state import TrainState, full_params, loss_of_trained, split_trainable
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ppo_jax"
 
@@ -39,7 +39,7 @@ def test_the_filter_splits_adapters_and_heads_from_the_base_and_the_join_undoes_
         full_params(trained, trained)
 
 
-def test_over_trained_differentiates_the_trained_leaves_only():
+def test_loss_of_trained_differentiates_the_trained_leaves_only():
     trained, frozen = split_trainable(_params(), is_trained)
 
     def loss(params, x):  # y = x @ (W + A B) @ v
@@ -48,7 +48,7 @@ def test_over_trained_differentiates_the_trained_leaves_only():
         return jnp.sum(x @ w @ params["value_head"]["kernel"])
 
     x = jnp.array([[1.0, 2.0]])
-    grads = jax.grad(over_trained(loss, frozen))(trained, x)
+    grads = jax.grad(loss_of_trained(loss, frozen))(trained, x)
     assert jax.tree.structure(grads) == jax.tree.structure(trained)
     # by hand: d/dB = A^T x^T v^T; d/dA = x^T v^T B^T = 0 (B = 0); d/dv = (x W)^T
     w = np.arange(6.0).reshape(2, 3)

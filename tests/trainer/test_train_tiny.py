@@ -95,7 +95,7 @@ def test_max_minutes_ends_the_run_at_the_step_that_spends_it(run_dir, tmp_path, 
 
 
 def test_a_wall_clock_budget_is_spent_on_its_own_clock():
-    from ppo_jax.trainer.preemption import WallClockBudget
+    from ppo_jax.trainer.lifecycle.preemption import WallClockBudget
 
     assert not WallClockBudget(None).spent()
     budget = WallClockBudget(2.0)
@@ -252,7 +252,7 @@ def test_prompt_ids_outside_the_model_vocabulary_are_rejected(tmp_path, monkeypa
 def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at_start():
     from ppo_jax.core import register_advantage_estimator, register_policy_loss, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo.checks import check_names
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     @register_policy_loss("no_normalizer")
     def no_normalizer(logprobs, old_logprobs, advantages, mask):
@@ -283,7 +283,7 @@ def test_a_registered_function_that_cannot_take_the_trainers_call_is_rejected_at
 def test_registered_functions_with_wrong_outputs_or_names_are_rejected_at_start():
     from ppo_jax.core import register_policy_loss, register_reward_shaping, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo.checks import check_names
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     @register_policy_loss("scalar_loss_test")
     def scalar_loss(batch, **unused):  # the pre-issue-11 form: a scalar, not [B, T]
@@ -326,7 +326,7 @@ def test_outputs_that_fit_only_the_1x2_test_batch_are_rejected_at_start():
     step 1."""
     from ppo_jax.core import ppo_clip_loss, register_advantage_estimator, register_policy_loss, unregister
     from ppo_jax.trainer.config import ConfigError, load_config
-    from ppo_jax.trainer.stages.ppo.checks import check_names
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     @register_policy_loss("first_two_tokens_test")
     def first_two_tokens(batch, **kw):

@@ -14,11 +14,13 @@ from ppo_jax.core import init_kl_controller, register_policy_loss
 from ppo_jax.core.registry import unregister
 from ppo_jax.models import load_model, split_model
 from ppo_jax.models import Model
-from ppo_jax.rollout.experience import ExperienceSettings, PPOModels, make_experience
-from ppo_jax.rollout.forward import Rollout, ForwardSettings
+from ppo_jax.trainer.stages.ppo.experience import PPOModels, make_experience
+from tests.trainer.default_settings import experience_settings, forward_settings
+from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.optim import make_optimizer
 from ppo_jax.trainer.state import TrainState
-from ppo_jax.trainer.stages.ppo.update import UpdateSettings, ppo_update
+from ppo_jax.trainer.stages.ppo.update import ppo_update
+from tests.trainer.default_settings import update_settings
 
 B, P, N = 4, 6, 5
 
@@ -56,7 +58,7 @@ def rollout(seed=0):
     return tuple(jnp.asarray(x) for x in (q, qm, r, rm))
 
 
-def experience(models, settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=2)),
+def experience(models, settings=experience_settings(forward=forward_settings(micro_batch_size=2)),
                scores=None):
     ag, ap, cg, cp = models
     q, qm, r, rm = rollout()
@@ -72,14 +74,14 @@ def run_update(models, exp, settings, tx=None):
     ag, ap, cg, cp = models
     tx = tx or make_optimizer(1e-3)
     a, c = TrainState.create(ap, tx), TrainState.create(cp, tx)
-    return jax.jit(lambda a, c, e, k: ppo_update(a, c, e, k, actor_graphdef=ag, critic_graphdef=cg,
+    return jax.jit(lambda a, c, e, k: ppo_update(a, c, None, e, k, actor_graphdef=ag, critic_graphdef=cg,
                                                  actor_tx=tx, critic_tx=tx, settings=settings))(
         a, c, exp, jax.random.PRNGKey(0))
 
 
 def test_first_minibatch_of_first_epoch_has_ratio_one_and_zero_approxkl(models):
     exp, _, _ = experience(models)
-    _, _, stats = run_update(models, exp, UpdateSettings(ppo_epochs=2, mini_batch_size=2,
+    _, _, stats = run_update(models, exp, update_settings(ppo_epochs=2, mini_batch_size=2,
                                                          micro_batch_size=2))
     # The rollout and update programs are different XLA computations (the update also
     # differentiates), and XLA CPU's fusion may reassociate float32 sums: log-probs agree to a
@@ -105,11 +107,11 @@ def test_token_means_across_micro_batches_are_sums_over_total_tokens(models):
         adv = jnp.asarray([[1.0, 9, 9, 9, 9], [0.0, 0, 0, 9, 9]])
         two = jax.tree.map(lambda x: x[:2], exp).replace(response_mask=mask, action_mask=mask,
                                                           advantages=adv)
-        settings = UpdateSettings(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1,
+        settings = update_settings(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1,
                                   policy_loss="per_token_advantage")
         ag, ap, cg, cp = models
         tx = make_optimizer(1e-3)
-        _, _, stats = ppo_update(TrainState.create(ap, tx), TrainState.create(cp, tx), two,
+        _, _, stats = ppo_update(TrainState.create(ap, tx), TrainState.create(cp, tx), None, two,
                                  jax.random.PRNGKey(0), actor_graphdef=ag, critic_graphdef=cg,
                                  actor_tx=tx, critic_tx=tx, settings=settings)
         assert float(stats["pg_loss"][0, 0]) == pytest.approx(0.25, abs=1e-7)
@@ -119,8 +121,8 @@ def test_token_means_across_micro_batches_are_sums_over_total_tokens(models):
 
 def test_gradient_accumulation_matches_one_big_micro_batch(models):
     exp, _, _ = experience(models)
-    one = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4)
-    four = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=1)
+    one = update_settings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4)
+    four = update_settings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=1)
     sgd = optax.sgd(1.0)  # params move by exactly the (accumulated) gradient
     a1, c1, s1 = run_update(models, exp, one, sgd)
     a4, c4, s4 = run_update(models, exp, four, sgd)
@@ -156,7 +158,7 @@ def test_missing_eos_penalty_and_score_scale(models):
     ag, ap, cg, cp = models
     q, qm, r, rm = rollout()
     kl = init_kl_controller("fixed", 0.0)
-    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=4), score_scale=2.0,
+    settings = experience_settings(forward=forward_settings(micro_batch_size=4), score_scale=2.0,
                                   missing_eos_penalty=1.0)
     ended = jnp.asarray([True, False, True, False])
     exp, _, stats = make_experience(
@@ -178,30 +180,30 @@ def test_shared_critic_with_zero_vf_coef_moves_the_policy_like_the_separate_acto
     exp_s, _, stats_s = make_experience(
         PPOModels(Model(sg, shared), Model(ag, ap)),
         Rollout(q, qm, r, rm), kl, scores, ended,
-        settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=4), shared_critic=True))
+        settings=experience_settings(forward=forward_settings(micro_batch_size=4), shared_critic=True))
     exp, _, _ = make_experience(
         models_of(ag, ap, ap, cg, cp, None, None),
         Rollout(q, qm, r, rm), kl, scores, ended,
-        settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=4)))
+        settings=experience_settings(forward=forward_settings(micro_batch_size=4)))
     # zero value heads on both sides: same values (0), same advantages
     np.testing.assert_allclose(exp_s.advantages, exp.advantages, atol=1e-6)
     assert float(stats_s["values_mean"]) == 0.0
     tx = optax.sgd(0.1)
-    settings = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2)
-    a_sep, _, _ = ppo_update(TrainState.create(ap, tx), TrainState.create(cp, tx), exp,
+    settings = update_settings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2)
+    a_sep, _, _ = ppo_update(TrainState.create(ap, tx), TrainState.create(cp, tx), None, exp,
                              jax.random.PRNGKey(0), actor_graphdef=ag, critic_graphdef=cg,
                              actor_tx=tx, critic_tx=tx, settings=settings)
-    joint = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True,
+    joint = update_settings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True,
                            vf_coef=0.0)
-    a_sh, none, stats = ppo_update(TrainState.create(shared, tx), None, exp_s, jax.random.PRNGKey(0),
+    a_sh, none, stats = ppo_update(TrainState.create(shared, tx), None, None, exp_s, jax.random.PRNGKey(0),
                                    actor_graphdef=sg, critic_graphdef=None, actor_tx=tx,
                                    critic_tx=None, settings=joint)
     assert none is None and "vf_loss" in stats and "pg_loss" in stats
     policy = {k: v for k, v in a_sh.params.items() if k != "value_head"}
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), policy, a_sep.params)
     # with vf_coef > 0 the value head learns
-    joint = UpdateSettings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True, vf_coef=1.0)
-    a_sh, _, _ = ppo_update(TrainState.create(shared, tx), None, exp_s, jax.random.PRNGKey(0),
+    joint = update_settings(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, shared_critic=True, vf_coef=1.0)
+    a_sh, _, _ = ppo_update(TrainState.create(shared, tx), None, None, exp_s, jax.random.PRNGKey(0),
                             actor_graphdef=sg, critic_graphdef=None, actor_tx=tx, critic_tx=None,
                             settings=joint)
     assert float(jnp.abs(a_sh.params["value_head"]["kernel"]).sum()) > 0.0
@@ -219,8 +221,8 @@ def test_gradient_accumulation_is_exact_in_every_aggregation_mode_with_both_loss
     exp = _with_ref_noise(experience(models)[0])
     kw = dict(ppo_epochs=1, mini_batch_size=4, loss_aggregation=mode, entropy_coef=0.01, kl_loss_coef=0.1)
     sgd = optax.sgd(1.0)
-    a1, c1, s1 = run_update(models, exp, UpdateSettings(micro_batch_size=4, **kw), sgd)
-    a4, c4, s4 = run_update(models, exp, UpdateSettings(micro_batch_size=1, **kw), sgd)
+    a1, c1, s1 = run_update(models, exp, update_settings(micro_batch_size=4, **kw), sgd)
+    a4, c4, s4 = run_update(models, exp, update_settings(micro_batch_size=1, **kw), sgd)
     for key in ("pg_loss", "entropy_loss", "kl_loss", "vf_loss", "clipfrac", "actor_grad_norm",
                 "critic_grad_norm"):
         np.testing.assert_allclose(s1[key], s4[key], rtol=2e-5, atol=1e-7, err_msg=key)
@@ -234,7 +236,7 @@ def test_entropy_and_kl_loss_terms_have_their_exact_values(models):
     """First (and only) minibatch = the whole batch, where new log-probs equal the rollout's:
     entropy_loss = -c_ent * token-mean entropy, kl_loss = c_kl * token-mean k3(old, ref)."""
     exp = _with_ref_noise(experience(models)[0])
-    settings = UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=2,
+    settings = update_settings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=2,
                               entropy_coef=0.05, kl_loss_coef=0.2)
     _, _, stats = run_update(models, exp, settings)
     np.testing.assert_allclose(stats["entropy_loss"][0, 0], -0.05 * stats["policy_entropy"][0, 0], rtol=1e-6)
@@ -242,7 +244,7 @@ def test_entropy_and_kl_loss_terms_have_their_exact_values(models):
     valid = np.asarray(exp.response_mask) > 0
     k3 = (np.exp(-d) + d - 1)[valid].mean()
     np.testing.assert_allclose(stats["kl_loss"][0, 0], 0.2 * k3, rtol=1e-5)
-    _, _, off = run_update(models, exp, UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=2))
+    _, _, off = run_update(models, exp, update_settings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=2))
     assert float(off["entropy_loss"][0, 0]) == 0.0 and float(off["kl_loss"][0, 0]) == 0.0
 
 
@@ -253,7 +255,7 @@ def test_a_loss_sees_each_rows_group_id_through_shuffling_and_micro_batches(mode
 
     try:
         exp, _, _ = experience(models)
-        settings = UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=1,
+        settings = update_settings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=1,
                                   policy_loss="group_id_loss")
         _, _, stats = run_update(models, exp, settings)
         # rows 0..3 have 5, 3, 1, 4 tokens: token mean of the row index = 17 / 13
@@ -275,7 +277,7 @@ def test_a_registered_reward_shaping_replaces_the_kl_penalty(models):
         ag, ap, cg, cp = models
         q, qm, r, rm = rollout()
         kl = init_kl_controller("fixed", 5.0)  # ignored by this shaping
-        settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=4),
+        settings = experience_settings(forward=forward_settings(micro_batch_size=4),
                                       reward_shaping="score_only_test",
                                       reward_shaping_kwargs=(("bonus", 1.0),))
         ref = jax.tree.map(lambda x: x * 1.01, ap)
@@ -302,14 +304,14 @@ def test_chunked_logprobs_give_the_same_experience_and_update(models):
     """model.logprob_chunk_size: rollout / reference log-probs and entropies, then a PPO update
     with an entropy bonus, equal the full-logits path's to float32 rounding."""
     exp, _, stats = experience(models)
-    exp_c, _, stats_c = experience(models, ExperienceSettings(
-        forward=ForwardSettings(micro_batch_size=2, logprob_chunk_size=CHUNK)))
+    exp_c, _, stats_c = experience(models, experience_settings(
+        forward=forward_settings(micro_batch_size=2, logprob_chunk_size=CHUNK)))
     _assert_trees_close(exp_c, exp)
     _assert_trees_close(stats_c, stats)
     kw = dict(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, entropy_coef=0.05)
     sgd = optax.sgd(0.05)
-    a0, c0, s0 = run_update(models, exp, UpdateSettings(**kw), sgd)
-    a1, c1, s1 = run_update(models, exp, UpdateSettings(logprob_chunk_size=CHUNK, **kw), sgd)
+    a0, c0, s0 = run_update(models, exp, update_settings(**kw), sgd)
+    a1, c1, s1 = run_update(models, exp, update_settings(logprob_chunk_size=CHUNK, **kw), sgd)
     _assert_trees_close(s1, s0)
     _assert_trees_close(a1.params, a0.params)
     _assert_trees_close(c1.params, c0.params)
@@ -328,13 +330,13 @@ def test_chunked_logprobs_in_the_shared_critic_update(models, shared_model):
         exp, _, _ = make_experience(
             PPOModels(Model(sg, shared), Model(ag, ap)),
             Rollout(q, qm, r, rm), kl, jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
-            settings=ExperienceSettings(shared_critic=True, forward=ForwardSettings(
+            settings=experience_settings(shared_critic=True, forward=forward_settings(
                 micro_batch_size=2, logprob_chunk_size=chunk)))
-        settings = UpdateSettings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=2,
+        settings = update_settings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=2,
                                   shared_critic=True, vf_coef=0.5, entropy_coef=0.05,
                                   logprob_chunk_size=chunk)
         state, _, stats = jax.jit(lambda a, e: ppo_update(
-            a, None, e, jax.random.PRNGKey(0), actor_graphdef=sg, critic_graphdef=None,
+            a, None, None, e, jax.random.PRNGKey(0), actor_graphdef=sg, critic_graphdef=None,
             actor_tx=sgd, critic_tx=None, settings=settings))(TrainState.create(shared, sgd), exp)
         out.append((exp, stats, state.params))
     for got, want in zip(out[1], out[0]):
@@ -354,7 +356,7 @@ def _padded_rollout(wide_p: int, wide_n: int):
 @pytest.mark.slow  # default-run budget (15 min on 2 cores)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
-    """`trainer.stages.ppo.columns` drops columns that are padding in every row (leading prompt columns,
+    """`trainer.stages.ppo.step_data` drops columns that are padding in every row (leading prompt columns,
     trailing response columns). Experience (log-probs, values, missing-EOS penalty, whitened
     rewards, GAE, whitened advantages, KL and the logged stats) and the update (losses, stats,
     params) agree with the full width, an empty response row included; seq-mean-token-sum
@@ -365,7 +367,7 @@ def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
     q, qm, r, rm = full
     cut = (q[:, -p_used:], qm[:, -p_used:], r[:, :n_used], rm[:, :n_used])
     kl = init_kl_controller("fixed", 0.1)
-    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=2), missing_eos_penalty=0.5,
+    settings = experience_settings(forward=forward_settings(micro_batch_size=2), missing_eos_penalty=0.5,
                                   whiten_rewards=True, gamma=0.9, lam=0.8)
     scores, ended = jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.asarray([True, False, False, True])
 
@@ -384,7 +386,7 @@ def test_all_pad_columns_change_no_experience_or_update_value(models, mode):
     for key in stats_w:
         np.testing.assert_allclose(stats_n[key], stats_w[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
-    upd = UpdateSettings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, loss_aggregation=mode,
+    upd = update_settings(ppo_epochs=2, mini_batch_size=2, micro_batch_size=1, loss_aggregation=mode,
                          entropy_coef=0.01, kl_loss_coef=0.1, max_response_length=wide_n)
     (a_w, c_w, s_w), (a_n, c_n, s_n) = (run_update(models, e, upd) for e in (exp_w, exp_n))
     for key in s_w:
@@ -407,7 +409,7 @@ def test_the_sampler_log_probs_are_kept_and_their_mismatch_logged(models):
     exp2, _, stats2 = make_experience(
         models_of(ag, ap, ap, cg, cp), Rollout(*rollout()), init_kl_controller("fixed", 0.1),
         jnp.asarray([1.0, -0.5, 0.25, 0.0]), jnp.ones(B, bool),
-        settings=ExperienceSettings(forward=ForwardSettings(micro_batch_size=4)),
+        settings=experience_settings(forward=forward_settings(micro_batch_size=4)),
         rollout_logprobs=sampled)
     np.testing.assert_array_equal(exp2.rollout_logprobs, sampled)
     d = np.asarray(exp2.logprobs - sampled, np.float64)[np.asarray(exp.response_mask) > 0]
@@ -424,10 +426,10 @@ def test_a_rollout_correction_on_equal_log_probs_leaves_the_update_bit_identical
     exactly 1, so losses, stats and params equal those without a correction bit for bit."""
     exp, _, _ = experience(models)
     kw = dict(ppo_epochs=1, mini_batch_size=2, micro_batch_size=1)
-    a0, c0, s0 = run_update(models, exp, UpdateSettings(**kw))
+    a0, c0, s0 = run_update(models, exp, update_settings(**kw))
     assert not any(key.startswith("rollout_correction/") for key in s0)
     for mode in ("tis", "mis"):
-        a1, c1, s1 = run_update(models, exp, UpdateSettings(rollout_correction=mode, **kw))
+        a1, c1, s1 = run_update(models, exp, update_settings(rollout_correction=mode, **kw))
         for key, value in s0.items():
             np.testing.assert_array_equal(s1[key], value, err_msg=f"{mode} {key}")
         np.testing.assert_allclose(s1["rollout_correction/weight_mean"], 1.0, rtol=1e-6)
@@ -450,7 +452,7 @@ def test_a_rollout_correction_weighs_each_tokens_pg_loss(models, mode):
         rho = np.exp((shift * valid).sum(1))
         weights, truncated = np.where(rho <= 2.0, rho, 0.0)[:, None] * valid, 0.25
     exp = exp.replace(rollout_logprobs=exp.logprobs - jnp.asarray(shift, jnp.float32))
-    settings = UpdateSettings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=1,
+    settings = update_settings(ppo_epochs=1, mini_batch_size=B, micro_batch_size=1,
                               rollout_correction=mode, rollout_correction_cap=2.0)
     _, _, stats = run_update(models, exp, settings)
     adv = np.asarray(exp.advantages, np.float64)
@@ -475,9 +477,9 @@ def test_decoupled_lambdas_reach_the_experience_and_the_critic_explained_varianc
     cp = {**cp, "value_head": {**cp["value_head"], "kernel": jnp.asarray(
         np.random.default_rng(0).normal(size=head.shape) * 0.5, head.dtype)}}
     models = (ag, ap, cg, cp)
-    base = dict(forward=ForwardSettings(micro_batch_size=2), whiten_advantages=False)
-    plain, _, plain_stats = experience(models, ExperienceSettings(**base))
-    exp, _, stats = experience(models, ExperienceSettings(**base, critic_lam=1.0,
+    base = dict(forward=forward_settings(micro_batch_size=2), whiten_advantages=False)
+    plain, _, plain_stats = experience(models, experience_settings(**base))
+    exp, _, stats = experience(models, experience_settings(**base, critic_lam=1.0,
                                                           lam_length_alpha=0.5))
     np.testing.assert_array_equal(exp.values, plain.values)
     mask = np.asarray(exp.action_mask)
@@ -492,7 +494,7 @@ def test_decoupled_lambdas_reach_the_experience_and_the_critic_explained_varianc
         v, r = np.asarray(e.values)[mask > 0], np.asarray(e.returns)[mask > 0]
         np.testing.assert_allclose(s["values_explained_variance"], 1 - np.var(r - v) / np.var(r),
                                    rtol=1e-4, atol=1e-5)
-    _, _, free = experience(models, ExperienceSettings(**base, advantage_estimator="rloo"))
+    _, _, free = experience(models, experience_settings(**base, advantage_estimator="rloo"))
     assert "values_explained_variance" not in free and "values_mean" in free
 
 
@@ -504,7 +506,7 @@ def test_a_critic_with_several_samples_per_prompt_logs_its_group_baseline_refere
     ag, ap, cg, cp = models
     q, qm, r, rm = rollout()
     kl = init_kl_controller("fixed", 0.0, 6.0, 10000)
-    settings = ExperienceSettings(forward=ForwardSettings(micro_batch_size=2), gamma=1.0, lam=1.0,
+    settings = experience_settings(forward=forward_settings(micro_batch_size=2), gamma=1.0, lam=1.0,
                                   samples_per_prompt=2)
     exp, _, stats = jax.jit(lambda ap, cp: make_experience(
         models_of(ag, ap, ap, cg, cp), Rollout(q, qm, r, rm), kl, jnp.asarray([1.0, 0.0, 1.0, 1.0]),
@@ -518,7 +520,7 @@ def test_a_critic_with_several_samples_per_prompt_logs_its_group_baseline_refere
                                atol=1e-5)
     _, _, one = experience(models)
     assert "group_baseline_explained_variance" not in one and "values_explained_variance" in one
-    free = ExperienceSettings(forward=ForwardSettings(micro_batch_size=2), advantage_estimator="rloo",
+    free = experience_settings(forward=forward_settings(micro_batch_size=2), advantage_estimator="rloo",
                               samples_per_prompt=2)
     _, _, free_stats = experience(models, free)
     assert "group_baseline_explained_variance" not in free_stats

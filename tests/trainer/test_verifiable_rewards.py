@@ -119,7 +119,7 @@ def test_chain_sum_partial_credit_is_off_unless_asked_and_never_counts_as_accura
     np.testing.assert_allclose(part["score"], [1.1, 0.6, 0.35, 0.1], rtol=1e-6)
     np.testing.assert_allclose(part["task_score"], [1.0, 0.5, 0.25, 0.0])
     np.testing.assert_array_equal(part["accuracy"], [1, 0, 0, 0])  # full credit only
-    from ppo_jax.trainer.stages.ppo.checks import check_names
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     cfg = load_config(ROOT / "configs/rlvr/tiny.yaml",
                       ["reward.function_kwargs.partial_credit=sometimes"])
@@ -147,7 +147,7 @@ def test_chain_sum_reward_on_the_last_number_needs_no_tag():
     part = get_reward_function("reasoning_gym", partial_credit=True, answer="last_number")(
         ["q"], ["4 - 1 = 31"], rows=rows[:1])
     np.testing.assert_allclose(part["score"], [0.5])
-    from ppo_jax.trainer.stages.ppo.checks import check_names
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     cfg = load_config(ROOT / "configs/rlvr/tiny.yaml", ["reward.function_kwargs.answer=boxed"])
     with pytest.raises(ConfigError, match="answer must be one of .*'tag', 'last_number'.*boxed"):
@@ -178,7 +178,7 @@ def test_score_texts_passes_rows_only_to_functions_that_take_them():
 def test_the_builtin_reward_functions_pass_the_load_time_probe(config, monkeypatch):
     """vader, and reasoning_gym (tag and last-number answers) on their shipped configs: the
     probe's placeholder responses to the first prompts (and eval prompts) score (issue 54)."""
-    from ppo_jax.trainer.stages.ppo.checks import check_names, check_prompt_files
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names, check_prompt_files
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(ROOT / config)
@@ -190,7 +190,7 @@ def test_math_verify_keeps_its_own_timeouts_under_reward_timeout(tmp_path):
     """math-verify times its parses with SIGALRM, which works in the main thread only: the
     `reward.timeout_s` watchdog keeps the call in the calling thread (`rewards.deadline`), so
     it still scores there, and its load-time probe passes on a file of prompts with answers."""
-    from ppo_jax.trainer.stages.ppo.checks import check_prompt_files
+    from ppo_jax.trainer.stages.ppo.load_checks import check_prompt_files
 
     timed = with_timeout(get_reward_function("math_verify"), 5.0)
     responses = ["<answer>\\frac{1}{2}</answer>", "so 0.5", "<answer>2</answer>"]

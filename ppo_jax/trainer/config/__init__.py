@@ -1,20 +1,18 @@
-"""The typed configuration of a run (any of the three stages), loaded from YAML with dotted
-command-line overrides.
+"""The typed configuration of a run, of any stage, loaded from YAML with dotted command-line
+overrides.
 
-The schema is a tree of dataclasses (`config.schema`); `omegaconf` merges the YAML file and the
-overrides onto it and rejects unknown keys and values of the wrong type, naming the key
-(`ppo.kl_coeff` -> ``ConfigKeyError: Key 'kl_coeff' not in 'PPOConfig'``). `validate`
-(`config.checks`) then checks the relations between fields (batch sizes that must divide, names
-that must be registered) before anything is loaded or compiled; `describe` (`config.help`) is
-the text of `train.py --help-config`.
+The schema is a tree of dataclasses. `omegaconf` merges the YAML file and the overrides onto
+it and rejects unknown keys and values of the wrong type, naming the key (`ppo.kl_coeff` ->
+``ConfigKeyError: Key 'kl_coeff' not in 'PPOConfig'``). `validate` then checks the relations
+between fields, such as batch sizes that must divide and names that must be registered,
+before anything is loaded or compiled. `describe` is the text of `train.py --help-config`.
 
 The schema's defaults are the shipped default run, `configs/default.yaml`: `load_config(None)`
-is that run, and a file that names three keys is that run with those three changed. A file may
-name another as its `base:` (recipes that differ in a few keys: configs/rlvr/*.yaml).
+is that run, and a file naming three keys is that run with those three changed. A file may
+name another as its `base:`, for recipes that differ in a few keys (configs/rlvr/*.yaml).
 
-This module is the one to import from (every name of the three above is here too). It and
-the modules it reads import nothing from the trainer above them (`stages`, `loop`,
-`loading`): the stage names (`STAGES`, `Stage`) are defined in `config.schema`.
+Import config names from this module. It imports nothing from the trainer above it, which is
+why the stage names (`STAGES`, `Stage`) live in the schema.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     Raises:
       FileNotFoundError: the YAML file does not exist.
       ConfigError: an unknown key, a value of the wrong type, a malformed override, or fields
-        that contradict each other (see `validate`); the message names the key and value.
+        that contradict each other; the message names the key and value.
     """
     schema = OmegaConf.structured(Config)
     try:
@@ -130,7 +128,7 @@ def static_kwargs(kwargs: dict) -> tuple:
 
 
 def to_dict(cfg: Config) -> dict:
-    """Plain nested dict of `cfg` (for logging and checkpoint metadata)."""
+    """Plain nested dict of `cfg`, for logging and checkpoint metadata."""
     return dataclasses.asdict(cfg)
 
 

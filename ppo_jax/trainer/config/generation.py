@@ -1,6 +1,5 @@
 """The `generation` section of the config: how the actor samples responses, with which engine
-(`rollout.sampler`, the static batch, or `rollout.engine`, the paged engine) and with which
-copy of its weights (`rollout.weights`)."""
+(the static batch or the paged engine) and with which copy of its weights."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ class GenerationConfig:
                            "(benchmarks)")
     response_buckets: int = opt(4, "experience making and the update run on the batch's longest response, "
                                 "rounded up to one of this many evenly spaced widths up to "
-                                "max_new_tokens (trainer.stages.ppo.columns); 1 = always max_new_tokens")
+                                "max_new_tokens (trainer.stages.ppo.step_data); 1 = always max_new_tokens")
     samples_per_prompt: int = opt(1, "responses per prompt (GRPO / RLOO groups): a PPO batch "
                                   "holds ppo.batch_size / n prompts x n")
     share_prompt_prefill: bool = opt(True, "with samples_per_prompt = n > 1, run each distinct "
@@ -36,7 +35,7 @@ class GenerationConfig:
                                      "its n samples (rollout.prefill); the same tokens as n "
                                      "prefills")
     engine: RolloutEngine = opt("static", "static: one batch, a [B, P + N] KV cache, every row "
-                                "until the longest stops (rollout.sampler); paged: KV pages, "
+                                "until the longest stops (rollout.static_batch); paged: KV pages, "
                                 "decode slots refilled as rows finish (rollout.engine, "
                                 "docs/rollout_engine.md); the same tokens under one key")
     page_size: int = opt(16, "paged: tokens per KV page; must divide data.max_prompt_length + "

@@ -1,9 +1,9 @@
 """Settings refused where they have no effect: one table (`NO_EFFECT`) of the keys that another
 setting leaves unread, each with the condition under which nothing reads it and why.
 
-A key counts as set when its value differs from the schema's default (`Config()`), so a file
-that spells out a default, and the config.json a run writes (every key, defaults included), are
-never refused for it. `check_no_effect` runs last in `validate`, at load: before anything is
+A key counts as set when its value differs from the schema's default. So a file that spells
+out a default is never refused for it, and neither is the config.json a run writes, which
+holds every key. `check_no_effect` runs last in `validate`, at load: before anything is
 compiled or written, after the checks that name a value out of range. docs/config.md renders
 the table (scripts/config_reference.py), so the page lists exactly what is refused.
 
@@ -63,7 +63,7 @@ def value_of(cfg: Config, key: str) -> Any:
 
 
 def _estimator(cfg: Config) -> Optional[Callable]:
-    """The configured advantage estimator, or None for an unknown name (`stages.ppo.checks`
+    """The configured advantage estimator, or None for an unknown name (`stages.ppo.load_checks`
     names it, with the known ones)."""
     try:
         return get_advantage_estimator(cfg.ppo.advantage_estimator)

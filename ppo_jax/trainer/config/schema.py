@@ -2,13 +2,12 @@
 default and help text (`python train.py --help-config` prints them; `ppo_jax.trainer.config`
 loads YAML and overrides onto it).
 
-The defaults ARE the shipped default run, `configs/default.yaml` (a test holds
-`load_config(None) == load_config("configs/default.yaml")`), so a config file names only what
-it changes. Where that file is silent the defaults follow TRL 0.11's `PPOConfig` where TRL has
-the field (target 6, horizon 10000, cliprange 0.2, cliprange_value 0.2, gamma 1, lam 0.95,
-temperature 1.0 with top_k 0 / top_p 1.0); the default run's own choices replace TRL's for
-kl_coef (0.05, fixed controller: TRL starts at 0.2, adaptive), ppo_epochs (2: TRL 4), batch
-sizes and learning rates.
+The defaults ARE the shipped default run, `configs/default.yaml`, so a config file names only
+what it changes; a test holds the two equal. Where that file is silent the defaults follow
+TRL 0.11's `PPOConfig` where TRL has the field: target 6, horizon 10000, cliprange 0.2,
+cliprange_value 0.2, gamma 1, lam 0.95, temperature 1.0 with top_k 0 / top_p 1.0. The default
+run's own choices replace TRL's for kl_coef, 0.05 with a fixed controller where TRL starts
+adaptive at 0.2; ppo_epochs, 2 where TRL has 4; batch sizes and learning rates.
 
 A choice (a `Literal`) is defined next to the code that takes it and imported here from below
 (`core`, `models`, `rollout`, and the trainer's leaf modules `data.prompts`, `optim`,
@@ -139,7 +138,7 @@ class DataConfig:
     shuffle: bool = opt(True, "visit the prompts in a seeded random order each epoch")
     prompt_buckets: int = opt(1, "PPO: each batch is left-padded only to its widest prompt, "
                               "rounded up to one of this many evenly spaced widths between the "
-                              "set's shortest and widest prompt (trainer.stages.ppo.columns); 1 = the "
+                              "set's shortest and widest prompt (trainer.stages.ppo.step_data); 1 = the "
                               "widest prompt of the set, every step")
     task: TaskConfig = section(TaskConfig)
 

@@ -42,9 +42,9 @@ def multiplication_records(n: int, *, digits: tuple[int, int] = (2, 3), seed: in
 
     Args:
       n: how many records.
-      digits: the digits of the two operands (`(2, 3)`: 47 * 382).
-      seed: the draw's seed (the split of a problem does not depend on it).
-      split: "train" or "held_out" (module doc: disjoint by construction).
+      digits: the digits of the two operands; `(2, 3)` gives problems such as 47 * 382.
+      seed: the draw's seed; a problem's split does not depend on it.
+      split: "train" or "held_out", disjoint by construction.
       held_out_every: about one problem in this many is held out.
       instruction: text appended to every prompt after a newline ("" for none: the calculator
         environment appends its own).

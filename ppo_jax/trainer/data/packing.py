@@ -16,12 +16,13 @@ from ppo_jax.trainer.data.records import Messages
 
 def encode_prompt(tokenizer, prompt: Messages, *, use_chat_template: bool,
                   system_prompt: str | None, response_prefix: str | None = None) -> list[int]:
-    """Prompt token ids, the same PPO's prompts get (`data.apply_template` calls this).
+    """Prompt token ids, the same PPO's prompts get (`data.prompts.apply_template` calls this).
 
     With `use_chat_template` and a tokenizer that has a template: the template with
     `add_generation_prompt=True`, `system_prompt` prepended as a system turn when given and the
-    messages have none, tokenised without extra special tokens. Otherwise
-    `tokenizer("\\n".join(contents))` of every message in order (`system_prompt` unused, as in PPO).
+    messages have none, tokenised without extra special tokens. Otherwise the contents of every
+    message, in order and joined by newlines, are tokenised; `system_prompt` is unused there, as
+    in PPO.
     `response_prefix` (`data.response_prefix`) is appended to the text before tokenising: the
     start of the assistant's answer (e.g. "<answer>").
     """

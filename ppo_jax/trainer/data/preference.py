@@ -113,9 +113,10 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length:
     position a PPO run with `reward.eos_at_end` reads).
 
     Returns:
-      (batch, {"prompts_truncated", "chosen_truncated", "rejected_truncated": pair counts,
-       "identical_after_truncation": pairs whose two rows have the same tokens (different
-       strings that tokenise alike, or rows cut to the same tokens): dropped, with a warning}).
+      `(batch, counts)`. `counts` maps "prompts_truncated", "chosen_truncated" and
+      "rejected_truncated" to pair counts, and "identical_after_truncation" to the number of
+      pairs dropped, with a warning, because their two rows have the same tokens: different
+      strings that tokenise alike, or rows cut to the same tokens.
     Raises:
       ValueError: see `truncate_rows`; every pair has identical chosen and rejected tokens.
     """

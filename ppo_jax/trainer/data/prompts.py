@@ -1,11 +1,11 @@
-"""Prompt sets: read, template, tokenise and left-pad (their order: `trainer.data.order`).
+"""Prompt sets: read, template, tokenise and left-pad.
 
 A prompt file is `.jsonl` / `.json` (records with a `prompt` field, or bare strings), `.txt`
-(one prompt per line) or `.parquet` (a `prompt` column); a record's other fields (an `answer`,
-say) are kept as its row and reach the reward function. A reasoning-gym task gives records
-too (`trainer.data.tasks`). Prompts pass through the tokenizer's
-chat template when it has one (a single user turn, optional system turn, generation prompt
-appended), are tokenised, and left-padded to one fixed width so every step has the same shapes.
+(one prompt per line) or `.parquet` (a `prompt` column). A record's other fields, such as an
+`answer`, are kept as its row and reach the reward function; a reasoning-gym task gives such
+records too. Prompts pass through the tokenizer's chat template when it has one (one user turn,
+an optional system turn, the generation prompt appended), are tokenised, and are left-padded to
+one fixed width so that every step has the same shapes.
 """
 
 from __future__ import annotations
@@ -26,21 +26,20 @@ PROMPT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
 
 
 def read_prompts(path: str | Path, field: str = "prompt", key: str = "data.prompts") -> list[str]:
-    """Read the raw prompt strings of a file (JSON / JSONL / parquet through `text_data.read_rows`);
-    errors name the config key `key` of the file.
+    """The raw prompt strings of a file; errors name the config key `key`.
 
     Raises:
       FileNotFoundError: the file does not exist.
-      ValueError: unknown extension, a record without `field`, a prompt that is not a
-        non-blank string (records count from 0, blank JSONL lines skipped), or an empty set.
+      ValueError: unknown extension, a record without `field`, a prompt that is not a non-blank
+        string (records count from 0, blank JSONL lines skipped), or an empty set.
     """
     return read_prompt_records(path, field, key)[0]
 
 
 def read_prompt_records(path: str | Path, field: str = "prompt",
                         key: str = "data.prompts") -> tuple[list[str], list[dict]]:
-    """`(prompts, rows)`: the prompt strings of a file (`read_prompts`) and each record's
-    other fields (`{}` for bare strings and `.txt` lines), e.g. `{"answer": "42"}`.
+    """`(prompts, rows)`: the prompt strings of a file and each record's other fields, e.g.
+    `{"answer": "42"}` (`{}` for bare strings and `.txt` lines).
 
     Raises:
       FileNotFoundError / ValueError: as `read_prompts`.
@@ -64,18 +63,18 @@ def read_prompt_records(path: str | Path, field: str = "prompt",
 
 
 def extra_fields(record, field: str) -> dict:
-    """A prompt record's fields other than the prompt (`{}` for a bare string): what a reward
-    function receives as the row of that prompt (`answer`, a task's `entry`, a file's columns)."""
+    """A prompt record's fields other than the prompt, `{}` for a bare string: the row a reward
+    function receives for that prompt."""
     return {k: v for k, v in record.items() if k != field} if isinstance(record, dict) else {}
 
 
 def prompt_records(cfg, source: str, key: str) -> tuple[list[str], list[dict]]:
-    """`(prompts, rows)` of a prompt source of the run `cfg`: a file (`read_prompt_records`), or
-    'task' (`trainer.data.tasks`): the training problems of `data.task` for `data.prompts`, its
-    held-out problems (`eval.task_seed`, `eval.num_prompts`) for `eval.prompts`.
+    """`(prompts, rows)` of a prompt source of the run `cfg`: a file, or 'task', which gives the
+    training problems of `data.task` for `data.prompts` and its held-out problems
+    (`eval.task_seed`, `eval.num_prompts`) for `eval.prompts`.
 
     Raises:
-      FileNotFoundError / ValueError: as `read_prompt_records` and `tasks.task_splits`.
+      FileNotFoundError / ValueError: an unreadable file or a bad task.
     """
     if source != TASK_SOURCE:
         return read_prompt_records(source, cfg.data.prompt_field, key)
@@ -86,15 +85,15 @@ def prompt_records(cfg, source: str, key: str) -> tuple[list[str], list[dict]]:
 
 
 def plain_instruction_config(cfg, instruction: str):
-    """`cfg` (a run's `Config`) asking its held-out task problems plainly: `instruction` in
-    place of `data.task.instruction` and no `data.response_prefix`, so neither the prompt nor
-    the start of the answer names a format (`eval.plain_instruction`, docs/rlvr.md; cleared in
-    the result, which is the plain pass itself). The problems stay the same: the held-out
-    split depends on the task, its kwargs and seeds only.
+    """`cfg` asking its held-out task problems plainly, for `eval.plain_instruction`:
+    `instruction` in place of `data.task.instruction` and no `data.response_prefix`, so that
+    neither the prompt nor the start of the answer names a format. `eval.plain_instruction` is
+    cleared in the result. The problems stay the same, since the held-out split depends only on
+    the task, its kwargs and seeds.
 
     Raises:
-      ValueError: `eval.prompts` is not 'task' (a prompt file's instruction is part of its
-        text and cannot be replaced), naming it.
+      ValueError: `eval.prompts` is not 'task'; a prompt file's instruction is part of its text
+        and cannot be replaced.
     """
     if cfg.eval.prompts != TASK_SOURCE:
         raise ValueError(f"a plain instruction re-asks the problems of data.task: it needs "
@@ -113,7 +112,7 @@ def _field(record, field: str, path: Path, index: int, key: str) -> str:
 
 
 def _text(value, field: str, path: Path, index: int, key: str) -> str:
-    """A prompt must be a non-blank string (a number, null or list is a data error, not text)."""
+    """A prompt must be a non-blank string; a number, null or list is a data error, not text."""
     if not isinstance(value, str):
         raise ValueError(f"{key}: record {index} of {path}: {field!r} is "
                          f"{type(value).__name__} {value!r:.60}, not a string")
@@ -124,9 +123,9 @@ def _text(value, field: str, path: Path, index: int, key: str) -> str:
 
 def apply_template(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None,
                    response_prefix: str | None = None) -> list[int]:
-    """Token ids of one prompt: through the chat template when asked for and available
-    (`text_data.encode_prompt` of a single user turn, so SFT / reward-model prompts match),
-    then `response_prefix`, the text the assistant's turn starts with."""
+    """Token ids of one prompt: a single user turn through the chat template when asked for and
+    available, encoded as SFT and reward-model prompts are, then `response_prefix`, the text the
+    assistant's turn starts with."""
     return encode_prompt(tokenizer, [{"role": "user", "content": prompt}],
                          use_chat_template=use_chat_template, system_prompt=system_prompt,
                          response_prefix=response_prefix)
@@ -179,14 +178,15 @@ def tokenize_prompts(texts: list[str], tokenizer, *, max_prompt_length: int, tru
                      use_chat_template: bool = True, system_prompt: str | None = None,
                      pad_token_id: int, response_prefix: str | None = None,
                      rows: list[dict] | None = None) -> PromptSet:
-    """Template and tokenise every prompt; width = the longest prompt, at most max_prompt_length.
+    """Template and tokenise every prompt; the width is the longest prompt, at most
+    `max_prompt_length`.
 
-    Over-long prompts lose their oldest tokens (truncation="left", one warning with the count)
-    or are rejected (truncation="error").
+    Over-long prompts lose their oldest tokens (truncation="left", with one warning giving the
+    count) or are refused (truncation="error").
 
     Raises:
-      ValueError: an unknown `truncation`; truncation="error" and a prompt is longer than max_prompt_length (names the
-        prompt index and its length), or a prompt is empty after tokenisation.
+      ValueError: an unknown `truncation`; with truncation="error", a prompt longer than
+        max_prompt_length (naming its index and length); a prompt empty after tokenisation.
     """
     if truncation not in TRUNCATIONS:
         raise ValueError(f"data.truncation={truncation!r} is not one of {list(TRUNCATIONS)}")

@@ -42,7 +42,7 @@ def read_rows(path: str | Path, key: str, *, what: str = "data", suffixes=ROW_SU
               items: str = "objects") -> list:
     """The raw records of a `.json` (one list), `.jsonl` (one value a line, blank lines skipped)
     or `.parquet` (rows as dicts, nulls as None) file; shared by `read_records` and
-    `data.read_prompts`, which handles `.txt` itself. `what`, `suffixes` and `items` only word
+    `data.prompts.read_prompts`, which handles `.txt` itself. `what`, `suffixes` and `items` only word
     the errors.
 
     Raises:

@@ -1,12 +1,12 @@
 """Procedural reasoning tasks as prompt sets: reasoning-gym's seeded generators and their own
 scorers (`data.task`; `data.prompts: task` and `eval.prompts: task` select them).
 
-A task is a reasoning-gym dataset (`reasoning_gym.create_dataset(name, size, seed, **kwargs)`,
-e.g. `chain_sum`, `basic_arithmetic`, `leg_counting`, `gsm_symbolic`, `countdown`). Its
-entries become prompt records: `prompt` is the entry's question plus `data.task.instruction`
-(how to write the answer: reasoning-gym's `<answer>...</answer>` convention), and each record
-keeps `answer` (the entry's reference answer, also what the `math_verify` reward reads), `task`
-(the dataset name) and `entry` (the whole entry, which the task's own `score_answer` needs).
+A task is a reasoning-gym dataset made by `reasoning_gym.create_dataset`, such as
+`chain_sum`, `basic_arithmetic`, `leg_counting`, `gsm_symbolic` or `countdown`. Its entries
+become prompt records. `prompt` is the entry's question plus `data.task.instruction`, which
+says how to write the answer, by reasoning-gym's `<answer>...</answer>` convention. Each record
+also keeps `answer`, the entry's reference answer, which the `math_verify` reward reads; `task`,
+the dataset name; and `entry`, the whole entry, which the task's own `score_answer` needs.
 
 The held-out set is `eval.num_prompts` distinct questions of the same task and kwargs from
 another seed (`eval.task_seed`); the training set is `data.task.size` entries of

@@ -1,12 +1,13 @@
-"""Environments of multi-turn rollouts: the policy writes a turn, the environment answers
-(a tool's result, feedback, or the final score), host-side Python, no JAX (docs/environments.md).
+"""Environments of multi-turn rollouts: the policy writes a turn and the environment answers
+with a tool's result, feedback or the final score. They are host-side Python with no JAX;
+docs/environments.md describes them.
 
-  base.py               the interface (`Environment.reset(row)` / `.step(state, text)` ->
-                        `StepResult`), the registry (`register_environment`,
-                        `get_environment`), and the fault wall: `run_step(s)` /
-                        `run_reset(s)` turn an exception, a timeout or a malformed return into
-                        an `EpisodeFailure` (a batch's calls in parallel threads, one
-                        deadline); `episode_prompts` at load; observation truncation
+  base.py               the interface, `Environment.reset(row)` and `.step(state, text)`,
+                        which returns a `StepResult`; the registry, `register_environment` and
+                        `get_environment`; the fault wall: `run_step(s)` and `run_reset(s)`
+                        run a batch's calls in parallel threads under one deadline and turn
+                        an exception, a timeout or a malformed return into an
+                        `EpisodeFailure`; `episode_prompts` at load; observation truncation
   tool_calls.py         tool calls in a turn: the Hermes `<tool_call>{json}</tool_call>` and
                         the small-model `<calc>expr</calc>` formats, their stop strings
   calculator.py         a safe, bounded arithmetic evaluator (an `ast` whitelist, no eval)

@@ -13,26 +13,25 @@ A batch's episodes go through `run_resets` / `run_steps`: every row's call in it
 all waited for with one shared deadline, so a batch whose calls all hang costs one `timeout_s`,
 not one per row.
 
-The shape is the one of verl's agent loop (`ToolAgentLoop`, verl/experimental/agent_loop/)
-and of OpenRLHF's `MultiTurnExecutor` driving an `AgentInstanceBase` (openrlhf/utils/agent.py),
-after Gym's `reset` / `step`; the code is this project's own. Differences: the state is an
-explicit value passed in and returned (one environment object serves a whole batch, from
-several threads), and a turn's reward is a dict of named parts (`{"tool_cost": -0.05}`, the
-verifier's `{"correct": 1.0}`) that the driver sums and logs part by part.
+The shape follows verl's agent loop (`ToolAgentLoop`) and OpenRLHF's `MultiTurnExecutor`
+driving an `AgentInstanceBase`, after Gym's `reset` / `step`; the code is this project's own.
+Two differences: the state is an explicit value passed in and returned, so one environment
+object serves a whole batch from several threads; and a turn's reward is a dict of named parts
+(`{"tool_cost": -0.05}`, the verifier's `{"correct": 1.0}`) that the driver sums and logs part
+by part.
 
-Fault handling: `run_step(s)` / `run_reset(s)` never raise for a fault of the environment. An
-exception, a call slower than `timeout_s` or a malformed return (not a `StepResult`, a reward
+Faults: `run_step(s)` / `run_reset(s)` never raise for a fault of the environment. An
+exception, a call slower than `timeout_s`, or a malformed return (not a `StepResult`, a reward
 float32 cannot hold, an empty or non-text prompt, ...) becomes an `EpisodeFailure` naming the
-environment and the problem: that episode fails (zero-scored, counted), the run goes on. At
-load, `episode_prompts` turns the first such failure into a ValueError, and `get_environment`
-any exception of a factory (`build_environment`: within a time limit).
+environment and the problem: that episode fails, zero-scored and counted, and the run goes on.
+At load, `episode_prompts` turns the first such failure into a ValueError, and
+`get_environment` does the same for any exception of a factory.
 
-Registry: `@register_environment("name")` on a factory `(**kwargs) -> Environment`
-(`ppo_jax.core.registry`); a fork registers its own in a module that `train.py --import
-MODULE` imports (docs/environments.md).
+Register a factory `(**kwargs) -> Environment` with `@register_environment("name")`; a fork
+registers its own in a module that `train.py --import MODULE` imports (docs/environments.md).
 
-The turn limit (`max_turns`) and the token budget of observations are the rollout driver's:
-an environment answers one turn at a time and never counts turns it did not see.
+The turn limit (`max_turns`) and the token budget of observations belong to the rollout
+driver: an environment answers one turn at a time and never counts turns it did not see.
 """
 
 from __future__ import annotations
@@ -59,12 +58,12 @@ class StepResult:
     """What an environment answers to one policy turn.
 
     Attributes:
-      observation: the text of the next (user / tool) turn the policy sees; None when `done`.
+      observation: the text of the next user or tool turn the policy sees; None when `done`.
       done: the episode is over (a final answer, the attempts used up).
       rewards: named reward parts of this turn, finite floats (`{"tool_cost": -0.05}`; the
         verifier's final reward under "correct"); `{}` for none. The driver sums them.
       state: the episode's state after this turn, passed to the next `step`.
-      info: counts of this turn to log (`{"tool_call": 1, "malformed": 0}`).
+      info: numbers of this turn to log, summed over the episode (`{"tool_call": 1}`).
     """
 
     observation: Optional[str]
@@ -76,31 +75,31 @@ class StepResult:
 
 @dataclass(frozen=True)
 class EpisodeFailure:
-    """An episode ended by a fault of its environment: `env_name` and the `error` text
-    (`"environment 'calculator': step raised ZeroDivisionError: ..."`)."""
+    """An episode ended by a fault of its environment: `env_name` and the `error` text, e.g.
+    `"environment 'calculator': step raised ZeroDivisionError: ..."`."""
 
     env_name: str
     error: str
 
 
 class Environment:
-    """Base class of environments (subclass it, or write any object with these members).
+    """Base class of environments; any object with these members will do.
 
-    An environment holds only its configuration; everything of one episode is in the `state`
-    value it returns, so `step` must not mutate `self` (episodes of a batch share the object
-    and may run in parallel threads).
+    An environment holds only its configuration; everything of one episode is in the `state` value
+    it returns. `step` must not mutate `self`, since the episodes of a batch share the object and
+    may run in parallel threads.
     """
 
     name: str = "environment"
 
     def reset(self, row: dict) -> tuple[Any, str]:
-        """Start an episode on the prompt record `row` (its `prompt` and other fields: an
-        `answer`, a reasoning-gym `entry`, ...).
+        """Start an episode on the prompt record `row`: its `prompt` and other fields, such as an
+        `answer` or a reasoning-gym `entry`.
 
         Returns:
-          `(state, prompt)`: the episode's first state and the first observation, non-empty
-          text (the row's prompt, with any instruction the environment adds; the run's chat
-          template frames it, `data.use_chat_template`: not chat messages).
+          `(state, prompt)`: the episode's first state and the first observation, non-empty text
+          (the row's prompt with any instruction the environment adds). Text, not chat messages:
+          the run's chat template frames it.
 
         Raises:
           ValueError: a row without a field the environment reads.
@@ -108,14 +107,14 @@ class Environment:
         raise NotImplementedError
 
     def step(self, state: Any, assistant_text: str) -> StepResult:
-        """Answer the policy's turn `assistant_text` (decoded, its stop string included) in
-        the episode `state`."""
+        """Answer the policy's turn `assistant_text` (decoded, its stop string included) in the
+        episode `state`."""
         raise NotImplementedError
 
 
 def register_environment(name: str, *, override: bool = False):
-    """Decorator registering a factory `(**kwargs) -> Environment` under `name` (the registry
-    convention of `ppo_jax.core.registry`: the same factory again is a no-op).
+    """Decorator registering a factory `(**kwargs) -> Environment` under `name`. Registering the
+    same factory again is a no-op.
 
     Raises:
       ValueError: empty name, or `name` taken by another factory and not `override`.
@@ -127,11 +126,11 @@ def get_environment(name: str, **kwargs) -> Environment:
     """Build the registered environment `name`, its factory called with `kwargs`.
 
     Raises:
-      ValueError: naming the environment: unknown name (`"unknown environment 'x'; known:
-        calculator, ..."`), keyword arguments the factory does not take, a factory that raised
-        (any exception: `"environment 'x': its factory raised RuntimeError: ..."`; its own
-        ValueError that names the environment, as is), or one that returns no environment (no
-        callable `reset` / `step`).
+      ValueError: naming the environment: an unknown name (`"unknown environment 'x'; known:
+        calculator, ..."`); keyword arguments the factory does not take; a factory that raised
+        (`"environment 'x': its factory raised RuntimeError: ..."`, or its own ValueError as is
+        when that names the environment); or a factory that returns no environment (no callable
+        `reset` / `step`).
     """
     factory = ENVIRONMENTS.get(name)
     try:
@@ -152,10 +151,13 @@ def get_environment(name: str, **kwargs) -> Environment:
 
 
 def build_environment(name: str, kwargs: dict, *, timeout_s: Optional[float]) -> Environment:
-    """`get_environment(name, **kwargs)` within the set-up limit: the longer of `timeout_s`
-    (`env.timeout_s`, a step's limit) and `FACTORY_TIMEOUT_S` (a sandbox may take longer to
-    start than to answer), under `rewards.deadline`'s watchdog (main thread: interrupted).
-    Raises ValueError: as `get_environment`, or the factory ran past the limit (naming it)."""
+    """`get_environment(name, **kwargs)` within a set-up limit: the longer of `timeout_s` (a
+    step's limit) and `FACTORY_TIMEOUT_S`, since a sandbox may take longer to start than to
+    answer. In the main thread the factory is interrupted at the limit.
+
+    Raises:
+      ValueError: as `get_environment`, or the factory ran past the limit, naming it.
+    """
     limit = max(timeout_s or 0.0, FACTORY_TIMEOUT_S)
     try:
         return call_with_deadline(lambda: get_environment(name, **kwargs), limit)
@@ -177,12 +179,10 @@ def _env_name(env) -> str:
 def _timed_calls(calls: Sequence[tuple[Callable, tuple]], timeout_s: Optional[float]
                  ) -> list[Future]:
     """Each `fn(*args)` of `calls` in a new daemon thread, all started at once and waited for
-    with one shared deadline: the futures, each done unless `timeout_s` passed first. So a
-    batch of calls that all hang costs one `timeout_s`, not one per call.
+    with one shared deadline. Returns the futures, each done unless `timeout_s` passed first.
 
-    Daemon threads, not a pool's: Python cannot stop a thread, and a call that never returns
-    must neither hold a pool's worker nor keep the process alive at exit. Its late result is
-    dropped.
+    Daemon threads, not a pool's: Python cannot stop a thread, and a call that never returns must
+    neither hold a pool's worker nor keep the process alive at exit. Its late result is dropped.
     """
     futures = [_start(fn, args) for fn, args in calls]
     wait(futures, timeout=timeout_s)
@@ -211,7 +211,7 @@ def _check_timeout(timeout_s: Optional[float]) -> None:
 
 
 def _outcome(future: Future, name: str, what: str, timeout_s) -> Union[Any, EpisodeFailure]:
-    """The future's result, or the EpisodeFailure of its exception / of not being done."""
+    """The future's result, or the EpisodeFailure of its exception or of its not being done."""
     if not future.done():
         return EpisodeFailure(name, f"environment {name!r}: {what} took longer than "
                                     f"{timeout_s:g} s")
@@ -223,9 +223,9 @@ def _outcome(future: Future, name: str, what: str, timeout_s) -> Union[Any, Epis
 
 
 def step_problem(result: Any) -> Optional[str]:
-    """What is wrong with an environment's `step` return, or None when it is a well-formed
-    `StepResult` (a str observation unless done, a bool done, a dict of real rewards under
-    non-empty str names, a dict info of numbers; every number finite in float32)."""
+    """What is wrong with an environment's `step` return, or None for a well-formed `StepResult`:
+    a str observation unless done, a bool done, a dict of real rewards under non-empty str names,
+    a dict info of numbers, every number finite in float32."""
     if not isinstance(result, StepResult):
         return f"step returned {type(result).__name__}, not a StepResult"
     if not isinstance(result.done, bool):
@@ -261,20 +261,26 @@ def _float32(value: Any) -> bool:
 
 def run_step(env: Environment, state: Any, text: str, *, timeout_s: Optional[float]
              ) -> Union[StepResult, EpisodeFailure]:
-    """`env.step(state, text)` in a worker thread, within `timeout_s` seconds (None: no
-    limit), its return checked (`step_problem`): `run_steps` of one episode. The `StepResult`
-    (rewards as Python floats), or an `EpisodeFailure(env_name, error)` when the step raised,
-    ran past `timeout_s` (its thread is left to finish, its result dropped) or returned
-    something malformed. Raises only ValueError for a `timeout_s` that is not positive."""
+    """`env.step(state, text)` in a worker thread within `timeout_s` seconds (None: no limit),
+    its return checked.
+
+    Returns:
+      The `StepResult` (rewards as Python floats), or an `EpisodeFailure(env_name, error)` when
+      the step raised, ran past `timeout_s` (its thread is left to finish, its result dropped), or
+      returned something malformed.
+
+    Raises:
+      ValueError: `timeout_s` not positive.
+    """
     return run_steps(env, [state], [text], timeout_s=timeout_s)[0]
 
 
 def run_steps(env: Environment, states: Sequence[Any], texts: Sequence[str], *,
               timeout_s: Optional[float]) -> list[Union[StepResult, EpisodeFailure]]:
-    """`run_step` for a batch of episodes at once: `env.step(states[i], texts[i])` for every i
-    in parallel threads with one shared deadline, `timeout_s` after they start (so B hanging
-    steps cost one `timeout_s`, not B), the threads sharing the environment object. `[B]`
-    results in the order of `states`, as `run_step`'s.
+    """`run_step` for a batch of episodes at once: `env.step(states[i], texts[i])` for every i in
+    parallel threads sharing the environment object, with one deadline `timeout_s` after they
+    start, so B hanging steps cost one `timeout_s`. Returns `[B]` results in the order of
+    `states`.
 
     Raises:
       ValueError: `timeout_s` not positive, or `states` and `texts` of different lengths.
@@ -297,9 +303,9 @@ def _checked_step(out: Any, name: str) -> Union[StepResult, EpisodeFailure]:
 
 
 def reset_problem(out: Any) -> Optional[str]:
-    """What is wrong with an environment's `reset` return, or None when it is a pair
-    `(state, prompt)` whose prompt is non-empty text (chat messages are refused: the run's
-    chat template frames the prompt, `data.use_chat_template`)."""
+    """What is wrong with an environment's `reset` return, or None for a pair `(state, prompt)`
+    whose prompt is non-empty text. Chat messages are refused: the run's chat template frames the
+    prompt."""
     if not (isinstance(out, tuple) and len(out) == 2):
         return f"reset returned {out!r:.80}, not (state, prompt text)"
     prompt = out[1]
@@ -316,17 +322,23 @@ def reset_problem(out: Any) -> Optional[str]:
 def run_reset(env: Environment, row: dict, *, timeout_s: Optional[float]
               ) -> Union[tuple[Any, str], EpisodeFailure]:
     """`env.reset(row)` with `run_step`'s fault handling: `(state, prompt)`, or an
-    `EpisodeFailure` when it raised, ran past `timeout_s`, or returned something
-    `reset_problem` refuses; `run_resets` of one row (ValueError: `timeout_s` not positive).
+    `EpisodeFailure` when it raised, ran past `timeout_s`, or returned something `reset_problem`
+    refuses.
+
+    Raises:
+      ValueError: `timeout_s` not positive.
     """
     return run_resets(env, [row], timeout_s=timeout_s)[0]
 
 
 def run_resets(env: Environment, rows: Sequence[dict], *, timeout_s: Optional[float]
                ) -> list[Union[tuple[Any, str], EpisodeFailure]]:
-    """`run_reset` for a batch of rows at once: `env.reset(rows[i])` in parallel threads with
-    one shared deadline, as `run_steps`: `[B]` results in the order of `rows` (ValueError:
-    `timeout_s` not positive)."""
+    """`run_reset` for a batch of rows at once, in parallel threads with one shared deadline, as
+    `run_steps`. Returns `[B]` results in the order of `rows`.
+
+    Raises:
+      ValueError: `timeout_s` not positive.
+    """
     _check_timeout(timeout_s)
     name = _env_name(env)
     outs = [_outcome(f, name, "reset", timeout_s)
@@ -337,9 +349,8 @@ def run_resets(env: Environment, rows: Sequence[dict], *, timeout_s: Optional[fl
 
 
 def truncate_observation(text: str, max_chars: int) -> str:
-    """`text` cut to at most `max_chars` characters, ending with `TRUNCATION_MARKER`
-    ("...[truncated]") when cut, so the policy sees that something is missing (the rollout
-    driver cuts again by tokens: `truncate_tokens`).
+    """`text` cut to at most `max_chars` characters, ending with `TRUNCATION_MARKER` when cut so
+    that the policy sees something is missing. The rollout driver cuts again by tokens.
 
     Raises:
       ValueError: `max_chars` shorter than the marker.
@@ -354,8 +365,8 @@ def truncate_observation(text: str, max_chars: int) -> str:
 
 def truncate_tokens(ids: Sequence[int], max_tokens: int, marker_ids: Sequence[int] = ()
                     ) -> list[int]:
-    """The token ids `ids` cut to at most `max_tokens`; when cut, the last `len(marker_ids)`
-    of them are `marker_ids` (the tokenised `TRUNCATION_MARKER`, or nothing).
+    """The token ids `ids` cut to at most `max_tokens`; when cut, the last `len(marker_ids)` of
+    them are `marker_ids`, the tokenised `TRUNCATION_MARKER` or nothing.
 
     Raises:
       ValueError: `max_tokens` negative or shorter than `marker_ids`.
@@ -371,19 +382,20 @@ def truncate_tokens(ids: Sequence[int], max_tokens: int, marker_ids: Sequence[in
 
 def episode_prompts(env: Environment, texts: list[str], rows: Optional[list[dict]], key: str,
                     *, timeout_s: Optional[float]) -> tuple[list[str], list[dict]]:
-    """The first observation of each prompt record's episode: `(prompts, rows)`, where prompt
-    i is `env.reset({**rows[i], "prompt": texts[i]})`'s text (the record's prompt with the
-    environment's instruction) and row i keeps the record's own prompt under `prompt`, so a
-    later `reset(row)` starts the same episode. Called when the prompts load.
+    """The first observation of each prompt record's episode, called when the prompts load.
 
-    Each `reset` runs under `run_resets`' wall (`timeout_s`, `env.timeout_s`), `LOAD_CHUNK`
-    records at a time with one deadline a chunk; the first chunk holding a failure stops the
-    load, so a `reset` that hangs on every record costs one `timeout_s`, not one per record.
+    Returns `(prompts, rows)`: prompt i is the text of `env.reset({**rows[i], "prompt":
+    texts[i]})`, the record's prompt with the environment's instruction; row i keeps the record's
+    own prompt under `prompt`, so that a later `reset(row)` starts the same episode.
+
+    Resets run `LOAD_CHUNK` records at a time with one `timeout_s` deadline per chunk, and the
+    first chunk holding a failure stops the load, so a `reset` that hangs on every record costs
+    one `timeout_s`, not one per record.
 
     Raises:
       ValueError: naming `key`, the record (from 0) and the environment, for the first record
-        whose `reset` raised, ran past `timeout_s`, or returned no `(state, prompt)` pair with
-        a non-empty text prompt (chat messages included: `reset_problem`).
+        whose `reset` raised, ran past `timeout_s`, or returned no `(state, prompt)` pair with a
+        non-empty text prompt.
     """
     given = rows or [{}] * len(texts)
     rows = [{**(given[i] or {}), "prompt": text} for i, text in enumerate(texts)]

@@ -11,13 +11,14 @@ What is accepted before parsing (normalised to Python):
     `−` (U+2212) as minus;
   - `^` is POWER, as in written maths (`2^10` = 1024), not Python's bitwise xor.
 
-Bounds (the `CalculatorLimits` defaults; every one refuses, never truncates):
+Bounds, the `CalculatorLimits` defaults; each refuses, never truncates:
   - the expression is at most 200 characters;
   - every number, literal or intermediate, has at most 40 digits before the point (an int of
     41 digits, a float of magnitude >= 1e40, inf and nan are refused);
   - an exponent's magnitude is at most 64, and a power whose estimated result exceeds the
     digit bound is refused before it is computed (so `9**9**9` costs nothing);
-  - division or modulo by zero, and powers with a non-real result (`(-8)**0.5`), are errors.
+  - division or modulo by zero, and powers with a non-real result such as `(-8)**0.5`, are
+    errors.
 
 Results are text: ints as ints (`408`; an int divided by an int it divides stays an exact int:
 `123456789012/4` -> `30864197253`), floats to 10 significant digits with trailing zeros

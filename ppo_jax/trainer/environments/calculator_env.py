@@ -9,15 +9,17 @@ default: `<calc>12*34</calc>`, for small models; `tool_call`: the Hermes JSON fo
   ("408"), its error ("calculator error: division by zero") or the parse error of a malformed
   call ("could not parse the tool call: ..."); not done. Reward parts: `tool_cost` =
   -`tool_call_cost` on every call turn, `malformed_penalty` = -`malformed_penalty` on a
-  malformed one (0.0 otherwise). Info: `tool_call` 1, `malformed` 0/1, `tool_error` 0/1
-  (the calculator refused the expression).
+  malformed one (0.0 otherwise). Info: `tool_call` 1, `used_tool` 1 on the episode's first
+  call, `malformed` 0/1, `tool_error` 0/1 (the calculator refused the expression).
 - no call: the final answer. `final_number` reads it (the `<answer>` tag when there is one,
   else the last number of the text), compared exactly with the row's answer (as rationals;
   `rel_tol` allows a relative error). Reward part `correct` 1.0 / 0.0; done. Info: `answered`
   0/1 (a number was found).
 
-Every turn's info has the same keys (tool_call, malformed, tool_error, answered), so the
-driver can sum them over an episode. The turn limit is the rollout driver's (`max_turns`): an
+Every turn's info has the same keys (tool_call, used_tool, malformed, tool_error, answered);
+the driver sums each over an episode and logs its mean over the episodes as `env/<key>`: tool
+calls per episode, the share of episodes that used the tool, malformed calls and tool errors
+per episode, the share that gave a number. The turn limit is the rollout driver's (`max_turns`): an
 episode that reaches it without a final answer ends there with no `correct` part, which the
 driver scores as a wrong answer; the environment is not told.
 """
@@ -127,22 +129,25 @@ class CalculatorEnv(Environment):
             return StepResult(None, True, {"correct": float(correct)}, state,
                               _info(answered=given is not None))
         call = _calculator_call(call)
+        first = state.calls == 0
         state = replace(state, calls=state.calls + 1)
         rewards = {"tool_cost": 0.0 - self.tool_call_cost, "malformed_penalty": 0.0}
         if isinstance(call, MalformedCall):
             rewards["malformed_penalty"] = 0.0 - self.malformed_penalty
-            return StepResult(call.message, False, rewards, state, _info(call=True, bad=True))
+            return StepResult(call.message, False, rewards, state,
+                              _info(call=True, first=first, bad=True))
         result = calculate(call.arguments["expression"], self.limits)
         if isinstance(result, CalculatorError):
             return StepResult(f"calculator error: {result.message}", False, rewards, state,
-                              _info(call=True, error=True))
-        return StepResult(result, False, rewards, state, _info(call=True))
+                              _info(call=True, first=first, error=True))
+        return StepResult(result, False, rewards, state, _info(call=True, first=first))
 
 
-def _info(*, call: bool = False, bad: bool = False, error: bool = False,
+def _info(*, call: bool = False, first: bool = False, bad: bool = False, error: bool = False,
           answered: bool = False) -> dict:
-    return {"tool_call": int(call), "malformed": int(bad), "tool_error": int(error),
-            "answered": int(answered)}
+    """One turn's counts (module doc); `first`: the episode's first call (`used_tool`)."""
+    return {"tool_call": int(call), "used_tool": int(first), "malformed": int(bad),
+            "tool_error": int(error), "answered": int(answered)}
 
 
 def _calculator_call(call: Union[ToolCall, MalformedCall]) -> Union[ToolCall, MalformedCall]:

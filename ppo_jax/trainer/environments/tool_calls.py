@@ -69,7 +69,7 @@ def malformed(reason: str, fmt: str) -> MalformedCall:
 
 
 def _first(text: str, pattern_of) -> Optional[tuple[int, str]]:
-    """(position, format) of the earliest tag (`pattern_of(fmt)`) of any format, or None."""
+    """`(position, format)` of the earliest tag of any format, or None."""
     found = [(text.find(pattern_of(fmt)), fmt) for fmt in FORMATS]
     found = [(i, fmt) for i, fmt in found if i >= 0]
     return min(found) if found else None

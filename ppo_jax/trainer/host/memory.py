@@ -5,9 +5,9 @@ with the C library's malloc from several threads. glibc keeps what those threads
 per-thread arenas, where allocations of the next phase (made on other threads) cannot reuse it:
 the resident size then grows by the size of a whole train state after each checkpoint (measured
 with the default config: 5.0 -> 7.4 GB resident between steps, 8.2 -> 10.7 GB at peak).
-`malloc_trim(0)` returns the free pages of every arena: 10-50 ms per call here. (No
-`gc.collect()`: the buffers are freed by reference counting already, and a collection of the
-interpreter's heap costs 0.2-0.3 s.)
+`malloc_trim(0)` returns the free pages of every arena: 10-50 ms per call here. There is no
+`gc.collect()`: reference counting already frees the buffers, and a collection of the
+interpreter's heap costs 0.2-0.3 s.
 
 Handing pages back has a price: XLA:CPU allocates the temporaries of every call afresh, glibc
 serves the large ones with `mmap` and unmaps them on free, so each call of a jitted update
@@ -87,9 +87,10 @@ def _malloc_trim():
 
 
 def release_host_memory() -> None:
-    """Hand the free pages of every malloc arena back to the OS (glibc `malloc_trim(0)`). A
-    no-op without glibc, and with `MALLOC_SETTINGS` on (one arena reuses its free memory for
-    every thread; trimming would make the next phase fault its pages in again)."""
+    """Hand the free pages of every malloc arena back to the OS with glibc's `malloc_trim(0)`.
+
+    A no-op without glibc, and with `MALLOC_SETTINGS` on: there one arena reuses its free
+    memory for every thread, and trimming would make the next phase fault its pages in again."""
     trim = _malloc_trim()
     if trim is not None and not malloc_settings_active():
         trim(0)

@@ -1,11 +1,11 @@
 """The models of a LoRA run (`model.lora.rank > 0`): which params train, where the frozen base
 lives, the reference as the base with adapters off, and a LoRA critic on the actor's base.
 
-A loaded model is split once (`LoadedModel.params` trains, `LoadedModel.frozen` does not):
-with LoRA the trained part is the adapters plus any value / score head, and the frozen part is
-the base, an input of every jitted function that is never differentiated, never in an optimiser
-state and never in a checkpoint. Without LoRA everything trains and `frozen` is `{}`, so
-`lora.join(frozen, params)` is the params as they were. Sources: TRL `disable_adapter()` for
+A loaded model is split once into `params`, which train, and `frozen`, which do not. With LoRA
+the trained part is the adapters plus any value or score head, and the frozen part is the base:
+an input of every jitted function that is never differentiated, never in an optimiser state
+and never in a checkpoint. Without LoRA everything trains and `frozen` is `{}`, so
+`lora.join(frozen, params)` is the params as they were. Sources: TRL's `disable_adapter()` for
 the reference, PEFT's `modules_to_save` for the heads (docs/lora.md).
 """
 
@@ -33,7 +33,7 @@ TRAINED_HEADS = ("value_head", "score")  # a value / score head trains with the 
 @dataclass
 class LoadedModel:
     """A loaded model: its static graphdef, its trained params (nested dict), its
-    `ModelConfig`, and its frozen params (the base of a LoRA model; `{}` without LoRA)."""
+    `ModelConfig`, and its frozen params (a LoRA model's base; `{}` without LoRA)."""
 
     graphdef: Any
     params: Any
@@ -50,14 +50,14 @@ def lora_settings(cfg) -> Optional[LoraSettings]:
 
 
 def base_dtype(cfg, load_kwargs: dict) -> dict:
-    """`load_kwargs` of a LoRA model: its frozen base stored in `model.frozen_param_dtype`
-    (the adapters and heads are float32 whatever it is)."""
+    """`load_kwargs` for a LoRA model, its frozen base stored in `model.frozen_param_dtype`;
+    the adapters and heads are float32 whatever it is."""
     return {**load_kwargs, "param_dtype": cfg.model.frozen_param_dtype}
 
 
 def is_trained(path: str) -> bool:
-    """The trainable filter of a LoRA model (`trainer.state`): adapters and value / score heads
-    train; the rest is the frozen base. Without LoRA every leaf trains (no split)."""
+    """The trainable filter of a LoRA model: adapters and value / score heads train, the rest is
+    the frozen base."""
     return is_adapter(path) or path.split("/", 1)[0] in TRAINED_HEADS
 
 
@@ -71,20 +71,19 @@ def split_trained(model: LoadedModel) -> LoadedModel:
 
 
 def base_model(model: LoadedModel) -> LoadedModel:
-    """The base of a LoRA causal LM as a plain causal LM (adapters off): the graph of
-    `cfg.without_lora()` over the same frozen arrays. The reference model of a LoRA PPO run, so
-    the base is in memory once (TRL's `disable_adapter()`)."""
+    """The base of a LoRA causal LM as a plain causal LM, the graph of `cfg.without_lora()` over
+    the same frozen arrays. It is the reference of a LoRA PPO run, so the base is in memory once,
+    as with TRL's `disable_adapter()`."""
     cfg = model.cfg.without_lora()
     graphdef, _ = abstract_model(cfg, "causal_lm")
     return LoadedModel(graphdef, model.frozen, cfg)
 
 
 def reference_model(actor: LoadedModel, from_adapter: bool) -> LoadedModel:
-    """The reference of a LoRA PPO run, over the actor's frozen base (in memory once): the base
-    with the adapters off (`base_model`; TRL's `disable_adapter()`), or, when the actor
-    starts from a PEFT adapter (`model.lora.adapter`, e.g. a LoRA SFT run's), the base plus a
-    frozen copy of that starting adapter, so the KL penalty anchors to the policy PPO starts
-    from. The copy is of the adapters only (the train state takes over the actor's buffers)."""
+    """The reference of a LoRA PPO run, over the actor's frozen base: the base with the adapters
+    off; or, when the actor starts from a PEFT adapter (`model.lora.adapter`), the base plus a
+    frozen copy of that adapter, so that the KL penalty anchors to the policy PPO starts from.
+    Only the adapters are copied, since the train state takes over the actor's buffers."""
     if not from_adapter:
         return base_model(actor)
     graphdef, _ = abstract_model(actor.cfg, "causal_lm")
@@ -96,10 +95,10 @@ def reference_model(actor: LoadedModel, from_adapter: bool) -> LoadedModel:
 
 def critic_on_base(actor: LoadedModel, *, seed: int, init: str,
                    place: Optional[Callable] = None) -> LoadedModel:
-    """A LoRA critic (`ValueModel`) over the actor's frozen backbone: fresh adapters (from
-    `seed`; B = 0) and a zero value head train; the backbone arrays are the actor's own, not a
-    copy. `place(path, array)` puts a new array on the mesh (None: the default device; abstract
-    builds pass through `jax.ShapeDtypeStruct`s)."""
+    """A LoRA critic over the actor's frozen backbone: fresh adapters (from `seed`, B = 0) and a
+    zero value head train; the backbone arrays are the actor's own, not a copy. `place(path,
+    array)` puts a new array on the mesh (None: the default device); abstract builds pass
+    `jax.ShapeDtypeStruct`s through it."""
     graphdef, shapes = abstract_model(actor.cfg, "value")
     shapes = nnx.to_pure_dict(shapes)
     base = actor.frozen["backbone"]
@@ -125,17 +124,15 @@ def critic_on_base(actor: LoadedModel, *, seed: int, init: str,
 def policy_models(cfg, load: Callable, trained_load: dict, frozen_load: dict, *,
                   actor_kind: str, with_critic: bool, critic_from_actor: bool, from_adapter: bool,
                   place: Callable):
-    """`(actor, reference, critic)` of a PPO run, each a `LoadedModel`: the actor of
-    `actor_kind`, the critic None unless `with_critic`.
+    """`(actor, reference, critic)` of a PPO run as `LoadedModel`s; the critic is None unless
+    `with_critic`.
 
-    `load(key, kind, load_kwargs, lora)` loads the model of config key `key` ("model.actor",
-    "model.reference", "model.critic"); `trained_load` / `frozen_load` are the load kwargs of
-    trained and frozen models. Without LoRA: three loads, as ever. With LoRA
-    (`model.lora.rank > 0`) the actor has adapters on a base in `frozen_param_dtype`; the
-    reference is that base (`reference_model`) unless `model.reference` names another
-    checkpoint; with `model.lora.critic` the critic has adapters too, on the actor's base when
-    it starts from the actor (`critic_from_actor`; `critic_on_base`, new arrays put by
-    `place`), else on its own.
+    `load(key, kind, load_kwargs, lora)` loads the model of config key `key`; `trained_load` and
+    `frozen_load` are the load kwargs of trained and frozen models. Without LoRA these are three
+    plain loads. With LoRA the actor has adapters on a base in `frozen_param_dtype`, and the
+    reference is that base unless `model.reference` names another checkpoint. With
+    `model.lora.critic` the critic has adapters too: on the actor's base when it starts from the
+    actor (new arrays put by `place`), else on its own.
     """
     m, lora = cfg.model, lora_settings(cfg)
     actor_load = base_dtype(cfg, trained_load) if lora else trained_load
@@ -156,10 +153,10 @@ def policy_models(cfg, load: Callable, trained_load: dict, frozen_load: dict, *,
 
 
 def check_targets(cfg, path: Path, key: str) -> None:
-    """`model.lora.target_modules` are projections of the model at `path` (config key `key`).
+    """Refuse `model.lora.target_modules` that are not projections of the model at `path`.
 
     Raises:
-      ConfigError: naming the key, the architecture and its PEFT names.
+      ConfigError: naming `key`, the architecture and its PEFT names.
     """
     lora = lora_settings(cfg)
     if lora is None:
@@ -187,12 +184,12 @@ def _warn_other_base(adapter_dir: str, path: Path) -> None:
 
 
 def adapters_from(cfg, path: Path, kind: str) -> Optional[dict]:
-    """The adapters of `model.lora.adapter` (a PEFT directory) for the model at `path`, as
+    """The adapters of the PEFT directory `model.lora.adapter` for the model at `path`, as
     `{param path: array}`; None when the key is unset.
 
     Raises:
-      ConfigError: naming `model.lora.adapter`, when the directory does not fit `model.lora`
-        or the model (rank, alpha, target modules, shapes).
+      ConfigError: naming `model.lora.adapter`, when the directory does not fit `model.lora` or
+        the model (rank, alpha, target modules, shapes).
     """
     lora = lora_settings(cfg)
     if lora is None or not cfg.model.lora.adapter:

@@ -55,10 +55,10 @@ def resolve_model_path(source: str, key: str) -> Path:
 
 
 def model_shape_config(source: str, key: str, **overrides):
-    """The `ModelConfig` of a model source from its config.json alone (no weights, no
-    tokenizer, nothing written): `tiny-random`'s built-in config, `smollm2`'s shipped
-    `configs/model_shapes/smollm2-135m-instruct`, or a directory holding a config.json (a full
-    checkpoint or a shape-only directory of `configs/model_shapes/`).
+    """The `ModelConfig` of a model source from its config.json alone: no weights, no
+    tokenizer, nothing written. `tiny-random` has a built-in config, `smollm2` the shipped
+    `configs/model_shapes/smollm2-135m-instruct`; any other source is a directory holding a
+    config.json.
 
     Raises:
       FileNotFoundError: naming `key`, when `source` is none of these.
@@ -77,8 +77,8 @@ def model_shape_config(source: str, key: str, **overrides):
 
 def load_split(path: Path, kind: str, *, param_dtype: str, dtype: str, remat: str, seed: int = 0,
                sharding_fn=None, **kwargs) -> LoadedModel:
-    """`load_model` as a `LoadedModel`, split into trained and frozen params when it has
-    adapters (`kwargs` `lora`, `adapters`: `loading.lora.split_trained`)."""
+    """`load_model` as a `LoadedModel`, its params split into trained and frozen when it has
+    LoRA adapters."""
     model, cfg = load_model(path, kind, param_dtype=param_dtype, dtype=dtype, remat=remat, seed=seed,
                             sharding_fn=sharding_fn, **kwargs)
     graphdef, params = split_model(model)
@@ -99,15 +99,15 @@ class Models:
 
 
 def build_models(cfg: Config, sharding_fn=None) -> Models:
-    """Load the four models named by `cfg.model` (reference and reward frozen, in
-    `frozen_param_dtype`). `sharding_fn(path, shape) -> Sharding` places each param on the
-    device mesh as it is read (`Placement.sharding_fn`); None: the default device.
+    """Load the models named by `cfg.model`; reference and reward are frozen, in
+    `frozen_param_dtype`. `sharding_fn(path, shape) -> Sharding` places each param on the mesh as
+    it is read; None puts it on the default device.
 
-    Critic: from `model.critic` when set; else from the reward model (DeepSpeed-Chat: value head
-    initialised from its score head) when `reward.kind == "model"`; else from the actor with a
-    fresh zero value head. With `model.shared_critic` no critic is loaded: the actor is a
-    `CausalLMWithValueHead` (TRL's `AutoModelForCausalLMWithValueHead`), and
-    none with a critic-free advantage estimator (`needs_critic`).
+    The critic comes from `model.critic` when set; else, with `reward.kind == "model"`, from the
+    reward model, its value head initialised from the score head as DeepSpeed-Chat does; else from
+    the actor with a zero value head. No critic is loaded with `model.shared_critic` (the actor
+    then carries the value head, as TRL's `AutoModelForCausalLMWithValueHead`) or with a
+    critic-free advantage estimator.
 
     Raises:
       FileNotFoundError: a model directory is missing.
@@ -157,16 +157,16 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
 
 
 def abstract_split(source: str, key: str, kind: str, *, sharding_fn=None, **overrides) -> LoadedModel:
-    """A `LoadedModel` whose params are `jax.ShapeDtypeStruct`s placed by `sharding_fn`
-    (`models.abstract_model`), from `model_shape_config(source, key, **overrides)`."""
+    """A `LoadedModel` of `jax.ShapeDtypeStruct`s placed by `sharding_fn`, shaped by
+    `model_shape_config(source, key, **overrides)`."""
     model_cfg = model_shape_config(source, key, **overrides)
     graphdef, params = abstract_model(model_cfg, kind, sharding_fn=sharding_fn)
     return split_trained(LoadedModel(graphdef, nnx.to_pure_dict(params), model_cfg))
 
 
 def _placer(sharding_fn):
-    """`place(path, array)` for `critic_on_base`: on the mesh by `sharding_fn`, or the default
-    device."""
+    """`place(path, array)` for `critic_on_base`: on the mesh by `sharding_fn`, else on the
+    default device."""
     if sharding_fn is None:
         return lambda path, arr: jax.numpy.asarray(arr)
     return lambda path, arr: jax.make_array_from_callback(
@@ -180,10 +180,10 @@ def _abstract_placer(sharding_fn):
 
 
 def abstract_models(cfg: Config, sharding_fn=None) -> Models:
-    """`build_models` with shapes in place of arrays (`train.py --compile-for`): the same four
-    models, kinds, dtypes and remat, built from config.json alone; no tokenizer (stop and pad
-    ids come from the actor's config.json), no weights, nothing written. The reward model's
-    score normaliser is (0, 1) when `reward.normalize` (its value changes no shape).
+    """`build_models` with shapes in place of arrays, for `train.py --compile-for`: the same
+    models, kinds, dtypes and remat, from config.json alone. There is no tokenizer, so the stop
+    and pad ids come from the actor's config.json. The reward normaliser is (0, 1) when
+    `reward.normalize`, since its value changes no shape.
 
     Raises:
       FileNotFoundError / ValueError / ConfigError: as `model_shape_config` and `build_models`.
@@ -217,21 +217,21 @@ def abstract_models(cfg: Config, sharding_fn=None) -> Models:
 
 
 def abstract_prompts(rows: int, width: int) -> PromptSet:
-    """`rows` prompts of `width` real tokens each (the widest a batch can be: the shapes
-    `train.py --compile-for` compiles), as a `PromptSet` of zero ids."""
+    """`rows` prompts of zero ids, `width` real tokens each: the widest batch, whose shapes
+    `train.py --compile-for` compiles."""
     ids, mask = np.zeros((rows, width), np.int32), np.ones((rows, width), np.int32)
     return PromptSet([""] * rows, ids, mask)
 
 
 def actor_kind(cfg: Config) -> str:
-    """The actor's model kind: "causal_lm_value" (`models.CausalLMWithValueHead`, a zero value
-    head on its own backbone) with `model.shared_critic`, else "causal_lm"."""
+    """"causal_lm_value" (a zero value head on the actor's backbone) with
+    `model.shared_critic`, else "causal_lm"."""
     return "causal_lm_value" if cfg.model.shared_critic else "causal_lm"
 
 
 def needs_critic(cfg: Config) -> bool:
-    """A separate critic model is loaded and trained: not with `model.shared_critic` (the value
-    head sits on the actor) nor with a critic-free advantage estimator (GRPO, RLOO, ...)."""
+    """Whether a separate critic is loaded and trained: not with `model.shared_critic`, nor with
+    a critic-free advantage estimator (GRPO, RLOO, ...)."""
     return not cfg.model.shared_critic and uses_critic(get_advantage_estimator(cfg.ppo.advantage_estimator))
 
 
@@ -257,11 +257,12 @@ def check_same_vocabulary(path: Path, key: str, tokenizer, actor_path: Path) -> 
 
 
 def check_reward_model(path: Path, key: str, tokenizer, actor_path: Path) -> None:
-    """`path` is a reward model (a `score.weight` head) over the actor's vocabulary.
+    """Refuse a model at `path` that is not a reward model (no `score.weight` head) or that
+    reads another vocabulary than the actor's.
 
     Raises:
       ConfigError: no score head (e.g. a causal LM given as the reward model), or another
-        vocabulary (`check_same_vocabulary`).
+        vocabulary.
     """
     if "score.weight" not in SafetensorsReader(path).names:
         raise ConfigError(f"{key}={str(path)!r} has no score head (score.weight): it is not a "
@@ -275,11 +276,11 @@ MIN_SCORE_PAIRS = 16  # fewer held-out pairs behind the statistics: a warning
 
 
 def score_normalizer(path: Path) -> tuple[float, float]:
-    """(mean, std) of a reward model's scores, from its config.json (`reward.normalize`).
+    """The (mean, std) of a reward model's scores, read from the config.json that stage
+    reward_model writes, for `reward.normalize`.
 
     Raises:
-      ConfigError: the keys are missing (a reward model not trained by stage reward_model) or
-        std is not positive.
+      ConfigError: the keys are missing, or std is not positive.
     """
     import json
 
@@ -320,7 +321,7 @@ def stop_token_ids(cfg: Config, tokenizer, model_cfg) -> tuple[int, ...]:
 
 
 def pad_token_id(tokenizer, model_cfg=None) -> int:
-    """The tokenizer's pad id, else its EOS id (masks never rely on token equality). Without a
+    """The tokenizer's pad id, else its EOS id; masks never rely on token equality. Without a
     tokenizer (an abstract build): the model config's pad id, else its first EOS id, else 0."""
     if tokenizer is None:
         pad, eos = model_cfg.pad_token_id, tuple(model_cfg.eos_token_ids)
@@ -331,16 +332,15 @@ def pad_token_id(tokenizer, model_cfg=None) -> int:
 def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
                   key: str = "data.prompts", max_new_tokens: int | None = None,
                   new_tokens_key: str = "generation.max_new_tokens") -> PromptSet:
-    """Read, template and tokenise a prompt set (default `data.prompts`; `path` / `key` for
-    another, e.g. `eval.prompts`, tokenised the same way: data.* template, field, length,
-    truncation); check it fits the context with `max_new_tokens` (default generation's).
+    """Read, template and tokenise a prompt set, `data.prompts` by default; `path` and `key`
+    name another, such as `eval.prompts`, which is tokenised with the same data.* settings. Checks
+    that the prompts fit the context with `max_new_tokens` (default: generation's).
 
     Raises:
-      FileNotFoundError / ValueError: see `read_prompts`, `tokenize_prompts` (naming `key`);
-        with `env.name`, `environments.build_environment` and `episode_prompts`.
+      FileNotFoundError / ValueError: an unreadable or malformed prompt file, naming `key`; with
+        `env.name`, an unknown environment or bad episode prompts.
       ConfigError: prompt width + max_new_tokens exceeds the model's context (naming
-        `new_tokens_key`), or the tokenizer gives ids (prompt or pad) outside the model's
-        vocabulary.
+        `new_tokens_key`), or the tokenizer gives prompt or pad ids outside the vocabulary.
     """
     d = cfg.data
     texts, rows = prompt_records(cfg, d.prompts if path is None else path, key)
@@ -373,12 +373,11 @@ def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
 def prompt_set(cfg: Config, tokenizer, model_cfg, path: str, key: str, *, abstract: bool = False,
                new_tokens: int | None = None, rows: int = 0,
                new_tokens_key: str = "generation.max_new_tokens") -> PromptSet:
-    """The tokenised prompt file `path` (`build_prompts`); in an abstract build
-    (`abstract=True`: `train.py --compile-for`), `rows` (default a batch) prompts
-    `data.max_prompt_length` wide, checked against the context.
+    """The tokenised prompt file `path`. In an abstract build (`train.py --compile-for`):
+    `rows` prompts (default one batch) `data.max_prompt_length` wide, checked against the context.
 
     Raises:
-      ConfigError / FileNotFoundError / ValueError: see `build_prompts`.
+      ConfigError / FileNotFoundError / ValueError: as `build_prompts`.
     """
     if not abstract:
         return build_prompts(cfg, tokenizer, model_cfg, path=path, key=key,

@@ -1,11 +1,10 @@
-"""Calling a reward function (`rewards.functions`) and checking what it returns: the call
-(`call_reward_function`: rows passed to a function that takes them, an exception turned into a
-`RewardFunctionError` naming its type, message and where it was raised), its result
-(`reward_output`: one number per response, in "score" and in every component;
-`check_finite`), its time limit (`with_timeout`, `reward.timeout_s`), and the load-time probe
-on placeholder responses (`probe_reward_function`). Messages say what the function did, not
-which function or when: the config checks add the name (a ConfigError at load), the PPO
-trainer the name and the step (`stages.ppo.faults`, a UserCodeError mid-run).
+"""Calling a reward function and checking what it returns: one finite number per response,
+in "score" and in every component, within `reward.timeout_s`; and the load-time probe on
+placeholder responses.
+
+Messages say what the function did, not which function or when: the config checks add the
+name (a ConfigError at load), the PPO trainer adds the name and the step (a UserCodeError
+mid-run).
 """
 
 from __future__ import annotations
@@ -30,12 +29,12 @@ PROBE_ROWS = 2  # prompt records the probe answers (each with every PROBE_RESPON
 class RewardFunctionError(ValueError):
     """A reward function's call failed: it raised, ran past `reward.timeout_s`, or returned
     something that is not one finite number per response. The message says what it did ("raised
-    ...", "did not return within ...", "returned ...": the type, shape and a short repr, or the
-    row of a non-finite value), not which function or when: the caller adds those."""
+    ...", "did not return within ...", "returned ..." with the type, shape and a short repr, or
+    the row of a non-finite value); the caller adds which function and when."""
 
 
 def takes_rows(fn: Callable) -> bool:
-    """`fn` accepts the `rows` keyword (or any keyword)."""
+    """Whether `fn` accepts the `rows` keyword, or any keyword."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -44,13 +43,13 @@ def takes_rows(fn: Callable) -> bool:
 
 
 def reward_output(out, n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """`(scores [n] float32, components {name: [n] float32})` of a reward function's result
-    (an array of n scores, or a dict with "score" and components). Numbers only: bools, ints
-    and floats (strings, even of digits, None and other objects are refused).
+    """`(scores [n] float32, components {name: [n] float32})` of a reward function's result:
+    an array of n scores, or a dict with "score" and components. Only bools, ints and floats are
+    numbers; strings (even of digits), None and other objects are refused.
 
     Raises:
-      RewardFunctionError (a ValueError): a dict without "score", or an entry that is not n
-        numbers (naming the entry and showing what came back).
+      RewardFunctionError: a dict without "score", or an entry that is not n numbers, naming the
+        entry and showing what came back.
     """
     parts = dict(out) if isinstance(out, dict) else {"score": out}
     if "score" not in parts:
@@ -84,11 +83,11 @@ def _numbers(field: str, value: Any, n: int) -> np.ndarray:
 
 def check_finite(scores: np.ndarray, components: dict[str, np.ndarray], prompts: list[str],
                  responses: list[str]) -> None:
-    """Every score and component of a batch is finite (`[n]` each, `reward_output`'s).
+    """Refuse a non-finite score or component in a batch.
 
     Raises:
-      RewardFunctionError: naming the entry, the value, the first row holding one (from 0) with
-        the start of its prompt and response.
+      RewardFunctionError: naming the entry, the value and the first row holding one (from 0),
+        with the start of its prompt and response.
     """
     for field, values in {"score": scores, **components}.items():
         bad = np.flatnonzero(~np.isfinite(values))
@@ -104,19 +103,18 @@ def check_finite(scores: np.ndarray, components: dict[str, np.ndarray], prompts:
 def call_reward_function(reward_fn: RewardFunction, prompts: list[str], responses: list[str],
                          rows: Optional[list[dict]] = None
                          ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """`reward_fn` on `responses` `[n]` to `prompts` `[n]` (and their prompt `rows`, for a
-    function that takes them; `[{}] * n` when None), its result checked.
+    """`reward_fn` on `responses` `[n]` to `prompts` `[n]`, its result checked. `rows`, the
+    prompt records, go to a function that takes them (`[{}] * n` when None). The function gets
+    copies of its inputs.
 
     Returns:
       `(scores [n] float32, components {name: [n] float32})`, all finite.
 
-    The function gets copies of `prompts`, `responses` and `rows`.
-
     Raises:
       RewardFunctionError: the function raised (any exception, SystemExit included, and a
-        KeyboardInterrupt where Ctrl-C does not raise one: its type, message and where it was
-        raised), ran past its `with_timeout` limit, or returned what `reward_output` and
-        `check_finite` refuse.
+        KeyboardInterrupt where Ctrl-C does not raise one), naming the type, message and where it
+        was raised; ran past its time limit; or returned what `reward_output` and `check_finite`
+        refuse.
       KeyboardInterrupt: a real Ctrl-C, outside the trainer's stop handling.
     """
     n = len(responses)
@@ -140,16 +138,16 @@ def call_reward_function(reward_fn: RewardFunction, prompts: list[str], response
 
 
 def _ctrl_c_raises() -> bool:
-    """Whether Ctrl-C raises KeyboardInterrupt now (Python's own SIGINT handler). Inside
-    `StageTrainer.train` it does not (`preemption.StopSignals`: the first Ctrl-C asks for a stop,
-    a second kills the process), so a KeyboardInterrupt there is the function's own."""
+    """Whether Ctrl-C raises KeyboardInterrupt now. Inside `StageTrainer.train` it does not
+    (the first Ctrl-C asks for a stop, a second kills the process), so a KeyboardInterrupt there
+    is the function's own."""
     return signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def with_timeout(reward_fn: RewardFunction, timeout_s: Optional[float]) -> RewardFunction:
-    """`reward_fn` stopped after `timeout_s` seconds a call (`reward.timeout_s`; None: no limit,
-    `reward_fn` itself), in the calling thread (`rewards.deadline`: math-verify's own timeouts
-    need the main thread). Its signature is `reward_fn`'s (`takes_rows` sees the same).
+    """`reward_fn` stopped after `timeout_s` seconds a call; None means no limit and returns
+    `reward_fn` itself. The watchdog runs in the calling thread because math-verify's own timeouts
+    need the main thread. The signature stays `reward_fn`'s, so `takes_rows` sees the same.
 
     Raises (on a call):
       RewardFunctionError: the call did not return within `timeout_s`.
@@ -170,11 +168,9 @@ def with_timeout(reward_fn: RewardFunction, timeout_s: Optional[float]) -> Rewar
 
 def probe_reward_function(reward_fn: RewardFunction, prompts: list[str], rows: list[dict], *,
                           prefix: str = "") -> None:
-    """Call `reward_fn` once as training will, before any model loads: on the first
-    `PROBE_ROWS` prompts (and their `rows`), each answered with every placeholder of
-    `PROBE_RESPONSES` behind `prefix` (`data.response_prefix`), so `[4]` responses; its result
-    checked by `call_reward_function`. The placeholders are not meant to be right, only to be
-    parsed.
+    """Call `reward_fn` once as training will, before any model loads: the first `PROBE_ROWS`
+    prompts, each answered with every placeholder of `PROBE_RESPONSES` behind `prefix`
+    (`data.response_prefix`). The placeholders need not be right, only parseable.
 
     Raises:
       RewardFunctionError: as `call_reward_function`.
@@ -214,16 +210,15 @@ def _where(error: BaseException) -> str:
 def score_texts(reward_fn: RewardFunction, decode: Callable, prompts: list[str], ids: np.ndarray,
                 mask: np.ndarray, rows: Optional[list[dict]] = None
                 ) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
-    """Decode response rows `ids`, `mask` `[n, N]` (this process's) with `decode(ids, mask) ->
-    n strings` and score them against their `prompts` (and prompt `rows`, for a function that
-    takes them) with `reward_fn` (`call_reward_function`).
+    """Decode this process's response rows (`ids`, `mask` `[n, N]`) with
+    `decode(ids, mask) -> n strings` and score them against their `prompts` (and `rows`) with
+    `reward_fn`.
 
     Returns:
       `(responses, scores [n] float32, components {name: [n] float32})`.
 
     Raises:
-      RewardFunctionError: the function failed or returned something unusable
-        (`call_reward_function`).
+      RewardFunctionError: as `call_reward_function`.
     """
     responses = decode(ids, mask)
     return (responses, *call_reward_function(reward_fn, prompts, responses, rows))

@@ -1,30 +1,28 @@
 """Python reward functions on decoded text, registered by name.
 
-A reward function takes the decoded prompts and responses of a batch and returns one float per
-sample: `fn(prompts: list[str], responses: list[str]) -> np.ndarray [B] float32`. Register a
-new one with `@register_reward_function("name")` (a factory returning the function, so heavy set-up
-runs only when selected; `reward.function_kwargs` are the factory's keyword arguments) and
-select it with `reward.function=name`.
+A reward function scores one batch: `fn(prompts: list[str], responses: list[str]) ->
+np.ndarray [B] float32`. Register a factory returning it with
+`@register_reward_function("name")`, so heavy set-up runs only when selected;
+`reward.function_kwargs` are the factory's keyword arguments, and `reward.function=name`
+selects it.
 
 Optional extensions, used by the verifiable rewards below:
-- a factory may set `row_fields` (e.g. `("answer",)`): the prompt-row fields its function
-  reads; prompts whose rows lack one are refused before any model loads
-  (`check_prompt_rows`), and `row_hint`, a note on where such prompts come from.
-- a function with a `rows` keyword (`fn(prompts, responses, *, rows)`) also receives each
-  sample's prompt row: the prompt record's other fields (an `answer`, a reasoning-gym task's
-  `entry`; `data.prompt_records`). Functions without it are called as before.
-- it may return a dict `{"score": [B], name: [B], ...}` instead of the scores: the other
-  entries are components the trainer logs as `reward/<name>` (training) and `eval/<name>`
-  (held-out evaluation; `accuracy` there also gives pass@k, and `accuracy_format_free`,
-  with `eval.plain_instruction`, `eval/accuracy_plain`).
-- a factory may set `probe = False`: its function is not called at load (`probe_reward_function`;
-  for one that, say, needs a server the run starts later).
+- a factory may set `row_fields`, such as `("answer",)`: the prompt-record fields its function
+  reads, so that prompts lacking one are refused before any model loads; and `row_hint`, a
+  note on where such prompts come from.
+- a function with a `rows` keyword, `fn(prompts, responses, *, rows)`, also receives each
+  sample's prompt record, e.g. its `answer` or a reasoning-gym task's `entry`.
+- it may return a dict `{"score": [B], name: [B], ...}`; the other entries are components,
+  logged as `reward/<name>` in training and `eval/<name>` in held-out evaluation. There,
+  `accuracy` also gives pass@k, and `accuracy_format_free` with `eval.plain_instruction` gives
+  `eval/accuracy_plain`.
+- a factory may set `probe = False` so that its function is not called at load, e.g. one that
+  needs a server the run starts later.
 
-Every call is checked (`rewards.calls`): an exception, a call longer than
-`reward.timeout_s` (`with_timeout`), a result that is not one finite number per response (in
-`"score"` and in each component) is a `RewardFunctionError` saying what came back; at load
-(the probe on placeholder responses) the config checks refuse it, mid-run the trainer stops
-naming the function and the step (`stages.ppo.faults`).
+Every call is checked: an exception, a call longer than `reward.timeout_s`, or a result that is
+not one finite number per response is a `RewardFunctionError` saying what came back. At load
+the config checks refuse such a function; mid-run the trainer stops, naming the function and
+the step.
 """
 
 from __future__ import annotations
@@ -44,8 +42,8 @@ REWARD_FUNCTIONS = Registry("reward function")  # name -> factory () -> RewardFu
 
 
 def register_reward_function(name: str, *, override: bool = False):
-    """Decorator registering a factory `() -> RewardFunction` under `name` (the registry
-    convention of `ppo_jax.core.registry`: the same factory again is a no-op).
+    """Decorator registering a factory `() -> RewardFunction` under `name`. Registering the
+    same factory again is a no-op.
 
     Raises:
       ValueError: empty name, or `name` taken by another factory and not `override`.
@@ -54,12 +52,12 @@ def register_reward_function(name: str, *, override: bool = False):
 
 
 def get_reward_function(name: str, **kwargs) -> RewardFunction:
-    """Build the registered reward function `name` (its factory called with `kwargs`,
-    `reward.function_kwargs`).
+    """Build the registered reward function `name`, its factory called with `kwargs`
+    (`reward.function_kwargs`).
 
     Raises:
       ValueError: unknown name (`"unknown reward function 'x'; known: ..."`), or keyword
-        arguments the factory does not take (naming them).
+        arguments the factory does not take, naming them.
     """
     factory = REWARD_FUNCTIONS.get(name)
     try:
@@ -71,12 +69,12 @@ def get_reward_function(name: str, **kwargs) -> RewardFunction:
 
 
 def check_prompt_rows(name: str, rows: list[dict], key: str, source: str) -> None:
-    """Refuse prompts whose rows lack a field the reward function `name` reads (its factory's
-    `row_fields`, e.g. math_verify's `answer`), before any model loads.
+    """Refuse prompts whose records lack a field the reward function `name` reads (its
+    factory's `row_fields`), before any model loads.
 
     Raises:
       ValueError: naming the function, the field, `key`, `source` and the first record without
-        it (records count from 0).
+        it (counted from 0).
     """
     fields = getattr(REWARD_FUNCTIONS.get(name), "row_fields", ())
     for field in fields:
@@ -89,8 +87,8 @@ def check_prompt_rows(name: str, rows: list[dict], key: str, source: str) -> Non
 
 
 def probes(name: str) -> bool:
-    """Whether the registered reward function `name` is probed at load (its factory's
-    `probe`, default True)."""
+    """Whether the reward function `name` is called on placeholders at load; its factory's
+    `probe`, default True."""
     return bool(getattr(REWARD_FUNCTIONS.get(name), "probe", True))
 
 
@@ -128,30 +126,30 @@ REWARD_ANSWERS = ("tag", "last_number")  # reasoning_gym's reward.function_kwarg
 @register_reward_function("reasoning_gym")
 def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = False,
                          answer: str = "tag") -> RewardFunction:
-    """Verifiable reward of reasoning-gym problems (`data.prompts: task`): 1 when the task's own
-    `score_answer` on the response's `<answer>...</answer>` (`verifiers.task_score`) gives full
-    credit, else 0, plus `format_weight` when the tagged answer is there.
+    """Verifiable reward of reasoning-gym problems: 1 when the task's own `score_answer` gives
+    the response's `<answer>...</answer>` full credit, else 0, plus `format_weight` when the tagged
+    answer is there.
 
-    `partial_credit=True` rewards the task's score itself, partial credit included. Off by
-    default: some tasks' partial credit can be farmed. chain_sum's scorer gives
-    `len(answer) / len(response's answer)` to any answer that CONTAINS the right one as a
-    substring, so "<answer>51034</answer>" earns 0.2 on "1 + 2 =", and GRPO's group-normalised
-    advantages turn that 0.2 into a full-sized signal: the 1-2 digit run learnt ever longer
-    numbers (docs/rlvr_results.md, "Why GRPO drifted").
+    `partial_credit=True` rewards the task's score itself. It is off by default because some
+    tasks' partial credit can be farmed: chain_sum's scorer gives `len(answer) / len(response's
+    answer)` to any answer that contains the right one as a substring, so "<answer>51034</answer>"
+    earns 0.2 on "1 + 2 =", and GRPO's group-normalised advantages turn that 0.2 into a full-sized
+    signal; the 1-2 digit run learnt ever longer numbers (docs/rlvr_results.md, "Why GRPO
+    drifted").
 
-    Components (each `[n]`): `accuracy` (1 where fully right), `format`, `accuracy_format_free`
-    (fully right on the response's last number, tag or not) and, with partial credit,
-    `task_score`. The accuracies count full credit only, whatever `partial_credit` says.
+    Components, each `[n]`: `accuracy` (fully right), `format`, `accuracy_format_free` (fully
+    right on the response's last number, tag or not) and, with partial credit, `task_score`. The
+    accuracies count full credit only.
 
-    `answer="last_number"` scores the response's last number instead (tag or not: the
-    `accuracy_format_free` part, `verifiers.format_free_answer`), so the reward cannot be
-    raised by the answer's format alone; `accuracy` still logs the tagged answer's credit, and
-    `format_weight` still pays for a closed tag. (docs/rlvr_results.md, "A reward without the tag".)
+    `answer="last_number"` scores the response's last number instead, tag or not, so the reward
+    cannot be raised by the answer's format alone (docs/rlvr_results.md, "A reward without the
+    tag"); `accuracy` still logs the tagged answer's credit, and `format_weight` still pays for a
+    closed tag.
 
     Raises:
-      ValueError: `partial_credit` not a bool (naming `reward.function_kwargs.partial_credit`),
-        or `answer` not one of `REWARD_ANSWERS` (naming `reward.function_kwargs.answer`); the
-        config checks raise them as ConfigErrors before anything compiles.
+      ValueError: `partial_credit` not a bool, or `answer` not one of `REWARD_ANSWERS`, naming
+        the `reward.function_kwargs` key. The config checks raise them as ConfigErrors before
+        anything compiles.
     """
     if not isinstance(partial_credit, bool):
         raise ValueError("reward.function_kwargs.partial_credit must be true or false, got "
@@ -210,7 +208,7 @@ math_verify_reward.row_hint = (" (a .jsonl / .json / .parquet of records with `p
 def _with_format(accuracy: np.ndarray, free: np.ndarray, responses: list[str],
                  weight: float) -> dict:
     """`{"score": accuracy + weight * format, "accuracy", "format", "accuracy_format_free":
-    free}`, format 1 where the response has a tagged answer (the format rate is its mean)."""
+    free}`, where format is 1 for a response with a tagged answer."""
     fmt = np.asarray([verifiers.tagged_answer(r) is not None for r in responses], np.float32)
     return {"score": accuracy + weight * fmt, "accuracy": accuracy, "format": fmt,
             "accuracy_format_free": free}

@@ -28,7 +28,7 @@ from ppo_jax.trainer.loading.models import (
 from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.optim import optimizer_from_config, stop_backbone_gradient
 from ppo_jax.trainer.programs import Program, batch_shape
-from ppo_jax.trainer.state import TrainState, full_params, over_trained
+from ppo_jax.trainer.state import TrainState, full_params, loss_of_trained
 
 
 def rows_of(batch: dict, idx) -> dict:
@@ -60,7 +60,7 @@ def supervised_update(state: TrainState, frozen: dict, batch: dict, *, graphdef,
         params = stop_backbone_gradient(params) if backbone_frozen else params
         return loss(graphdef, params, micro, n)
 
-    grads, stats = accumulate_gradients(over_trained(micro_loss, frozen), state.params, batch,
+    grads, stats = accumulate_gradients(loss_of_trained(micro_loss, frozen), state.params, batch,
                                         micro_batch_size=micro_batch_size, mesh=mesh)
     stats["grad_norm"] = optax.global_norm(grads)
     return state.apply_gradients(grads, tx), stats

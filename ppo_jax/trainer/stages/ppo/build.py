@@ -1,8 +1,8 @@
 """What a PPO run builds once, before its first step, as functions of explicit values
 (`PPOTrainer._build` calls them in order): the optimisers, train states and frozen params
 (`build_params`: the train states take over the loaded param buffers), the models of a jitted
-call joined from trained and frozen params (`join_models`), the held-out evaluation with its
-prompts (`build_evaluator`), and the step's jitted programs (`build_programs`).
+call joined from trained and frozen params (`join_models`) and the held-out evaluation with its
+prompts (`build_evaluator`). The step's jitted programs are `step_programs`'.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ from typing import Any, Callable, Optional
 import jax
 import optax
 
-from ppo_jax.core import (
-    get_advantage_estimator, informative_groups, init_kl_controller, needs_greedy_baseline,
-)
+from ppo_jax.core import init_kl_controller
 from ppo_jax.models.functional import Model
-from ppo_jax.rollout.experience import PPOModels
-from ppo_jax.rollout.forward import Rollout
+from ppo_jax.rollout.sampler import Sampler
+from ppo_jax.trainer.stages.ppo.experience import PPOModels
 from ppo_jax.trainer.config import Config
 from ppo_jax.trainer.data.prompts import plain_instruction_config
 from ppo_jax.trainer.loading.models import prompt_set
 from ppo_jax.trainer.optim import actor_optimizer, optimizer_from_config
 from ppo_jax.trainer.state import full_params
-from ppo_jax.trainer.stages.ppo import dynamic, samplers, steps, text_rewards
+from ppo_jax.trainer.stages.ppo import rewards
 from ppo_jax.trainer.stages.ppo.evaluation import (
     EvalSettings, Evaluator, eval_batch, eval_rows_multiple,
 )
@@ -104,11 +102,12 @@ def join_models(models, frozen: dict, actor_params, critic_params=None, ref_para
 
 def build_evaluator(cfg: Config, place, tokenizer, model_cfg, settings: EvalSettings,
                     shardings: PPOModels, *, abstract: bool, reward_fn: Optional[Callable],
-                    decode: Callable) -> Evaluator:
+                    decode: Callable, sampler: Sampler) -> Evaluator:
     """The held-out evaluation (`eval.*`): the eval prompts tokenised like the training
     prompts (`loading.models.prompt_set`; shapes only when `abstract`), sampled with the eval
     `settings`, scored by the run's reward (`reward_fn`, or the reward model), its models laid
-    out as `shardings` (the critic left out); with `eval.plain_instruction`, its `plain`
+    out as `shardings` (the critic left out), sampled by the run's `sampler` (laid out for
+    the trained params); with `eval.plain_instruction`, its `plain`
     evaluator of the same problems asked plainly (`data.prompts.plain_instruction_config`),
     decoded without `data.response_prefix`.
 
@@ -122,7 +121,8 @@ def build_evaluator(cfg: Config, place, tokenizer, model_cfg, settings: EvalSett
         plain = build_evaluator(plain_instruction_config(cfg, e.plain_instruction), place,
                                 tokenizer, model_cfg, settings, shardings, abstract=abstract,
                                 reward_fn=reward_fn,
-                                decode=partial(text_rewards.decode_responses, tokenizer, ""))
+                                decode=partial(rewards.decode_responses, tokenizer, ""),
+                                sampler=sampler)
     prompts = prompt_set(cfg, tokenizer, model_cfg, e.prompts, "eval.prompts", abstract=abstract,
                          new_tokens=settings.sampling.max_new_tokens, rows=e.num_prompts,
                          new_tokens_key=("eval.max_new_tokens" if e.max_new_tokens
@@ -131,49 +131,5 @@ def build_evaluator(cfg: Config, place, tokenizer, model_cfg, settings: EvalSett
                        eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size),
                        e.samples_per_prompt)
     return Evaluator(batch, settings, place, replace(shardings, critic=None), seed=e.seed,
-                     reward_fn=reward_fn, decode=decode, plain=plain)
-
-
-def build_programs(cfg: Config, st, place, m, *, actor, models_sh, state: dict, frozen: dict,
-                   stop_ids, rollout_layout: str, actor_tx, critic_tx) -> steps.Jitted:
-    """The step's programs (`stages.ppo.steps`) bound to the run's settings `st`
-    (`PPOSettings`), graphs (`m`: the loaded models) and optimisers, jitted with explicit
-    layouts: params by the rules (`models_sh`, by tree-map over `PPOModels`; the train states
-    `state` and `frozen` base by `place`), batches by row, the rest replicated. `actor`: the
-    actor as the sampler sees it (LoRA: base and adapters joined). Experience making and the
-    update compile once per (prompt, response) bucket width."""
-    by_row, rep = place.by_row, place.replicated
-    greedy = needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator))
-    sampling = samplers.rollout_samplers(cfg, st.sampling, place, actor, models_sh.actor,
-                                         rollout_layout, m.actor.cfg, greedy=greedy)
-    rollout_sh = Rollout(by_row, by_row, by_row, by_row)
-    state_sh = (place.shardings(state["actor"]), place.shardings(state["critic"]))
-    frozen_sh = place.shardings(frozen)
-    jit_update = partial(jax.jit, in_shardings=(*state_sh, frozen_sh, by_row, rep),
-                         out_shardings=(*state_sh, rep), donate_argnums=(0, 1))
-    update = partial(steps.update_step, actor_graphdef=m.actor.graphdef,
-                     critic_graphdef=None if m.critic is None else m.critic.graphdef,
-                     actor_tx=actor_tx, critic_tx=critic_tx)
-    n, dynamic_sampling = cfg.generation.samples_per_prompt, cfg.ppo.dynamic_sampling
-    groups = cfg.ppo.batch_size // n
-    return steps.Jitted(
-        split_keys=jax.jit(steps.split_keys, out_shardings=rep),
-        rollout_copy=sampling.rollout_copy, sample=sampling.sample,
-        sample_greedy=sampling.sample_greedy,
-        reward_model_scores=jax.jit(
-            partial(steps.reward_model_scores, forward=st.experience.forward),
-            in_shardings=(models_sh.reward, rollout_sh), out_shardings=by_row),
-        experience=jax.jit(
-            partial(steps.experience_step, settings=st.experience,
-                    stop_token_ids=stop_ids),
-            in_shardings=(models_sh, rep, rollout_sh, *(by_row,) * 6),
-            out_shardings=steps.ExperienceOut(by_row, rep, rep, rep)),
-        update=jit_update(partial(update, settings=st.update)),
-        # ppo.critic_warmup_steps: the update with the actor left out (compiled when used)
-        update_critic_only=jit_update(
-            partial(update, settings=replace(st.update, train_actor=False))),
-        informative=(jax.jit(partial(informative_groups, num_groups=groups,
-                                     samples_per_prompt=n), out_shardings=rep)
-                     if dynamic_sampling else None),
-        select=(jax.jit(partial(dynamic.select_rollout, keep=groups, n=n),
-                        out_shardings=(by_row, by_row, rep, rep)) if dynamic_sampling else None))
+                     reward_fn=reward_fn, decode=decode, plain=plain,
+                     sampler=sampler.laid_out(shardings.actor))

@@ -37,9 +37,9 @@ from ppo_jax.core import group_rows, informative_groups, select_groups
 from ppo_jax.models.functional import Model
 from ppo_jax.rollout.forward import Rollout
 from ppo_jax.trainer.data.prompts import PromptSet
-from ppo_jax.trainer.stages.ppo.columns import ResponseColumns
-from ppo_jax.trainer.stages.ppo.parts import PromptBatch, Sampled, group_ids, prompt_rows
-from ppo_jax.trainer.stages.ppo.text_rewards import TextScores
+from ppo_jax.trainer.stages.ppo.step_data import ResponseColumns
+from ppo_jax.trainer.stages.ppo.step_data import PromptBatch, Sampled, group_ids, prompt_rows
+from ppo_jax.trainer.stages.ppo.rewards import TextScores
 
 
 def select_rollout(rollouts: tuple, scores: tuple, *, keep: int, n: int):
@@ -86,10 +86,12 @@ class DrawnRound:
 
 def draw_round(batch: PromptBatch, actor: Model, key, *, sample: Callable,
                score: Callable[..., TextScores], informative: Callable) -> DrawnRound:
-    """`batch` sampled by `actor` with `key` (`sample`, the step's sampler), scored on the
-    host (`score(texts, ids, mask, rows) -> TextScores`), its informative groups counted
-    (`informative`: `[B]` scores -> `[B / n]` bool, jitted)."""
-    resp, mask, logprobs = jax.block_until_ready(sample(actor, batch.ids, batch.mask, key))
+    """`batch` sampled by `actor` with `key`, scored on the host, its informative groups counted.
+
+    `sample` is the run's sampler with the step's settings, `sample(actor, ids, mask, key) ->
+    Generation`; `score(texts, ids, mask, rows) -> TextScores`; `informative` maps `[B]` scores
+    to `[B / n]` bool, jitted."""
+    resp, mask, logprobs, _ = jax.block_until_ready(sample(actor, batch.ids, batch.mask, key))
     scored = score(batch.texts, resp, mask, batch.rows)
     found = int(np.sum(jax.device_get(informative(scored.scores))))
     return DrawnRound(indices=batch.indices, rollout=Rollout(batch.ids, batch.mask, resp, mask),
@@ -126,7 +128,7 @@ def informative_rollout(drawn: list[DrawnRound], rng, update_key, *, select: Cal
                         response_columns: ResponseColumns, prompts: PromptSet, place, n: int,
                         prompt_width: int) -> Sampled:
     """The `Sampled` batch of the informative groups of `drawn` (module doc, step 3; `select`:
-    `select_rollout` jitted), responses cut to their bucket (`stages.ppo.columns`), its scores
+    `select_rollout` jitted), responses cut to their bucket (`stages.ppo.step_data`), its scores
     and `sampling_stats` attached (`Sampled.scores`, `Sampled.reward_stats`)."""
     (rollout, logprobs), scores, rows, kept = select(
         tuple((d.rollout, d.logprobs) for d in drawn), tuple(d.scores for d in drawn))

@@ -1,49 +1,49 @@
 """Multi-turn episodes of a PPO step (`env.*`, docs/environments.md): the actor's turns alternate
-with a registered environment's observations in one sequence per row
-(`rollout.multi_turn.generate_multi_turn`), and the episode's rewards become its score.
+with a registered environment's observations in one sequence per row (the run's
+`rollout.sampler.Sampler` with turns: the engine's turn loop, `rollout.turns`), and the
+episode's rewards become its score.
 
 Per row: `reset(row)` starts the episode (its prompt was templated and tokenised when the
 prompts loaded: `environments.episode_prompts`); at each turn end the turn's text (decoded,
 its stop string included) goes to `env.step` within `env.timeout_s`. The calls of one moment
-(the batch's resets; every turn that ended at one column, or at one paged-engine chunk
-boundary) run at once in parallel threads with one deadline (`environments.run_resets` /
-`run_steps`), so failing calls cost one `env.timeout_s` per turn, not one per row;
+(the batch's resets; every turn that waits at one chunk boundary of the engine) run at once in
+parallel threads with one deadline (`environments.run_resets` / `run_steps`), so failing calls
+cost one `env.timeout_s` per turn, not one per row;
 an observation is cut to `env.max_observation_tokens` in the chat template's frame
 (`rollout.observations.observation_tokens`) and appended; `done`, a failure or `env.max_turns`
 ends the row; a turn the budget cuts is still handed to `env.step`, to be scored. The score is
-the sum of the episode's reward parts (the final verifier's
-`correct` and per-turn parts such as `tool_cost`), at the last action token; a failed episode
+the sum of the episode's reward parts (a final verifier's and per-turn ones), at the last
+action token; a failed episode
 (the environment raised, timed out or returned garbage) scores 0 and is counted and reported
 with the environment's name and the error, and training goes on, until every episode of
 `env.max_failed_steps` steps in a row failed: then the run stops (`FailureStreak`: a
 `UserCodeError` before that step's update, so the checkpoints written stay as they were).
 
-Logged per step (`env/*`): turns per episode, tool calls per episode, the tool-call rate (share
-of episodes with a call), the malformed-call rate (share of calls), failures, and the mean of
-each reward part (`env/reward/<part>`).
+Logged per step (`env/*`): turns per episode, failures, the share of episodes the environment
+ended, the episodes, and what the environment reports: the mean over episodes of each `info`
+key summed over the episode's turns (`env/<key>`) and of each reward part
+(`env/reward/<part>`). The environment names its figures; this code names none.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
-from ppo_jax.rollout.engine import EngineSettings, PagedEngine
+from ppo_jax.rollout.draws import Generation, SamplingSettings, TurnSettings
 from ppo_jax.rollout.forward import Rollout
-from ppo_jax.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings, generate_multi_turn
 from ppo_jax.rollout.observations import observation_tokens
-from ppo_jax.rollout.sampler import SamplingSettings
+from ppo_jax.rollout.sampler import Sampler, engine_metrics
 from ppo_jax.trainer.environments import (
     ALL_STOP_STRINGS, EpisodeFailure, build_environment, run_resets, run_steps,
 )
 from ppo_jax.trainer.faults import UserCodeError, checkpoint_kept
-from ppo_jax.trainer.stages.ppo.parts import Sampled, group_ids
-from ppo_jax.trainer.stages.ppo.samplers import engine_metrics
+from ppo_jax.trainer.stages.ppo.step_data import Sampled, group_ids
 
 MAX_REPORTED_FAILURES = 3  # per step, on stderr; all are counted in env/failures
 
@@ -54,29 +54,25 @@ class Episode:
 
     state: Any = None
     rewards: dict = field(default_factory=dict)  # reward part -> sum over the turns
-    info: dict = field(default_factory=dict)  # info key -> sum over the turns (tool_call, ...)
+    info: dict = field(default_factory=dict)  # info key -> sum over the turns
     failure: Optional[str] = None
     done: bool = False
 
 
 def turn_settings(sampling: SamplingSettings, tokenizer, stop_strings, max_turns: int
-                  ) -> MultiTurnSettings:
-    """The multi-turn sampler's settings: the rollout's `sampling` plus the token sequences of
-    `stop_strings` (each encoded without special tokens) and `max_turns`."""
+                  ) -> SamplingSettings:
+    """`sampling` with turns: the token sequences of `stop_strings` (each encoded without
+    special tokens) and `max_turns`."""
     seqs = tuple(tuple(tokenizer.encode(s, add_special_tokens=False)) for s in stop_strings)
-    base = {f.name: getattr(sampling, f.name) for f in fields(sampling)}
-    return MultiTurnSettings(**base, stop_sequences=tuple(s for s in seqs if s),
-                             max_turns=max_turns)
+    return replace(sampling, turns=TurnSettings(tuple(s for s in seqs if s), max_turns))
 
 
 class EpisodeRunner:
-    """Runs a batch's episodes: `runner(actor, prompt_ids, prompt_mask, rows, key)` ->
-    `(MultiTurnRollout, scores [B] float32, stats)` (see the module docstring)."""
+    """Runs a batch's episodes with the run's sampler: `runner(sampler, actor, prompt_ids,
+    prompt_mask, rows, key)` -> `(Generation, scores [B] float32, stats)` (module doc)."""
 
-    def __init__(self, env_cfg, sampling: SamplingSettings, tokenizer,
-                 engine: Optional[EngineSettings] = None, model_cfg=None):
+    def __init__(self, env_cfg, sampling: SamplingSettings, tokenizer):
         self.cfg, self.tokenizer = env_cfg, tokenizer
-        self.engine, self.model_cfg, self.engines = engine, model_cfg, {}
         self.last_stats = None  # the paged engine's `EngineStats` of the last batch
         self.env = build_environment(env_cfg.name, env_cfg.kwargs, timeout_s=env_cfg.timeout_s)
         stops = env_cfg.stop_strings
@@ -125,39 +121,25 @@ class EpisodeRunner:
             ids = ids[1:]  # the turn ended on the end-of-turn token: the frame's own is extra
         return ids
 
-    def play(self, actor, prompt_ids, prompt_mask, rows: list[dict], key
-             ) -> tuple[MultiTurnRollout, list[Episode]]:
-        """The batch's episodes: the sampler's rollout and each row's host record."""
+    def play(self, sampler: Sampler, actor, prompt_ids, prompt_mask, rows: list[dict], key
+             ) -> tuple[Generation, list[Episode]]:
+        """The batch's episodes: the sampler's `Generation` and each row's host record."""
         episodes = self._start(rows)
 
-        def on_turn_end(batch_rows, turns):  # one call per column / chunk: one deadline
+        def on_turn_end(batch_rows, turns):  # one call per chunk boundary: one deadline
             return self._answer([episodes[b] for b in batch_rows], turns)
 
-        out = self._sample(actor, prompt_ids, prompt_mask, key, on_turn_end)
+        out = sampler(actor, prompt_ids, prompt_mask, key, self.settings, on_turn_end)
+        self.last_stats = sampler.last_stats
         cut = cut_turns(out)  # turns the budget ended: the environment still scores them
         rows = [b for b, turn in enumerate(cut) if turn]
         self._answer([episodes[b] for b in rows], [cut[b] for b in rows])
         self._report(episodes)
         return out, episodes
 
-    def _sample(self, actor, prompt_ids, prompt_mask, key, on_turn_end) -> MultiTurnRollout:
-        """The static multi-turn sampler, or the paged engine (one per prompt shape, built on
-        first use) when the run has `generation.engine: paged`."""
-        if self.engine is None:
-            return generate_multi_turn(actor, prompt_ids, prompt_mask, key,
-                                       settings=self.settings, on_turn_end=on_turn_end)
-        shape = tuple(prompt_ids.shape)
-        if shape not in self.engines:
-            self.engines[shape] = PagedEngine(actor.graphdef, self.model_cfg, self.settings,
-                                              self.engine, batch=shape[0], prompt_width=shape[1])
-        engine = self.engines[shape]
-        out = engine.generate(actor.params, prompt_ids, prompt_mask, key, on_turn_end=on_turn_end)
-        self.last_stats = engine.last_stats
-        return out
-
-    def __call__(self, actor, prompt_ids, prompt_mask, rows: list[dict], key):
-        out, episodes = self.play(actor, prompt_ids, prompt_mask, rows, key)
-        return out, episode_scores(episodes), episode_stats(episodes, out.turns)
+    def __call__(self, sampler: Sampler, actor, prompt_ids, prompt_mask, rows: list[dict], key):
+        out, episodes = self.play(sampler, actor, prompt_ids, prompt_mask, rows, key)
+        return out, episode_scores(episodes), episode_stats(episodes, out.episodes.turns)
 
     def _report(self, episodes: list[Episode]) -> None:
         failed = [ep.failure for ep in episodes if ep.failure]
@@ -207,47 +189,49 @@ class FailureStreak:
             f"its update ({kept}). The first failure: {self.first}")
 
 
-def sampled_episodes(runner: EpisodeRunner, actor, batch, gen_key, update_key, rng, *, columns,
-                     place, batch_size: int, n: int, step: int,
+def sampled_episodes(runner: EpisodeRunner, sampler: Sampler, actor, batch, gen_key, update_key,
+                     rng, *, columns, place, batch_size: int, n: int, step: int,
                      last_checkpoint: Callable[[], Optional[int]]) -> Sampled:
-    """The `parts.Sampled` of a batch of episodes (`PPOTrainer.episode_rollout`): the prompts
-    `batch` (`parts.PromptBatch`) played with `gen_key`, responses cut to their bucket width
-    (`columns`), the environment's scores, `env/*` stats, the action mask (None when no row
+    """The `step_data.Sampled` of a batch of episodes (`PPOTrainer.episode_rollout`): the
+    prompts `batch` (`step_data.PromptBatch`) played by `sampler` with `gen_key`, responses
+    cut to their bucket width (`columns`), the environment's scores, `env/*` stats, the action mask (None when no row
     holds an observation: today's single-turn experience, to the bit) and the ended flags.
 
     Raises:
       UserCodeError: step `step` is the `env.max_failed_steps`-th in a row whose every episode
         failed (`FailureStreak.count`; `last_checkpoint()` names the checkpoint kept).
     """
-    out, episodes = runner.play(actor, batch.ids, batch.mask, batch.rows, gen_key)
+    out, episodes = runner.play(sampler, actor, batch.ids, batch.mask, batch.rows, gen_key)
     runner.streak.count(episodes, step, last_checkpoint)
-    scores, stats = episode_scores(episodes), episode_stats(episodes, out.turns)
+    ep = out.episodes
+    scores, stats = episode_scores(episodes), episode_stats(episodes, ep.turns)
     resp, resp_mask, width = columns(out.response_ids, out.response_mask)
     return Sampled(
         prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),
         group_ids=group_ids(place, batch_size, n), baseline_scores=None, update_key=update_key,
         rng=rng, prompt_width=batch.width, response_width=int(width), end=time.perf_counter(),
         rows=batch.rows, scores=place.put_rows(scores, (batch_size,)), reward_stats=stats,
-        rollout_logprobs=columns.cut(out.logprobs, width), engine_stats=engine_metrics(runner),
-        action_mask=columns.cut(out.action_mask, width) if has_observations(out) else None,
-        ended=place.put_rows(np.asarray(out.ended, bool), (batch_size,)))
+        rollout_logprobs=columns.cut(out.logprobs, width),
+        engine_stats=engine_metrics(runner.last_stats),
+        action_mask=columns.cut(ep.action_mask, width) if has_observations(out) else None,
+        ended=place.put_rows(np.asarray(ep.ended, bool), (batch_size,)))
 
 
-def has_observations(out: MultiTurnRollout) -> bool:
+def has_observations(out: Generation) -> bool:
     """Whether any row holds an observation token (a response token that is not an action)."""
-    return bool(np.any(np.asarray(out.action_mask) != np.asarray(out.response_mask)))
+    return bool(np.any(np.asarray(out.episodes.action_mask) != np.asarray(out.response_mask)))
 
 
-def cut_turns(out: MultiTurnRollout) -> list[list[int]]:
+def cut_turns(out: Generation) -> list[list[int]]:
     """Per row, the tokens of a last turn the budget cut (the run of action tokens that ends
     the response, in a row that did not end), or [] (the row ended, or its last token is an
     observation's)."""
     ids, mask, actions = (np.asarray(x) for x in (out.response_ids, out.response_mask,
-                                                  out.action_mask))
+                                                  out.episodes.action_mask))
     turns = []
     for b in range(ids.shape[0]):
         n = int(mask[b].sum())
-        if out.ended[b] or n == 0 or not actions[b, n - 1]:
+        if out.episodes.ended[b] or n == 0 or not actions[b, n - 1]:
             turns.append([])
             continue
         start = n - 1
@@ -264,20 +248,18 @@ def episode_scores(episodes: list[Episode]) -> np.ndarray:
 
 
 def episode_stats(episodes: list[Episode], turns) -> dict[str, float]:
-    """`env/*` means over the batch's episodes (module docstring)."""
+    """`env/*` means over the batch's episodes (module docstring): turns, failures, the share
+    the environment ended, and per episode the sums of each `info` key (`env/<key>`) and each
+    reward part (`env/reward/<part>`), an episode without a key counting 0."""
     n = len(episodes)
-    calls = np.array([ep.info.get("tool_call", 0) for ep in episodes], np.float64)
-    bad = np.array([ep.info.get("malformed", 0) for ep in episodes], np.float64)
-    parts = sorted({k for ep in episodes for k in ep.rewards})
     stats = {
         "env/turns": float(np.mean(np.asarray(turns)[:n])),
-        "env/tool_calls": float(calls.mean()),
-        "env/tool_call_rate": float(np.mean(calls > 0)),
-        "env/malformed_rate": float(bad.sum() / calls.sum()) if calls.sum() else 0.0,
         "env/failures": float(sum(ep.failure is not None for ep in episodes)),
         "env/done_fraction": float(np.mean([ep.done for ep in episodes])),
     }
-    for k in parts:
+    for k in sorted({k for ep in episodes for k in ep.info}):
+        stats[f"env/{k}"] = float(np.mean([ep.info.get(k, 0) for ep in episodes]))
+    for k in sorted({k for ep in episodes for k in ep.rewards}):
         stats[f"env/reward/{k}"] = float(np.mean([ep.rewards.get(k, 0.0) for ep in episodes]))
     stats["env/episodes"] = float(n)
     return stats
@@ -286,32 +268,34 @@ def episode_stats(episodes: list[Episode], turns) -> dict[str, float]:
 class EpisodeEvaluator:
     """The held-out evaluation of a multi-turn run: `eval.*`'s prompts (`evaluation.EvalBatch`,
     padding rows last) played as episodes with the eval sampling settings and the fixed key
-    `eval.seed`. `evaluator(actor, num_samples)` -> `(metrics, samples)`: `eval/reward_mean`,
-    `eval/accuracy` (the mean of the `correct` reward part), the `env/*` figures as `eval/*`,
-    `eval/response_length`, `time/eval`; samples are whole conversations, observations
-    included. Called as `Evaluator` is, with the run's `PPOModels` (only the actor plays)."""
+    `eval.seed`, by the run's sampler. `evaluator(actor, num_samples)` -> `(metrics, samples)`:
+    `eval/reward_mean`, the `env/*` figures as `eval/*` (the reward parts' means as
+    `eval/reward/<part>`), `eval/response_length`, `time/eval`; samples are whole
+    conversations, observations included. Called as `Evaluator` is, with the run's `PPOModels`
+    (only the actor plays)."""
 
     @classmethod
-    def of(cls, cfg, batch, sampling: SamplingSettings, tokenizer) -> "EpisodeEvaluator":
+    def of(cls, cfg, batch, sampling: SamplingSettings, tokenizer,
+           sampler: Sampler) -> "EpisodeEvaluator":
         """The evaluator of run config `cfg` on the eval batch, with the eval `sampling`."""
         runner = EpisodeRunner(cfg.env, sampling, tokenizer)
-        return cls(batch, runner, jax.random.PRNGKey(cfg.eval.seed), tokenizer)
+        return cls(batch, runner, jax.random.PRNGKey(cfg.eval.seed), tokenizer, sampler)
 
-    def __init__(self, batch, runner: EpisodeRunner, key, tokenizer):
+    def __init__(self, batch, runner: EpisodeRunner, key, tokenizer, sampler: Sampler):
         self.batch, self.runner, self.key, self.tokenizer = batch, runner, key, tokenizer
+        self.sampler = sampler
         rows = list(batch.rows or [{"prompt": t} for t in batch.texts])
         self.rows = rows + [rows[0]] * (len(batch.ids) - len(rows))
 
     def __call__(self, models, num_samples: int = 0):
         t0 = time.perf_counter()
         real = len(self.batch.texts)
-        out, episodes = self.runner.play(models.actor, self.batch.ids, self.batch.mask, self.rows,
-                                         self.key)
+        out, episodes = self.runner.play(self.sampler, models.actor, self.batch.ids,
+                                         self.batch.mask, self.rows, self.key)
         eps, scores = episodes[:real], episode_scores(episodes)
-        stats = episode_stats(eps, out.turns)
+        stats = episode_stats(eps, out.episodes.turns)
         metrics = {f"eval/{k[len('env/'):]}": v for k, v in stats.items()}
         metrics["eval/reward_mean"] = float(np.mean(scores[:real]))
-        metrics["eval/accuracy"] = float(np.mean([ep.rewards.get("correct", 0.0) for ep in eps]))
         mask = np.asarray(out.response_mask)[:real]
         metrics["eval/response_length"] = float(mask.sum(axis=1).mean())
         metrics["time/eval"] = time.perf_counter() - t0

@@ -3,9 +3,10 @@ not trained on, with everything but its params fixed.
 
 One evaluation: the first `eval.num_prompts` prompts of `eval.prompts` (tokenised like the
 training prompts, padded with copies of prompt 0 to a multiple of the mesh's batch shards and
-of `ppo.micro_batch_size`; the copies are left out of every figure) -> one jitted sampling call
-with the fixed key `eval.seed` -> the run's reward (the reward function on the decoded text, or
-the reward model inside the next call, normalised as in training) -> one jitted call for the
+of `ppo.micro_batch_size`; the copies are left out of every figure) -> the run's sampler
+(`rollout.sampler.Sampler`: `generation.engine` as in training) with the fixed key `eval.seed`
+-> the run's reward (the reward function on the decoded text, or the reward model inside the
+next call, normalised as in training) -> one jitted call for the
 actor and reference log-probs at the eval temperature and the statistics. The same key every
 time makes two evaluations of the same params identical, and successive evaluations differ
 only by the params (common random numbers).
@@ -32,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppo_jax.core import masked_mean, sequence_kl
+from ppo_jax.core import ended_rows, masked_mean, sequence_kl
 from ppo_jax.parallel.host import local_rows
-from ppo_jax.rollout.experience import PPOModels
-from ppo_jax.rollout.sampler import SamplingSettings, ended_rows, sample
+from ppo_jax.trainer.stages.ppo.experience import PPOModels
+from ppo_jax.rollout.draws import SamplingSettings
+from ppo_jax.rollout.sampler import Sampler
 from ppo_jax.rollout.forward import Rollout, ForwardSettings, rollout_logprobs, rollout_scores
 from ppo_jax.trainer.data.prompts import PromptSet
 from ppo_jax.trainer.programs import Program, batch_shape
@@ -110,8 +112,9 @@ def eval_summary(scores, logprobs, ref_logprobs, response_mask, ended, valid) ->
       valid: `[B]` bool, False on padding rows.
 
     Returns:
-      `{"reward_mean", "reward_std" (population), "kl" (mean over rows of
-      sum_t (lp - ref) over real tokens), "response_length", "ended_fraction"}`, float32 scalars.
+      a dict of float32 scalars: "reward_mean"; "reward_std", the population std; "kl", the
+      mean over rows of sum_t (lp - ref) over real tokens; "response_length";
+      "ended_fraction".
     """
     valid = valid.astype(bool)
     scores = scores.astype(jnp.float32)
@@ -136,7 +139,7 @@ def eval_stats(models: PPOModels, rollout: Rollout, scores, valid, *, settings: 
       valid: `[B]` bool, False on padding rows.
 
     Returns:
-      `(eval_summary(...) dict, scores [B] float32)`.
+      `(stats, scores)`: the `eval_summary` dict and the `[B]` float32 scores.
 
     Raises:
       ValueError: B is not a multiple of `settings.forward.micro_batch_size`.
@@ -154,29 +157,32 @@ def eval_stats(models: PPOModels, rollout: Rollout, scores, valid, *, settings: 
 
 
 class Evaluator:
-    """The evaluations of one PPO run: the eval prompts placed on the mesh once (rows split
-    over ("data", "fsdp"), as a training batch), the two jitted calls compiled on first use.
+    """The evaluations of one PPO run. The eval prompts are placed on the mesh once, their
+    rows split over the batch axes like a training batch's; the sampler's call and the jitted
+    forward passes compile on first use.
 
     Args:
       batch: `eval_batch(...)`; B must be a multiple of the mesh's batch shards and of
         `settings.forward.micro_batch_size`.
       settings: `EvalSettings`.
       place: the run's `Placement`.
-      shardings: `PPOModels` of the shardings of the actor, reference and reward model params
-        (`Placement.shardings(models)`; critic None).
+      shardings: `PPOModels` of the shardings of the actor, reference and reward model
+        params, as `Placement.shardings` gives them; critic None.
       seed: `eval.seed`, the PRNG key of every evaluation.
       reward_fn: `fn(prompts, responses) -> [n] scores` on text (the run's, limited to
         `reward.timeout_s` a call), or None for the reward model.
       decode: `fn(ids [n, N], mask [n, N]) -> n strings`.
-      plain: the `Evaluator` of the same problems under `eval.plain_instruction` (its reward
-        function must report `accuracy_format_free`), or None.
+      plain: the `Evaluator` of the same problems under `eval.plain_instruction`, or None.
+        Its reward function must report `accuracy_format_free`.
+      sampler: the run's `Sampler`, laid out for the actor's trained params by
+        `Sampler.laid_out`.
     """
 
     def __init__(self, batch: EvalBatch, settings: EvalSettings, place, shardings: PPOModels, *,
                  seed: int, reward_fn: Optional[Callable], decode: Callable,
-                 plain: Optional["Evaluator"] = None):
+                 sampler: Sampler, plain: Optional["Evaluator"] = None):
         self.batch, self.place, self.reward_fn, self.decode = batch, place, reward_fn, decode
-        self.settings, self.plain = settings, plain
+        self.settings, self.plain, self.sampler = settings, plain, sampler
         by_row, rep = place.by_row, place.replicated
         size, width = batch.ids.shape
         self.lo, self.hi = place.row_range(size)
@@ -185,14 +191,9 @@ class Evaluator:
         self.valid = place.put_rows(batch.valid[self.lo:self.hi], (size,))
         self.key = place.replicate(jax.random.PRNGKey(seed))
 
-        def sample_responses(actor, q, qm, key):
-            return sample(actor, q, qm, key, settings=settings.sampling)[:2]
-
         def stats(models, q, qm, r, rm, scores, valid):
             return eval_stats(models, Rollout(q, qm, r, rm), scores, valid, settings=settings)
 
-        self._sample = jax.jit(sample_responses, in_shardings=(shardings.actor, by_row, by_row, rep),
-                               out_shardings=(by_row, by_row))
         self._stats = jax.jit(stats, in_shardings=(shardings,) + (by_row,) * 6,
                               out_shardings=(rep, by_row))
 
@@ -201,17 +202,19 @@ class Evaluator:
         return self.q, self.qm, self.valid, self.key
 
     def programs(self, models: PPOModels, *, per_step: float) -> list:
-        """Its two jitted calls with abstract arguments (`trainer.programs.Program`): the eval
-        sampler and the forward passes, responses `settings.sampling.max_new_tokens` long; with
-        `plain`, its two as well (`eval_plain_sampler`, `eval_plain_forward`)."""
+        """Its jitted calls with abstract arguments (`trainer.programs.Program`): the eval
+        sampler's (`Sampler.programs`, prefixed `eval_`) and the forward passes, responses
+        `settings.sampling.max_new_tokens` long; with `plain`, its own as well (`eval_plain_`)."""
         size, new = self.batch.ids.shape[0], self.settings.sampling.max_new_tokens
         resp = batch_shape(self.place, (size, new), jnp.int32)
         scores = None if self.reward_fn is None else batch_shape(self.place, (size,), jnp.float32)
         note = f"every {round(1 / per_step)} steps" if per_step else ""
-        out = [Program("eval_sampler", self._sample, (models.actor, self.q, self.qm, self.key),
-                       per_step, note, while_trips=new - 1),
-               Program("eval_forward", self._stats, (models, self.q, self.qm, resp, resp, scores,
-                                                     self.valid), per_step, note)]
+        out = [Program(p["name"], p["fn"], p["args"], p["per_step"] * per_step, note,
+                       while_trips=p["while_trips"])
+               for p in self.sampler.programs(models.actor, self.q, self.qm, self.key,
+                                              self.settings.sampling, prefix="eval_")]
+        out.append(Program("eval_forward", self._stats, (models, self.q, self.qm, resp, resp,
+                                                         scores, self.valid), per_step, note))
         if self.plain is not None:  # eval_plain_sampler, eval_plain_forward
             out += [replace(p, name=p.name.replace("eval_", "eval_plain_"))
                     for p in self.plain.programs(models, per_step=per_step)]
@@ -233,7 +236,8 @@ class Evaluator:
             (`rewards.calls.call_reward_function`; the trainer names it and the step).
         """
         t0 = time.perf_counter()
-        resp, resp_mask = self._sample(models.actor, self.q, self.qm, self.key)
+        resp, resp_mask = self.sampler(models.actor, self.q, self.qm, self.key,
+                                       self.settings.sampling)[:2]
         texts, scores = None, None
         parts = {}
         if self.reward_fn is not None:

@@ -1,14 +1,13 @@
 """The static settings of a PPO run, built once from its config: sampling, experience making
 (with its forward passes), the update and the held-out evaluation.
 
-Each layer takes its own frozen settings dataclass (`rollout.sampler.SamplingSettings`,
-`rollout.forward.ForwardSettings`, `rollout.experience.ExperienceSettings`,
-`trainer.stages.ppo.update.UpdateSettings`, `trainer.stages.ppo.evaluation.EvalSettings`,
-`rollout.engine.EngineSettings`). Every field is written out below from its config key, so a
-grep for a key (`cliprange`) finds where it reaches the step; what the config does not hold
-(the mesh, stop and pad ids from the tokenizer, the reward model's score statistics) is given
-by the trainer. tests/trainer/test_ppo_settings.py checks that every field of the same name as
-a config key carries its value. Checking the config is separate (`stages.ppo.checks`).
+Each layer takes its own frozen settings dataclass, with no defaults of its own: sampling,
+the paged engine, the forward passes, the experience pass, the update and the evaluation.
+Every field is written out below from its config key, so a grep for a key
+(`cliprange`) finds where it reaches the step. What the config does not hold (the mesh, the
+tokenizer's stop and pad ids, the reward model's score statistics) comes from the trainer. The
+config itself is checked when it loads (`trainer.config.checks`) and, for what needs more than
+one key, by `load_checks`; the code downstream trusts both.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ppo_jax.rollout.engine import EngineSettings
-from ppo_jax.rollout.experience import ExperienceSettings
-from ppo_jax.rollout.sampler import SamplingSettings
+from ppo_jax.rollout.engine_layout import EngineSettings
+from ppo_jax.trainer.stages.ppo.experience import ExperienceSettings
+from ppo_jax.core import get_advantage_estimator, needs_greedy_baseline
+from ppo_jax.rollout.draws import SamplingSettings
 from ppo_jax.rollout.forward import ForwardSettings
 from ppo_jax.trainer.config import Config, static_kwargs
 from ppo_jax.trainer.stages.ppo.evaluation import EvalSettings
@@ -28,9 +28,13 @@ from ppo_jax.trainer.stages.ppo.update import UpdateSettings
 
 @dataclass(frozen=True)
 class PPOSettings:
-    """The static settings of every jitted call of a PPO step (`settings_for`)."""
+    """The static settings of every jitted call of a PPO step (`settings_for`). greedy_baseline:
+    ReMax's greedy sampling, None when the estimator needs none; engine: the paged engine's,
+    None with the static batch (`generation.engine`)."""
 
     sampling: SamplingSettings
+    greedy_baseline: Optional[SamplingSettings]
+    engine: Optional[EngineSettings]
     experience: ExperienceSettings
     update: UpdateSettings
     eval: EvalSettings
@@ -48,13 +52,16 @@ def forward_settings(cfg: Config, *, mesh=None, score_normalizer=None,
 def sampling_settings(cfg: Config, *, stop_token_ids: tuple[int, ...], pad_token_id: int,
                       mesh=None) -> SamplingSettings:
     """The training sampler's settings (`generation.*`); one prefill per group of
-    `generation.samples_per_prompt` rows unless `generation.share_prompt_prefill` is off."""
+    `generation.samples_per_prompt` rows unless `generation.share_prompt_prefill` is off.
+    Single-turn: an environment's turns are added by `stages.ppo.episodes.EpisodeRunner`
+    (its stop strings are the environment's)."""
     g = cfg.generation
     return SamplingSettings(
         max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
         greedy=g.greedy, stop_token_ids=() if g.ignore_eos else tuple(stop_token_ids),
         pad_token_id=pad_token_id,
-        samples_per_prompt=g.samples_per_prompt if g.share_prompt_prefill else 1, mesh=mesh)
+        samples_per_prompt=g.samples_per_prompt if g.share_prompt_prefill else 1, mesh=mesh,
+        turns=None)
 
 
 def experience_settings(cfg: Config, forward: ForwardSettings, *,
@@ -109,10 +116,10 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
 
     Args:
       shared_critic: the value head sits on the actor (`model.shared_critic`).
-      mesh: the mesh of in-jit sharding constraints (None on one device).
+      mesh: the mesh of in-jit sharding constraints, None on one device.
       score_normalizer: the reward model's `(mean, std)` when `reward.normalize`, else None.
-      reward_eos_id: the EOS id the reward model reads at (`reward.eos_at_end`), else None.
-      stop_token_ids, pad_token_id: from the tokenizer and model config (`trainer.loading.models`);
+      reward_eos_id: with `reward.eos_at_end`, the EOS id the reward model reads at, else None.
+      stop_token_ids, pad_token_id: from the tokenizer and the model config;
         `generation.ignore_eos` samples with no stop token.
     """
     e = cfg.eval
@@ -124,8 +131,11 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
         sampling, max_new_tokens=e.max_new_tokens or cfg.generation.max_new_tokens,
         temperature=e.temperature, greedy=e.greedy,
         samples_per_prompt=e.samples_per_prompt if cfg.generation.share_prompt_prefill else 1)
+    greedy = needs_greedy_baseline(get_advantage_estimator(cfg.ppo.advantage_estimator))
     return PPOSettings(
         sampling=sampling,
+        greedy_baseline=dataclasses.replace(sampling, greedy=True) if greedy else None,
+        engine=engine_settings(cfg),
         experience=experience_settings(cfg, forward, shared_critic=shared_critic),
         update=update_settings(cfg, shared_critic=shared_critic, mesh=mesh),
         eval=EvalSettings(eval_sampling, dataclasses.replace(forward, temperature=e.temperature)))

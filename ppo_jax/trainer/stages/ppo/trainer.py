@@ -1,26 +1,26 @@
-"""Stage 3, PPO, on the shared loop of `trainer.loop`. `step()` reads top to bottom:
-`sample_rollout` (the next prompts and the actor's responses, cut to column buckets:
-`stages.ppo.columns`; or `dynamic_rollout`, DAPO's rounds: `stages.ppo.dynamic`; or
-`episode_rollout`, multi-turn episodes with an environment: `stages.ppo.episodes`),
-`score_rollout` (the reward function on the decoded text, `stages.ppo.text_rewards`, or the reward
-model, and one jitted experience pass) and `learn` (one jitted call runs every PPO epoch and
-minibatch), each returning a named value (`stages.ppo.parts`). The jitted programs are
-module-level functions (`stages.ppo.steps`) bound in `build.build_programs` to their static
-settings, graphs and optimisers and jitted with their shardings; `--compile-for` lists the same
-objects (`stages.ppo.compile_for`). What is built once is `stages.ppo.build`.
+"""Stage 3, PPO, on the shared loop of `trainer.loop`.
+
+`step()` reads top to bottom: sample, score, learn. `sample_rollout` samples; DAPO's rounds
+are in `dynamic_rollout` and multi-turn episodes in `episode_rollout`. `score_rollout` computes
+the reward, then runs one jitted experience pass. `learn` runs every PPO epoch and minibatch in
+one jitted call. Each part returns a named value of `step_data`. What is built once, before
+the first step, lives in `build`; the jitted programs the step calls live in `step_programs`,
+and `--compile-for` compiles the same objects.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import jax
 
 from ppo_jax.models.functional import Model
-from ppo_jax.rollout.experience import PPOModels
+from ppo_jax.trainer.stages.ppo.experience import PPOModels, RolloutBatch
 from ppo_jax.rollout.forward import Rollout
+from ppo_jax.rollout.sampler import engine_metrics
 from ppo_jax.rollout.weights import resolve_layout
 from ppo_jax.trainer.config import eval_enabled
 from ppo_jax.trainer.data.order import DataOrder
@@ -30,11 +30,12 @@ from ppo_jax.trainer.loading.models import (
 )
 from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.stages.ppo import (
-    build, checks, compile_for, dynamic, episodes, faults, parts, samplers, steps, text_rewards,
+    build, dynamic, episodes, load_checks, rewards, step_data, step_programs,
 )
-from ppo_jax.trainer.stages.ppo.columns import PromptColumns, ResponseColumns
-from ppo_jax.trainer.stages.ppo.parts import Learned, LastRollout, PromptBatch, Sampled, Scored
-from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
+from ppo_jax.trainer.stages.ppo.step_data import (
+    LastRollout, Learned, PromptBatch, PromptColumns, ResponseColumns, Sampled, Scored,
+)
+from ppo_jax.trainer.stages.ppo.settings import settings_for
 from ppo_jax.trainer.state import full_params
 
 
@@ -45,60 +46,62 @@ class PPOTrainer(StageTrainer):
     FileNotFoundError / ValueError before any compile); `train()` runs the remaining steps;
     `step()` runs one.
 
-    Every array lives on the device mesh of `cfg.mesh` (over `devices`, default all devices of
-    all processes; `trainer.placement`): params and optimiser states sharded by the named rules
-    of `ppo_jax.parallel.rules`, batches split over ("data", "fsdp"), the KL controller and RNG
-    replicated. Each process feeds and reads only its own rows of every batch.
+    Every array lives on the device mesh of `cfg.mesh` over `devices`, by default all devices
+    of all processes. Params and optimiser states are sharded by the named rules of
+    `ppo_jax.parallel.rules`, batches are split over the "data" and "fsdp" axes, and the KL
+    controller and RNG are replicated. Each process feeds and reads only its own rows of every
+    batch.
 
     Attributes (besides `StageTrainer`'s), all set in `_build`:
-      models, tokenizer: the loaded `loading.models.Models` (the trained params moved into
-        `state`) and tokenizer (None in an abstract build); stop_ids: the tokens ending a
-        response; reward_fn: the reward function (a call limited to `reward.timeout_s`), or None
-        (a reward model scores).
+      models, tokenizer: the loaded `loading.models.Models`, whose trained params move into
+        `state`, and the tokenizer, None in an abstract build.
+      stop_ids: the tokens ending a response.
+      reward_fn: the reward function, each call limited to `reward.timeout_s`; None when a
+        reward model scores.
       prompts, prompt_columns, prompt_order: the prompt set, its buckets, its resumable order.
       settings: `PPOSettings`, the static settings of the jitted calls.
       actor_tx, critic_tx, state, frozen, ref_params, reward_params, shared_base: as
-        `build.PPOParams` says (`state`: `{"actor", "critic", "kl", "rng"}`).
-      rollout_layout, response_columns, jit: the resolved `generation.rollout_layout`, the
-        response buckets, the step's jitted programs (`steps.Jitted`).
-      evaluator: the `Evaluator` of `eval.*` (`episodes.EpisodeEvaluator` with `env.name`),
-        or None; `episodes`: the `episodes.EpisodeRunner` of `env.*`, or None;
-        `_eval_samples`: the evaluator's last decoded samples until `after_log` writes them;
-        `_last_rollout`: the last step's `parts.LastRollout` (`last_samples`), None before
-        the first.
+        `build.PPOParams` says; `state` is `{"actor", "critic", "kl", "rng"}`.
+      rollout_layout: the resolved `generation.rollout_layout`.
+      response_columns: the response buckets.
+      jit: the step's jitted programs, a `step_programs.StepPrograms`.
+      evaluator: the `Evaluator` of `eval.*`, an `episodes.EpisodeEvaluator` with `env.name`,
+        or None.
+      episodes: the `episodes.EpisodeRunner` of `env.*`, or None.
+      _eval_samples: the evaluator's last decoded samples, until `after_log` writes them.
+      _last_rollout: the last step's `step_data.LastRollout`, None before the first.
     """
 
     name = "ppo"
     finite_keys = ("kl",)
 
     def _check_config(self) -> None:
-        checks.check_names(self.cfg)
+        load_checks.check_names(self.cfg)
 
     def _check_inputs(self) -> None:
-        checks.check_names(self.cfg)
-        checks.check_prompt_files(self.cfg)  # fails before loading
+        load_checks.check_names(self.cfg)
+        load_checks.check_prompt_files(self.cfg)  # fails before loading
 
     def _build(self) -> None:
         cfg, place = self.cfg, self.place
-        checks.check_placement(cfg, place)
+        load_checks.check_placement(cfg, place)
         load = abstract_models if self.is_abstract else build_models
         models = load(cfg, sharding_fn=place.sharding_fn)
-        checks.check_kernel(cfg, models.actor.cfg, place.mesh)
+        load_checks.check_kernel(cfg, models.actor.cfg, place.mesh)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = prompt_set(cfg, self.tokenizer, models.actor.cfg, cfg.data.prompts,
                                   "data.prompts", abstract=self.is_abstract)
         self.prompt_columns = PromptColumns(self.prompts.mask, cfg.data.prompt_buckets)
         self.stop_ids = stop_token_ids(cfg, self.tokenizer, models.actor.cfg)
-        self.reward_fn = checks.reward_function(cfg) if cfg.reward.kind == "function" else None
+        self.reward_fn = load_checks.reward_function(cfg) if cfg.reward.kind == "function" else None
         self.settings = settings_for(
             cfg, shared_critic=cfg.model.shared_critic, mesh=place.constraint_mesh,
             score_normalizer=models.score_normalizer if cfg.reward.normalize else None,
-            reward_eos_id=text_rewards.reward_eos_id(cfg.reward.eos_at_end, self.tokenizer,
+            reward_eos_id=rewards.reward_eos_id(cfg.reward.eos_at_end, self.tokenizer,
                                                 self.stop_ids),
             stop_token_ids=self.stop_ids,
             pad_token_id=pad_token_id(self.tokenizer, models.actor.cfg))
-        self.episodes = (episodes.EpisodeRunner(cfg.env, self.settings.sampling, self.tokenizer,
-                                                 engine_settings(cfg), models.actor.cfg)
+        self.episodes = (episodes.EpisodeRunner(cfg.env, self.settings.sampling, self.tokenizer)
                          if cfg.env.name and not self.is_abstract else None)
         params = build.build_params(cfg, place, models)  # takes over the loaded param buffers
         self.actor_tx, self.critic_tx, self.state = params.actor_tx, params.critic_tx, params.state
@@ -113,10 +116,11 @@ class PPOTrainer(StageTrainer):
         self.evaluator = (build.build_evaluator(
             cfg, place, self.tokenizer, models.actor.cfg, self.settings.eval,
             self._model_shardings(), abstract=self.is_abstract, reward_fn=self.reward_fn,
-            decode=self.decode) if eval_enabled(cfg.eval) else None)
+            decode=self.decode, sampler=self.jit.sampler) if eval_enabled(cfg.eval) else None)
         if self.episodes is not None and self.evaluator is not None:  # eval prompts as episodes
             self.evaluator = episodes.EpisodeEvaluator.of(
-                cfg, self.evaluator.batch, self.settings.eval.sampling, self.tokenizer)
+                cfg, self.evaluator.batch, self.settings.eval.sampling, self.tokenizer,
+                self.jit.sampler)
         self._eval_samples: list[dict] = []
         self._last_rollout: Optional[LastRollout] = None
 
@@ -133,9 +137,9 @@ class PPOTrainer(StageTrainer):
         return self.place.shardings(self.ppo_models(state["actor"].params, critic,
                                                     self.ref_params, self.reward_params))
 
-    def _build_programs(self) -> steps.Jitted:
-        """The step's jitted programs (`build.build_programs`) for this run."""
-        return build.build_programs(
+    def _build_programs(self) -> step_programs.StepPrograms:
+        """The step's jitted programs for this run."""
+        return step_programs.build_programs(
             self.cfg, self.settings, self.place, self.models,
             actor=self.ppo_models(self.state["actor"].params).actor,  # LoRA: base and adapters
             models_sh=self._model_shardings(), state=self.state, frozen=self.frozen,
@@ -143,9 +147,8 @@ class PPOTrainer(StageTrainer):
             critic_tx=self.critic_tx)
 
     def rollout_actor(self) -> Model:
-        """The actor the sampler runs: the trained params, or their rollout copy (cast to
-        `generation.param_dtype`, laid out by `generation.rollout_layout`; made once per step,
-        `rollout.weights`)."""
+        """The actor the sampler runs: the trained params, or their rollout copy, made once
+        per step, cast to `generation.param_dtype` and laid out by `generation.rollout_layout`."""
         actor = self.ppo_models(self.state["actor"].params).actor
         if self.jit.rollout_copy is None:
             return actor
@@ -181,7 +184,7 @@ class PPOTrainer(StageTrainer):
         """One PPO step, in three named parts: `sample_rollout` (prompts in, responses out;
         `dynamic_rollout` with `ppo.dynamic_sampling`), `score_rollout` (rewards and
         experience) and `learn` (the update); returns its metrics (floats), assembled from the
-        three parts by `parts.step_metrics`.
+        three parts by `step_data.step_metrics`.
 
         Host work inside the step is limited to this process's rows: their prompt ids go in,
         and with a reward function their response tokens come out, are decoded and scored, and
@@ -200,32 +203,33 @@ class PPOTrainer(StageTrainer):
         self._last_rollout = LastRollout(prompts=sampled.prompts, responses=scored.responses,
                                          rollout=sampled.rollout,
                                          scores=scored.experience.scores)
-        return parts.step_metrics(t0, sampled, scored, learned, self.prompt_order.position)
+        return step_data.step_metrics(t0, sampled, scored, learned, self.prompt_order.position)
 
     def sample_rollout(self) -> Sampled:
         """The next batch of prompts and the actor's responses (and ReMax's greedy baseline).
 
-        Column buckets (`stages.ppo.columns`): the prompts keep the batch's widest prompt
-        (rounded up, `parts.next_prompts`); the responses are cut after sampling to the batch's
+        Column buckets (`stages.ppo.step_data`): the prompts keep the batch's widest prompt
+        (rounded up, `step_data.next_prompts`); the responses are cut after sampling to the batch's
         longest response (rounded up; a global max over the row-sharded mask). Both widths are
         logged (`prompt_width`, `response_width`).
         """
         batch = self.next_prompts(bucketed=True)
         rng, gen_key, update_key = self.jit.split_keys(self.state["rng"])
         actor = self.rollout_actor()
-        resp, resp_mask, logprobs = jax.block_until_ready(
-            self.jit.sample(actor, batch.ids, batch.mask, gen_key))
+        resp, resp_mask, logprobs, _ = jax.block_until_ready(
+            self.jit.sampler(actor, batch.ids, batch.mask, gen_key, self.settings.sampling))
+        engine_stats = engine_metrics(self.jit.sampler.last_stats)
         baseline = self.greedy_baseline(actor, batch.ids, batch.mask, gen_key, batch.texts,
                                         batch.rows)
         resp, resp_mask, resp_width = self.response_columns(resp, resp_mask)
         n = self.cfg.generation.samples_per_prompt  # rows of one prompt are adjacent: one group
         return Sampled(
             prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),
-            group_ids=parts.group_ids(self.place, self.cfg.ppo.batch_size, n),
+            group_ids=step_data.group_ids(self.place, self.cfg.ppo.batch_size, n),
             baseline_scores=baseline, update_key=update_key, rng=rng,
             prompt_width=batch.width, response_width=int(resp_width), end=time.perf_counter(),
             rows=batch.rows, rollout_logprobs=self.response_columns.cut(logprobs, resp_width),
-            engine_stats=samplers.engine_metrics(self.jit.sample))
+            engine_stats=engine_stats)
 
     def episode_rollout(self) -> Sampled:
         """Multi-turn episodes with the run's environment (`env.*`, `stages.ppo.episodes`):
@@ -234,7 +238,7 @@ class PPOTrainer(StageTrainer):
         batch = self.next_prompts(bucketed=True)
         rng, gen_key, update_key = self.jit.split_keys(self.state["rng"])
         return episodes.sampled_episodes(
-            self.episodes, self.rollout_actor(), batch, gen_key, update_key, rng,
+            self.episodes, self.jit.sampler, self.rollout_actor(), batch, gen_key, update_key, rng,
             columns=self.response_columns, place=self.place, batch_size=self.cfg.ppo.batch_size,
             n=self.cfg.generation.samples_per_prompt, step=self.step_count + 1,
             last_checkpoint=self.checkpointer.latest_step)
@@ -249,7 +253,9 @@ class PPOTrainer(StageTrainer):
 
         def draw(key) -> dynamic.DrawnRound:
             return dynamic.draw_round(self.next_prompts(bucketed=False), actor, key,
-                                      sample=jit.sample, score=self.score_texts,
+                                      sample=partial(jit.sampler,
+                                                     settings=self.settings.sampling),
+                                      score=self.score_texts,
                                       informative=jit.informative)
 
         drawn, rng = dynamic.draw_rounds(draw, rng, key, split_keys=jit.split_keys,
@@ -272,9 +278,9 @@ class PPOTrainer(StageTrainer):
         critic = self.state["critic"]
         models = self.ppo_models(self.state["actor"].params,
                                  None if critic is None else critic.params, ref, reward)
-        out = self.jit.experience(models, self.state["kl"], r, scores, sampled.group_ids,
-                                  sampled.baseline_scores, sampled.rollout_logprobs,
-                                  sampled.action_mask, sampled.ended)
+        batch = RolloutBatch(r, sampled.group_ids, scores, sampled.baseline_scores,
+                             sampled.rollout_logprobs, sampled.action_mask, sampled.ended)
+        out = self.jit.experience(models, self.state["kl"], batch)
         del ref, reward, models  # offloaded frozen params: the device copy lives for this pass
         stats = {**jax.device_get(out.stats), **reward_stats}  # replicated: readable everywhere
         release_host_memory()
@@ -292,8 +298,8 @@ class PPOTrainer(StageTrainer):
 
     # --- the step's host-side helpers -------------------------------------------------------
     def next_prompts(self, bucketed: bool) -> PromptBatch:
-        """`parts.next_prompts` of this run's prompts, order and batch (advances the order)."""
-        return parts.next_prompts(self.prompts, self.prompt_order, self.prompt_columns,
+        """`step_data.next_prompts` of this run's prompts, order and batch (advances the order)."""
+        return step_data.next_prompts(self.prompts, self.prompt_order, self.prompt_columns,
                                   self.place, batch=self.cfg.ppo.batch_size,
                                   n=self.cfg.generation.samples_per_prompt, bucketed=bucketed)
 
@@ -301,9 +307,10 @@ class PPOTrainer(StageTrainer):
                         rows: Optional[list[dict]] = None):
         """ReMax: the `[B]` scores of the greedy responses to the prompts `[B, P]` (by the
         reward function, or the reward model), or None when the estimator needs none."""
-        if self.jit.sample_greedy is None:
+        if self.settings.greedy_baseline is None:
             return None
-        resp, mask, _ = self.jit.sample_greedy(actor, prompt_ids, prompt_mask, key)
+        resp, mask, _, _ = self.jit.sampler(actor, prompt_ids, prompt_mask, key,
+                                            self.settings.greedy_baseline)
         if self.reward_fn is None:
             reward = Model(self.models.reward.graphdef, self.place.onload(self.reward_params))
             return self.jit.reward_model_scores(reward,
@@ -311,50 +318,51 @@ class PPOTrainer(StageTrainer):
         return self.score_texts(prompts, resp, mask, rows).scores
 
     def decode(self, ids, mask) -> list[str]:
-        """`text_rewards.decode_responses` with this run's tokenizer and `data.response_prefix`."""
-        return text_rewards.decode_responses(self.tokenizer, self.cfg.data.response_prefix or "",
+        """`rewards.decode_responses` with this run's tokenizer and `data.response_prefix`."""
+        return rewards.decode_responses(self.tokenizer, self.cfg.data.response_prefix or "",
                                         ids, mask)
 
-    def score_texts(self, prompts: list[str], ids, mask, rows=None) -> text_rewards.TextScores:
-        """`text_rewards.text_scores` by this run's reward function, in the step under way.
+    def score_texts(self, prompts: list[str], ids, mask, rows=None) -> rewards.TextScores:
+        """`rewards.text_scores` by this run's reward function, in the step under way.
 
         Raises:
           UserCodeError: the reward function failed, naming it and the step (`faults`).
         """
         with self._reward_faults(f"step {self.step_count + 1}"):
-            return text_rewards.text_scores(self.reward_fn, self.decode, self.place, prompts, ids,
+            return rewards.text_scores(self.reward_fn, self.decode, self.place, prompts, ids,
                                             mask, rows)
 
     def _reward_faults(self, when: str):
-        """`faults.reward_faults` of this run's reward function at `when`."""
-        return faults.reward_faults(self.cfg.reward.function, when,
+        """`rewards.reward_faults` of this run's reward function at `when`."""
+        return rewards.reward_faults(self.cfg.reward.function, when,
                                     getattr(self, "checkpointer", None))
 
     @property
     def finite_hint(self) -> str:
         """The loop's advice on a non-finite step, a fork's formulas named first (`faults`)."""
-        return faults.finite_hint(self.cfg, StageTrainer.finite_hint)
+        return rewards.finite_hint(self.cfg, StageTrainer.finite_hint)
 
     @property
     def last_samples(self) -> list[dict]:
-        """This process's rows of the last step (`text_rewards.sample_records`)."""
-        return text_rewards.sample_records(self._last_rollout, self.decode)
+        """This process's rows of the last step (`rewards.sample_records`)."""
+        return rewards.sample_records(self._last_rollout, self.decode)
 
     def programs(self) -> list:
-        """The step's jitted programs with abstract arguments (`programs.step_programs`)."""
+        """The step's jitted programs with abstract arguments (`step_programs.step_programs`)."""
         place, state = self.place, self.state
         critic = state["critic"]
         models = self.ppo_models(state["actor"].params, None if critic is None else critic.params,
                                  place.onload(self.ref_params), place.onload(self.reward_params))
-        return compile_for.step_programs(
-            self.jit, models, state, self.frozen, cfg=self.cfg, place=place,
+        return step_programs.step_programs(
+            self.jit, models, state, self.frozen, cfg=self.cfg, settings=self.settings,
+            place=place,
             prompt_width=self.prompt_columns.full, scored_on_host=self.reward_fn is not None,
             model_shardings=self._model_shardings(), rollout_layout=self.rollout_layout,
             evaluator=self.evaluator)
 
     def resident(self) -> dict:
-        """What stays in device memory between the programs of a step (`programs.resident`)."""
-        return compile_for.resident(self.state, self.frozen, self.ref_params, self.reward_params,
+        """What stays in device memory between a step's programs (`step_programs.resident`)."""
+        return step_programs.resident(self.state, self.frozen, self.ref_params, self.reward_params,
                                  shared_base=self.shared_base, evaluator=self.evaluator)
 
     # ----------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from jax.sharding import Mesh
 from ppo_jax.core import (
     LossInputs,
     aggregate,
-    check_rollout_correction,
     get_policy_loss,
     get_value_loss,
     loss_normalizers,
@@ -40,48 +39,49 @@ from ppo_jax.core import (
     rollout_correction_weights,
 )
 from ppo_jax.parallel import shard_rows_tree
-from ppo_jax.rollout.experience import Experience
+from ppo_jax.trainer.stages.ppo.experience import Experience
 from ppo_jax.rollout.forward import critic_values, policy_logprobs, policy_logprobs_and_values
 from ppo_jax.trainer.accumulate import accumulate_gradients
-from ppo_jax.trainer.state import over_trained
+from ppo_jax.trainer.state import loss_of_trained
 
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """Static settings of the update (hashable). The defaults are the config's (`ppo.*`,
-    configs/default.yaml; tests/trainer/test_ppo_settings.py holds them equal); the trainer
-    builds them from a run's config (`stages.ppo.settings.settings_for`)."""
+    """Static settings of the update, hashable, built by `stages.ppo.settings.update_settings`.
 
-    ppo_epochs: int = 2
-    mini_batch_size: int = 8
-    micro_batch_size: int = 8
-    temperature: float = 1.0
-    policy_loss: str = "ppo_clip"
-    value_loss: str = "clipped_mse"
-    cliprange: float = 0.2
-    cliprange_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    cliprange_value: float = 0.2
-    policy_loss_kwargs: tuple = ()  # extra (name, value) keyword arguments of the losses
-    value_loss_kwargs: tuple = ()
-    loss_aggregation: str = "token-mean"  # core.LOSS_AGGREGATIONS (policy and value losses)
-    entropy_coef: float = 0.0  # per-token -entropy_coef * entropy added to the policy loss
-    kl_loss_coef: float = 0.0  # per-token kl_loss_coef * KL(pi || ref) added to the policy loss
-    kl_loss_estimator: str = "low_var_kl"  # core.KL_ESTIMATORS
-    shared_critic: bool = False  # a CausalLMWithValueHead actor; loss = pg + vf_coef * vf
-    vf_coef: float = 0.1
-    mesh: Optional[Mesh] = None  # split minibatch / micro-batch rows over ("data", "fsdp")
-    train_actor: bool = True  # False: critic-only update (ppo.critic_warmup_steps)
-    # vocabulary columns per block of the log-prob / entropy head, forward and backward
-    # (forward.head_logprobs); 0: the full [B, N, V] logits
-    logprob_chunk_size: int = 0
-    # the longest response the sampler may give (generation.max_new_tokens): seq-mean-token-sum's
-    # constant T; None: the experience's response width (as ExperienceSettings' field). Pinned so
-    # that cutting all-pad response columns (trainer.stages.ppo.columns) changes no loss.
-    max_response_length: Optional[int] = None
-    # core.ROLLOUT_CORRECTIONS: weights on pg_loss for the sampler / trainer log-prob mismatch
-    rollout_correction: str = "none"
-    rollout_correction_cap: float = 2.0  # C of tis (truncation) and mis (rejection)
+    Most fields are the `ppo.*` keys of the same name; `*_kwargs` are `(name, value)` tuples.
+    temperature: `generation.temperature`. logprob_chunk_size: `model.logprob_chunk_size`.
+    shared_critic: the actor is a `CausalLMWithValueHead` trained on pg + vf_coef * vf.
+    mesh: splits the rows of minibatches and micro-batches over the "data" and "fsdp" axes.
+    train_actor: False in the critic warm-up's update.
+    max_response_length: `generation.max_new_tokens`, the constant T of seq-mean-token-sum.
+      It is pinned so that cutting all-pad response columns changes no loss; None uses the
+      response width."""
+
+    ppo_epochs: int
+    mini_batch_size: int
+    micro_batch_size: int
+    temperature: float
+    policy_loss: str
+    value_loss: str
+    cliprange: float
+    cliprange_high: Optional[float]
+    dual_clip: Optional[float]
+    cliprange_value: float
+    policy_loss_kwargs: tuple
+    value_loss_kwargs: tuple
+    loss_aggregation: str
+    entropy_coef: float
+    kl_loss_coef: float
+    kl_loss_estimator: str
+    shared_critic: bool
+    vf_coef: float
+    mesh: Optional[Mesh]
+    train_actor: bool
+    logprob_chunk_size: int
+    max_response_length: Optional[int]
+    rollout_correction: str
+    rollout_correction_cap: float
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call."""
@@ -145,17 +145,13 @@ def value_objective(batch: LossInputs, norms, s: UpdateSettings):
 
 
 def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=None):
-    """`(actor_loss, critic_loss, joint_loss)`, each `fn(params, (m, group_ids), norms) ->
-    (loss, stats)` on one micro-batch `m` with the whole minibatch's `norms`. `params` are the
-    trained params; `frozen["actor" | "critic"]` the frozen rest of each model (a LoRA
-    model's base; `{}` or None: none), joined to them in the forward pass
-    (`trainer.state.over_trained`), never differentiated.
+    """`(actor_loss, critic_loss, joint_loss)`, each `fn(params, mb, norms) -> (loss, stats)`
+    on one micro-batch `mb = (m, group_ids)` with the whole minibatch's `norms`.
 
-    Raises:
-      ValueError: an unknown policy / value loss name or rollout correction; a bad cap.
-    """
-    get_policy_loss(s.policy_loss), get_value_loss(s.value_loss)  # unknown names fail here
-    check_rollout_correction(s.rollout_correction, s.rollout_correction_cap)
+    `params` are the trained params. `frozen["actor"]` and `frozen["critic"]` hold the frozen
+    rest of each model, a LoRA model's base; `{}` or None holds none. The frozen part joins the
+    params in the forward pass and is never differentiated. The loss names were checked when
+    the config loaded."""
     frozen = frozen or {}
     actor_base, critic_base = frozen.get("actor", {}), frozen.get("critic", {})
 
@@ -185,43 +181,34 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
         vf, v_stats = value_objective(batch, norms, s)
         return pg + s.vf_coef * vf, {**p_stats, **v_stats}
 
-    return (over_trained(actor_loss, actor_base), over_trained(critic_loss, critic_base),
-            over_trained(joint_loss, actor_base))
+    return (loss_of_trained(actor_loss, actor_base), loss_of_trained(critic_loss, critic_base),
+            loss_of_trained(joint_loss, actor_base))
 
 
-def ppo_update(actor_state, critic_state, exp: Experience, rng, *, actor_graphdef, critic_graphdef,
-               actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation,
-               settings: UpdateSettings, frozen=None):
-    """Run the whole PPO update on one batch of experience.
+def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, *, actor_graphdef,
+               critic_graphdef, actor_tx: optax.GradientTransformation,
+               critic_tx: optax.GradientTransformation, settings: UpdateSettings):
+    """The whole PPO update on one batch of experience: the step's jitted update program.
 
     Args:
       actor_state, critic_state: `TrainState`s. With `settings.shared_critic` the actor state
         holds a `CausalLMWithValueHead`'s params, trained on `pg_loss + vf_coef * vf_loss` (TRL
-        0.11 `PPOTrainer.loss`), and `critic_state` / `critic_graphdef` / `critic_tx` are None.
-      exp: `Experience` with batch B (a multiple of mini_batch_size); its rows' group ids are
-        `exp.group_ids` when it has that field, else `arange(B)` (every row its own group).
-      rng: PRNG key for the per-epoch permutations.
-      actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
+        0.11 `PPOTrainer.loss`), and `critic_state` / `critic_graphdef` / `critic_tx` are None;
+        so are they without a critic (a critic-free estimator).
       frozen: `{"actor": ..., "critic": ...}`, the frozen params of each model (a LoRA model's
         base: the train states hold only adapters and heads), or None.
+      exp: `Experience` of B rows; B a multiple of `mini_batch_size`, itself a multiple of
+        `micro_batch_size` (the config's checks).
+      rng: PRNG key of the per-epoch permutations.
+      actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
 
     Returns:
-      `(actor_state, critic_state, stats)`; every stat has shape `[ppo_epochs, n_minibatches]`
-      (with `settings.train_actor=False` the actor state is returned unchanged and only the
-      critic's stats are reported)
-      (one value per optimiser step; `stats[k][0, 0]` is the first minibatch of the first epoch).
-
-    Raises:
-      ValueError: batch sizes that do not divide, or a critic-only update of a shared critic;
-        unknown loss names; an unknown rollout correction or a bad cap.
+      `(actor_state, critic_state, stats)`; every stat is `[ppo_epochs, n_minibatches]`, one
+      value per optimiser step. With `settings.train_actor=False` the actor state comes back
+      unchanged and only the critic's stats are reported.
     """
     s = settings
-    if s.shared_critic and not s.train_actor:
-        raise ValueError("a critic-only update (train_actor=False) needs a separate critic")
     batch = exp.response_ids.shape[0]
-    if batch % s.mini_batch_size or s.mini_batch_size % s.micro_batch_size:
-        raise ValueError(f"batch {batch}, ppo.mini_batch_size={s.mini_batch_size} and "
-                         f"ppo.micro_batch_size={s.micro_batch_size} must divide each other")
     n_mb = batch // s.mini_batch_size
     actor_loss, critic_loss, joint_loss = loss_functions(s, actor_graphdef, critic_graphdef, frozen)
     data = (exp, exp.group_ids)

@@ -130,7 +130,7 @@ def supersede_checkpoints(out: Path, step: int) -> list[Path]:
     `<out>/checkpoints.superseded/<step>` (`<step>.2`, ... when that name is taken); returns
     where they went. A resume from `step` writes those steps again, and orbax writes no step
     that exists; nothing is deleted."""
-    from ppo_jax.trainer.checkpoint import finished_steps
+    from ppo_jax.trainer.lifecycle.checkpoint import finished_steps
 
     moved = []
     for later in (s for s in finished_steps(out / "checkpoints") if s > step):

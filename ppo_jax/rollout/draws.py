@@ -1,10 +1,11 @@
-"""Drawing the next token: sampling filters, one key per sample, and the log-prob of the draw.
+"""How tokens are drawn: the sampling settings, the draw (filters, one key per sample, the draw's
+log-prob), and what a sampler returns (`Generation`).
 
-Shared by both rollout engines (`rollout.sampler`, the static batch, and `rollout.engine`, the
-paged engine). The token at response position t of the sample in batch row b (sample j of
-prompt i, b = i * n + j) is drawn with the key `fold_in(fold_in(step_key, b), t)`: a
-sequence's tokens depend on its row, its position and the step's key only, never on which slot,
-chunk or sub-batch ran it, so both engines draw the same tokens from the same logits.
+Both cache layouts draw here: `rollout.static_batch` holds one KV cache for the whole batch,
+`rollout.engine` holds KV pages. Batch row b = i * n + j holds sample j of prompt i. Its token
+at response position t is drawn with the key `fold_in(fold_in(step_key, b), t)`, so a
+sequence's tokens depend on its row, its position and the step's key only, never on which
+slot, chunk or sub-batch ran it: both layouts draw the same tokens from the same logits.
 
 Sampling filters (temperature, top-k, top-p) follow transformers' logits warpers
 (`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`); greedy is argmax. The
@@ -15,8 +16,65 @@ full distribution at the temperature, the quantity the trainer recomputes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    """When a multi-turn episode's turn ends (static): `stop_sequences`, token-id tuples matched
+    on the last drawn tokens of the turn (the ids of `</calc>` as the model spells it: ids, not
+    text, so list each spelling the tokenizer may give), besides the stop tokens; and
+    `max_turns` (>= 1), the turns after which a row ends whatever its environment says."""
+
+    stop_sequences: tuple[tuple[int, ...], ...]
+    max_turns: int
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The static settings of one sampling call (hashable: a static jit argument), built from
+    the config (`stages.ppo.settings.sampling_settings`).
+
+    max_new_tokens: N, the response budget (action and observation tokens with turns).
+    temperature, top_k, top_p, greedy: the draw's filters (`draw`; top_k 0 / top_p 1 = off).
+    stop_token_ids: tokens that end a row (with `turns`, a turn). pad_token_id: written after
+      a row's last token. samples_per_prompt: n, rows in adjacent groups of n copies of one
+      prompt, prefilled once. mesh: lays the rows out (None: one device).
+    turns: None for single-turn responses; a `TurnSettings` for multi-turn episodes (the
+      sampler then takes an `on_turn_end`, `rollout.turns`).
+    """
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    greedy: bool
+    stop_token_ids: tuple[int, ...]
+    pad_token_id: int
+    samples_per_prompt: int
+    mesh: Optional[Mesh]
+    turns: Optional[TurnSettings]
+
+
+class Generation(NamedTuple):
+    """What a sampler returns for B rows and N response columns (device arrays `[B, N]`).
+
+    response_ids int32 (pad after the last token); response_mask int32, 1 through the last
+    written token (a prefix mask: the forward passes' contract, `rollout.forward`); logprobs
+    float32, each draw's log-prob (`draw`), 0 elsewhere. episodes: None single-turn; with
+    turns, the `rollout.turns.Episodes` (action mask, turns, turn ends, ended).
+    """
+
+    response_ids: jax.Array
+    response_mask: jax.Array
+    logprobs: jax.Array
+    episodes: Optional[Any]
+
 
 _NEG = -1e30  # finite "minus infinity" for filtered logits
 

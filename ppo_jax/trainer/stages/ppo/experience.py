@@ -1,23 +1,17 @@
-"""Experience making: the forward passes of the four models and the PPO math on one rollout.
+"""The experience pass of a PPO step: the forward passes of the four models on one rollout, then
+the PPO math on their outputs (reward shaping, the advantage estimator, the KL controller).
 
-`make_experience` is one pure function (jit it with the settings static): actor log-probs
-(old), reference log-probs, critic values and (optionally) reward-model scores, each computed in
-micro-batch chunks; reward-model scores optionally normalised by the mean / std measured when the
-reward model was trained; then the registered reward shaping (`ppo.reward_shaping`, default
-"kl_penalty": score scale, missing-EOS penalty, `compute_rewards`, optional reward whitening),
-the registered advantage estimator and advantage whitening. With `ppo.overlong_buffer` > 0,
-DAPO's soft overlong punishment (`core.overlong_penalty`, DAPO eq. 13) is added to the score
-before the shaping (`score_mean` stays the raw score; `overlong_penalty` is its batch mean). The order and formulas follow TRL
-0.11 `PPOTrainer.step` (`batched_forward_pass`, `compute_rewards`, `compute_advantages`).
-The sampler's own log-probs, when given, are kept beside the recomputed ones and their gap is
-logged (`mismatch/*`, `core.rollout_mismatch`); the update can correct for it
-(`ppo.rollout_correction`).
+The order and formulas follow TRL 0.11 `PPOTrainer.step` (`batched_forward_pass`,
+`compute_rewards`, `compute_advantages`). With `ppo.overlong_buffer` > 0, DAPO's soft overlong
+punishment (DAPO eq. 13) is added to the score before the shaping; `score_mean` stays the raw
+score. The sampler's own log-probs, when given, are kept beside the recomputed ones and their gap
+is logged (`mismatch/*`), so the update can correct for it (`ppo.rollout_correction`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +20,7 @@ from flax import struct
 from ppo_jax.core import (
     action_order,
     compact_actions,
+    ended_rows,
     expand_actions,
     explained_variance,
     group_baseline_explained_variance,
@@ -68,33 +63,33 @@ class PPOModels:
 
 @dataclass(frozen=True)
 class ExperienceSettings:
-    """Static settings of experience making (hashable, so it can be a static jit argument):
-    the forward passes' (`forward`) and the PPO math's."""
+    """Static settings of the experience pass (hashable: a static jit argument), built from the
+    config by `stages.ppo.settings.experience_settings`; the fields are the `ppo.*` keys of the
+    same name, plus `forward` (the forward passes), `shared_critic` (`model.shared_critic`),
+    `max_response_length` (`generation.max_new_tokens`: L_max of the overlong punishment; None:
+    the rollout's width) and `samples_per_prompt` (above 1, a critic's stats add the group
+    baseline's explained variance). `*_kwargs` are `(name, value)` tuples."""
 
-    forward: ForwardSettings = field(default_factory=ForwardSettings)
-    kl_estimator: str = "kl"
-    reward_clip: Optional[float] = None
-    score_scale: float = 1.0
-    missing_eos_penalty: Optional[float] = None
-    whiten_rewards: bool = False
-    whiten_advantages: bool = True
-    advantage_estimator: str = "gae"
-    gamma: float = 1.0
-    lam: float = 0.95
-    critic_lam: Optional[float] = None  # the returns' own GAE lambda (VC-PPO / VAPO); None: lam
-    lam_length_alpha: float = 0.0  # VAPO's length-adaptive policy lambda; 0: off
-    advantage_kwargs: tuple = ()  # extra (name, value) keyword arguments of the estimator
-    shared_critic: bool = False  # the actor is a CausalLMWithValueHead; no critic model
-    reward_shaping: str = "kl_penalty"  # a registered reward shaping (core.registry)
-    reward_shaping_kwargs: tuple = ()  # extra (name, value) keyword arguments of the shaping
-    overlong_buffer: int = 0  # DAPO's soft overlong punishment over the last L_cache tokens
-    overlong_penalty_factor: float = 1.0
-    # the longest response the sampler may give (generation.max_new_tokens): L_max of the
-    # overlong punishment; None: the rollout's response width (as UpdateSettings' field)
-    max_response_length: Optional[int] = None
-    # rows per prompt (generation.samples_per_prompt); above 1, a critic's stats add its
-    # group-baseline reference (`group_baseline_explained_variance`)
-    samples_per_prompt: int = 1
+    forward: ForwardSettings
+    kl_estimator: str
+    reward_clip: Optional[float]
+    score_scale: float
+    missing_eos_penalty: Optional[float]
+    whiten_rewards: bool
+    whiten_advantages: bool
+    advantage_estimator: str
+    gamma: float
+    lam: float
+    critic_lam: Optional[float]
+    lam_length_alpha: float
+    advantage_kwargs: tuple
+    shared_critic: bool
+    reward_shaping: str
+    reward_shaping_kwargs: tuple
+    overlong_buffer: int
+    overlong_penalty_factor: float
+    max_response_length: Optional[int]
+    samples_per_prompt: int
 
     def shaping_fixed_kwargs(self, kl_coef) -> dict:
         """The trainer's own keyword arguments of a reward-shaping call."""
@@ -235,7 +230,7 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
       rollout: `Rollout`: `[B, P]` left-padded prompts, `[B, N]` responses and their mask.
       kl_state: `KLControllerState`; its `value` is the kl_coef of this step.
       scores: `[B]` float32 from a reward function, or None to use the reward model.
-      ended: `[B]` bool, whether the response emitted a stop token (`sampler.ended_rows`).
+      ended: `[B]` bool, whether the response emitted a stop token (`core.ended_rows`).
       settings: `ExperienceSettings` (static).
       group_ids: `[B]` int32 prompt group of each row (`generation.samples_per_prompt`);
         None: every row its own group.
@@ -311,3 +306,54 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         advantages=advantages, returns=returns, group_ids=group_ids,
         rollout_logprobs=rollout_logprobs, action_mask=mask)
     return exp, new_kl_state, stats
+
+
+@struct.dataclass
+class RolloutBatch:
+    """What the experience pass takes from sampling and scoring, as one value (a pytree).
+
+    rollout: the prompts `[B, P]` and responses `[B, N]`.
+    group_ids: `[B]` int32, the prompt group of each row.
+    scores: `[B]` float32 from a reward function, or None: the reward model scores.
+    baseline_scores: `[B]` float32, ReMax's greedy-response scores, or None.
+    rollout_logprobs: `[B, N]` float32, the sampler's log-probs of its draws, or None.
+    action_mask: `[B, N]` int32, 1 on a multi-turn rollout's drawn tokens (0 on observations),
+      or None: single-turn, every response token is an action.
+    ended: `[B]` bool, the multi-turn episodes that ended, or None: read from the stop tokens
+      (a multi-turn response holds stop tokens inside its observations).
+    """
+
+    rollout: Rollout
+    group_ids: jax.Array
+    scores: Optional[jax.Array] = None
+    baseline_scores: Optional[jax.Array] = None
+    rollout_logprobs: Optional[jax.Array] = None
+    action_mask: Optional[jax.Array] = None
+    ended: Optional[jax.Array] = None
+
+
+class ExperienceOut(NamedTuple):
+    """What `experience_step` returns: the experience, the updated KL controller, the stats
+    (scalars) and the batch's real prompt and response token counts (`{"prompt", "response"}`,
+    int32 scalars)."""
+
+    experience: Experience
+    kl_state: Any
+    stats: dict
+    tokens: dict
+
+
+def experience_step(models: PPOModels, kl_state, batch: RolloutBatch, *,
+                    settings: ExperienceSettings, stop_token_ids: Sequence[int]) -> ExperienceOut:
+    """`make_experience` on one `RolloutBatch`, the step's jitted program (`settings` and
+    `stop_token_ids`, the tokens that end a response, are static). Raises as `make_experience`."""
+    r = batch.rollout
+    ended = batch.ended
+    if ended is None:
+        ended = ended_rows(r.response_ids, r.response_mask, stop_token_ids)
+    exp, kl_state, stats = make_experience(
+        models, r, kl_state, batch.scores, ended, settings=settings, group_ids=batch.group_ids,
+        baseline_scores=batch.baseline_scores, rollout_logprobs=batch.rollout_logprobs,
+        action_mask=batch.action_mask)
+    tokens = {"prompt": r.query_mask.sum(), "response": r.response_mask.sum()}
+    return ExperienceOut(exp, kl_state, stats, tokens)

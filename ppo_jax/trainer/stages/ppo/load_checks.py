@@ -23,6 +23,7 @@ naming the key, not in the middle of the first step.
 from __future__ import annotations
 
 import inspect
+import math
 from functools import partial
 from typing import Any, Callable
 
@@ -39,7 +40,7 @@ from ppo_jax.core import (
     needs_greedy_baseline,
     needs_groups,
 )
-from ppo_jax.rollout.engine import check_page_size, engine_layout
+from ppo_jax.rollout.engine_layout import check_page_size, engine_layout
 from ppo_jax.trainer.config import Config, ConfigError, eval_enabled
 from ppo_jax.trainer.data.prompts import prompt_records
 from ppo_jax.trainer.environments import Environment, build_environment, episode_prompts
@@ -48,6 +49,7 @@ from ppo_jax.trainer.rewards.calls import (
 )
 from ppo_jax.trainer.rewards.deadline import Expired, call_with_deadline
 from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function, probes
+from ppo_jax.trainer.stages.ppo.evaluation import eval_rows_multiple
 from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 
 SHAPES = ((1, 2), (2, 3))  # (B, T) of the test batches: B != T, and both unlike the first's
@@ -184,10 +186,10 @@ def check_names(cfg: Config) -> None:
 
 
 def check_prompt_files(cfg: Config) -> None:
-    """`data.prompts` (and `eval.prompts` when evaluating) read, and with a reward function
-    their rows checked against the fields it reads (`rewards.functions.check_prompt_rows`);
-    with `env.name`, every record's episode started instead (`environments.episode_prompts`:
-    each `reset` within `env.timeout_s`).
+    """Read `data.prompts`, and `eval.prompts` when evaluating, before any model loads. With a
+    reward function, every row must hold the fields it reads, and the function is probed once.
+    With `env.name`, every record's episode is started instead, each `reset` within
+    `env.timeout_s`.
 
     Raises:
       FileNotFoundError / ValueError / ConfigError: naming the key and the file; ConfigError
@@ -212,8 +214,8 @@ def check_prompt_files(cfg: Config) -> None:
 
 
 def environment(cfg: Config) -> Environment:
-    """The run's environment (`env.name`, its factory called with `env.kwargs` within the
-    set-up limit, `environments.build_environment`).
+    """The run's environment: the factory of `env.name` called with `env.kwargs`, within the
+    set-up limit of `environments.build_environment`.
 
     Raises:
       ConfigError: naming `env.name`, the environment and what its factory did.
@@ -225,9 +227,8 @@ def environment(cfg: Config) -> Environment:
 
 
 def reward_function(cfg: Config) -> RewardFunction:
-    """The run's reward function (`reward.function`, its factory called with
-    `reward.function_kwargs` within `reward.timeout_s`), each call limited to `reward.timeout_s`
-    too (`with_timeout`).
+    """The run's reward function: the factory of `reward.function` called with
+    `reward.function_kwargs`. The factory and then each call are limited to `reward.timeout_s`.
 
     Raises:
       ConfigError: an unknown name, kwargs the factory does not take, a factory that raised or
@@ -254,10 +255,9 @@ def reward_function(cfg: Config) -> RewardFunction:
 
 def probe_reward(cfg: Config, reward_fn: RewardFunction, texts: list[str], rows: list[dict],
                  key: str) -> None:
-    """Call `reward_fn` (`reward_function(cfg)`) once before any model loads, as a step will:
-    on placeholder responses to the first records `texts`, `rows` of `key`
-    (`probe_reward_function`), unless its factory sets `probe = False`. With `env.name` the
-    environment scores instead: not called.
+    """Call `reward_fn` once before any model loads, as a step will, on the placeholder
+    responses '' and '0' to `texts`, the first records of `key`, unless its factory sets
+    `probe = False`. With `env.name` the environment scores instead and nothing is called.
 
     Raises:
       ConfigError: naming `reward.function`, `key` and what the function did (raised, ran past
@@ -291,8 +291,8 @@ def check_placement(cfg: Config, place) -> None:
 
 
 def check_kernel(cfg: Config, model_cfg, mesh) -> None:
-    """`generation.attention: pallas` against the actor's shapes (`paged_attention_tpu.
-    unsupported_reason`: head_dim 128, KV heads per chip the kernel can tile).
+    """`generation.attention: pallas` against the actor's shapes: the kernel needs head_dim 128
+    and a number of KV heads per chip it can tile.
 
     Raises:
       ConfigError: naming `generation.attention` and why the kernel cannot take the model.
@@ -311,23 +311,37 @@ def check_kernel(cfg: Config, model_cfg, mesh) -> None:
 
 
 def check_engine(cfg: Config, replicas: int) -> None:
-    """With `generation.engine: paged`, the engine's settings against the run's widest batch
-    (`data.max_prompt_length` wide prompts) on `replicas` = mesh data x fsdp replicas (with
-    `env.name`, a pool that holds every slot's longest episode), before any model is loaded (`rollout.engine.engine_layout`, `check_page_size`).
+    """With `generation.engine: paged`, check the engine's settings against the run's widest
+    batches on `replicas` data replicas, before any model is loaded. One is the training batch,
+    with prompts `data.max_prompt_length` wide. The other is the held-out evaluation's, which
+    samples on the same engine: at most `eval.num_prompts` x `eval.samples_per_prompt` rows,
+    `eval.max_new_tokens` long. With `env.name`, the pool must hold every slot's longest
+    episode.
 
     Raises:
       ConfigError: naming the `generation.*` key and its value.
     """
-    settings, g = engine_settings(cfg), cfg.generation
+    settings, g, e = engine_settings(cfg), cfg.generation, cfg.eval
     if settings is None:
         return
     width = cfg.data.max_prompt_length
+    share = g.share_prompt_prefill
     try:
         engine_layout(settings, batch=cfg.ppo.batch_size, prompt_width=width,
                       max_new_tokens=g.max_new_tokens, replicas=replicas,
-                      group_size=g.samples_per_prompt if g.share_prompt_prefill else 1,
-                      turns=bool(cfg.env.name))
+                      group_size=g.samples_per_prompt if share else 1, turns=bool(cfg.env.name))
         check_page_size(g.page_size, width + g.max_new_tokens,
                         "data.max_prompt_length + generation.max_new_tokens")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not eval_enabled(e):
+        return
+    multiple = math.lcm(eval_rows_multiple(replicas, cfg.ppo.micro_batch_size),
+                        e.samples_per_prompt)
+    rows = -(-e.num_prompts * e.samples_per_prompt // multiple) * multiple
+    try:
+        engine_layout(settings, batch=rows, prompt_width=width,
+                      max_new_tokens=e.max_new_tokens or g.max_new_tokens, replicas=replicas,
+                      group_size=e.samples_per_prompt if share else 1, turns=bool(cfg.env.name))
+    except ValueError as err:
+        raise ConfigError(f"the held-out evaluation's batch of {rows} rows: {err}") from None

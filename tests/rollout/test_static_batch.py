@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from ppo_jax.models import load_model, split_model
-from ppo_jax.rollout.sampler import ended_rows, filter_logits, generate
+from ppo_jax.core import ended_rows
+from ppo_jax.rollout.draws import filter_logits
+from ppo_jax.rollout.static_batch import generate
 from ppo_jax.rollout.forward import policy_logprobs
 
 torch = pytest.importorskip("torch")
@@ -161,14 +163,14 @@ def test_bad_arguments_raise_before_compiling(split):
     (dict(rng=None), "rng is required for sampling"),
 ])
 def test_bad_settings_name_the_field_before_compiling(split, kwargs, match):
-    from ppo_jax.rollout import sampler
+    from ppo_jax.rollout import static_batch
 
     ids, mask = prompts()
     args = {"rng": jax.random.PRNGKey(0), "max_new_tokens": 2, "pad_token_id": 0, **kwargs}
-    compiled = sampler._generate._cache_size()
+    compiled = static_batch._generate._cache_size()
     with pytest.raises(ValueError, match=match):
         generate(*split, ids, mask, args.pop("rng"), **args)
-    assert sampler._generate._cache_size() == compiled
+    assert static_batch._generate._cache_size() == compiled
 
 
 def test_bad_prompts_name_the_problem(split):

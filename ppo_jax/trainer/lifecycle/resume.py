@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from ppo_jax.trainer.checkpoint import CheckpointReadError, check_files, finished_steps, misfit
+from ppo_jax.trainer.lifecycle.checkpoint import (CheckpointReadError, check_files, finished_steps,
+                                                  misfit)
 from ppo_jax.trainer.config import Config, ConfigError, load_config, to_dict
-from ppo_jax.trainer.run_dir import config_in_effect, logged_steps, plural
+from ppo_jax.trainer.lifecycle.run_dir import config_in_effect, logged_steps, plural
 
 LATEST, AUTO = "latest", "auto"
 Resume = Union[None, bool, str, int, "ResumePlan"]
@@ -375,7 +376,7 @@ def supersede_later(checkpointer, plan: ResumePlan, step: int, process_index: in
     list again. Collective with several processes."""
     import jax
 
-    from ppo_jax.trainer.run_dir import supersede_checkpoints
+    from ppo_jax.trainer.lifecycle.run_dir import supersede_checkpoints
 
     if not plan.later and step == plan.steps[0]:
         return []
