@@ -52,7 +52,7 @@ from ppo_jax.rollout.turns import (
     TurnCallback, TurnRecord, answer_turns, checked_settings, episodes_of,
 )
 
-STATIC_DECODE_CHUNK = 8  # static multi-turn: tokens per chunk (generation.decode_chunk's default)
+STATIC_DECODE_CHUNK = 8  # static multi-turn: tokens decoded between two host rounds
 
 
 def static_layout(batch: int, prompt_width: int, max_new_tokens: int) -> EngineSettings:

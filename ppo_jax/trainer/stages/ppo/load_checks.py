@@ -1,5 +1,6 @@
-"""Every start-up check of a PPO run beyond one config key (those run at config load,
-`trainer.config.checks`), in the order the trainer makes them:
+"""The start-up checks of a PPO run that need more than the config (the registry, the prompt
+files, the mesh, the model's config); what the config alone decides is checked when it loads
+(`trainer.config.checks`). In the order the trainer makes them:
 
 - `check_names` and `check_prompt_files` (`PPOTrainer._check_inputs`, nothing loaded): the
   registered functions the config names, and the prompt files' rows against the reward
