@@ -46,10 +46,11 @@ checkpoint kept (one that fails its check at load exits 2 before any model loads
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
+
+from ppo_jax.fork_imports import import_modules
 
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -110,22 +111,6 @@ def main(argv=None) -> int:
     if plan is not None:  # the first line: resuming, or (auto) starting a new run
         print(plan.headline, file=sys.stderr, flush=True)
     return run_training(cfg, plan)
-
-
-def import_modules(names: list[str]) -> bool:
-    """Import each `--import` module (a fork's registrations), from the working directory
-    first. Returns False, after one `error: --import NAME: ...` line, when one fails in any way:
-    not found, a syntax error, an exception at import, a name already registered."""
-    if names:
-        sys.path.insert(0, os.getcwd())  # modules of a research fork, next to where it runs
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001 - a fork's module failing at import, named
-            what = "" if isinstance(e, ImportError) else f"{type(e).__name__}: "
-            print(f"error: --import {name}: {what}{e}", file=sys.stderr)
-            return False
-    return True
 
 
 def run_training(cfg, plan) -> int:

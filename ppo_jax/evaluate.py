@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from ppo_jax.fork_imports import import_modules
 from ppo_jax.trainer.config import Config, ConfigError
 from ppo_jax.saved_actor import (
     EXIT_STATUS, actor_dir_kind, build_trainer, read_run_config, restore_step, run_config_path,
@@ -51,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "starting actor)")
     which.add_argument("--actor", help="an HF directory (<run>/actor_hf) or a PEFT adapter "
                        "directory (<run>/actor_adapter) to evaluate in the run's setting")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module first, as train.py's --import: one that registers what "
+                        "the run's config names (a policy loss, a reward function, an "
+                        "environment; repeatable)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override of an eval.* key, as train.py's (repeatable)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
@@ -142,6 +147,8 @@ def report(args, step, figures: dict, seconds: float) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not import_modules(args.imports):
+        return 2
     start = time.perf_counter()
     try:
         run_config_path(args.run)

@@ -51,6 +51,7 @@ from ppo_jax.core import ended_rows
 from ppo_jax.rollout.draws import SamplingSettings
 from ppo_jax.rollout.static_batch import generate, generate_kwargs
 from ppo_jax.rollout.weights import cast_floats
+from ppo_jax.fork_imports import import_modules
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.data.prompts import PromptSet, left_pad, read_prompt_records, tokenize_prompts
 from ppo_jax.saved_actor import (
@@ -98,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="prompts per sampler call")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, as train.py's (repeatable)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module first, as train.py's --import: one that registers what "
+                        "the run's config names (a policy loss, a reward function, an "
+                        "environment; repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON record per answer")
     args = p.parse_args(argv)
     check_flags(p, args)
@@ -296,6 +301,8 @@ def chat(session: Session, key, *, read: Optional[Callable[[str], str]] = None,
 
 def main(argv=None, stdin=None) -> int:
     args = parse_args(argv)
+    if not import_modules(args.imports):
+        return 2
     stdin = sys.stdin if stdin is None else stdin
     try:
         if args.run is not None and not args.actor:  # a checkpoint: --step, else the latest

@@ -215,10 +215,11 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
+    for module in ("ppo_jax.generate", "ppo_jax.evaluate"):  # imported before the patch:
+        __import__(module)  # a first import after it would keep `refuse` past the test
     for name in ("build_trainer", "load_actor"):
         monkeypatch.setattr(saved, name, refuse)
     for module in ("ppo_jax.generate", "ppo_jax.evaluate"):
-        __import__(module)
         for name in ("build_trainer", "load_actor"):
             if hasattr(sys.modules[module], name):
                 monkeypatch.setattr(sys.modules[module], name, refuse)
@@ -237,6 +238,10 @@ def no_loading(monkeypatch):
     ("evaluate", ["--run", "{run}", "--set", "model.lora.rank=0"],
      "--set model.lora.rank: evaluate changes eval.* keys only"),
     ("evaluate", ["--run", "{run}", "--set", "eval.prompts=null"], "eval.prompts"),
+    ("generate", ["{run}/actor_hf", "--prompt", "x", "--import", "no_such_fork_55"],
+     "error: --import no_such_fork_55: No module named 'no_such_fork_55'"),
+    ("evaluate", ["--run", "{run}", "--import", "no_such_fork_55"],
+     "error: --import no_such_fork_55: No module named 'no_such_fork_55'"),
 ])
 def test_bad_input_exits_2_naming_it_before_any_model_loads(lora_run, tmp_path, capsys, no_loading,
                                                              command, argv, named):
@@ -249,6 +254,24 @@ def test_bad_input_exits_2_naming_it_before_any_model_loads(lora_run, tmp_path, 
         code = e.code
     assert code == 2
     assert named.format(**fill) in capsys.readouterr().err
+
+
+def test_a_forks_module_is_imported_before_the_run_config_is_read(lora_run, capsys,
+                                                                  monkeypatch):
+    """A run whose config names a fork's registered loss loads in generate only with the
+    fork's module given to --import, as train.py's (examples/my_losses.py registers plain_pg)."""
+    from ppo_jax import generate
+    from ppo_jax.core.registry import unregister
+
+    monkeypatch.chdir(ROOT)
+    argv = ["--run", str(lora_run), "--step", "2", "--set", "ppo.policy_loss=plain_pg",
+            "--prompt", "x"]
+    unregister("policy loss", "plain_pg")  # as in a fresh process
+    sys.modules.pop("examples.my_losses", None)
+    assert generate.main(argv) == 2
+    assert "plain_pg" in capsys.readouterr().err
+    assert generate.main([*argv, "--import", "examples.my_losses"]) == 0
+    unregister("policy loss", "plain_pg")
 
 
 def test_evaluate_refuses_an_adapter_in_a_run_without_lora(lora_run):

@@ -318,7 +318,8 @@ class PagedEngine:
         times. Each item is a dict with keys "name", "fn", "args", "per_step" and
         "while_trips". The first is the prefill admitting a full set of slots, called `rounds`
         times. The second is the decode chunk of k steps at the widest page table, called
-        `rounds * ceil((N - 1) / k)` times."""
+        `rounds * ceil((N - 1) / k)` times. With turns, the third is the resume after an
+        observation, every slot at once, `rounds * (max_turns - 1)` times."""
         lay, k = self.layout, self.settings.decode_chunk
         rep, rows = self._sharding(P()), self._sharding(P(BATCH_AXES))
         abstract = lambda fn, sh: jax.tree.map(  # noqa: E731
@@ -337,10 +338,20 @@ class PagedEngine:
         chunks = rounds * -(-(self.sampling.max_new_tokens - 1) // k)
         table = host((lay.replicas, lay.slots, self.widths[-1]))
         live, slots = host((lay.replicas, lay.slots), bool), host((lay.replicas, lay.slots))
-        return [
+        out = [
             {"name": "engine_prefill", "fn": self._prefill, "per_step": rounds, "while_trips": 1,
              "args": (model, cache, state, responses, prompt_ids, prompt_mask, admission,
                       step_key)},
             {"name": "engine_decode", "fn": self._decode, "per_step": chunks, "while_trips": k,
              "args": (model, cache, state, responses, slots, table, live, step_key)},
         ]
+        if self.turns:  # every slot resumes after each turn but the last, W = N tokens at most
+            n, width = self.sampling.max_new_tokens, self.widths[-1]
+            fed = 1 << max(0, math.ceil(math.log2(n)))
+            per_slot = (lay.replicas, lay.slots)
+            resumption = Resumption(host(per_slot), host((*per_slot, fed)), host(per_slot),
+                                    host((*per_slot, width)))
+            out.append({"name": "engine_resume", "fn": self._resume, "while_trips": 1,
+                        "per_step": rounds * (self.sampling.turns.max_turns - 1),
+                        "args": (model, cache, state, responses, resumption, step_key)})
+        return out

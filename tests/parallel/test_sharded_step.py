@@ -157,7 +157,7 @@ def test_paged_engine_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
 
 ENV = ("--import", "tests.trainer.scripted_environment", "--set", "env.name=scripted_tool",
        "--set", "env.stop_strings=[good,great,what,very,not,do]",
-       "--set", "generation.max_new_tokens=32", "--set", "env.max_observation_tokens=8")
+       "--set", "generation.max_new_tokens=32", "--set", "env.max_observation_tokens=12")
 
 
 # both engines slow-marked (default-run budget: static 46 s, paged 68 s on 2 cores); the paged engine with an environment stays in

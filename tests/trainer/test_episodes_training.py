@@ -236,6 +236,21 @@ def test_env_settings_that_cannot_run_are_refused_at_load_time(tmp_path, capsys,
     assert message in capsys.readouterr().err
 
 
+def test_an_observation_limit_that_leaves_no_room_inside_the_template_frame_is_refused(
+        tmp_path, capsys):
+    """The chat template's frame around an observation counts against
+    env.max_observation_tokens: a limit at or below its length would cut every observation to
+    nothing, so it is refused once the tokenizer is loaded, before any compile."""
+    out = tmp_path / "run"
+    code = train.main(["--config", str(ROOT / "configs/tiny.yaml"), "--set",
+                       f"train.output_dir={out}", "--import", "tests.trainer.scripted_environment",
+                       "--set", "env.name=scripted_tool", "--set", "env.max_observation_tokens=1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("env.max_observation_tokens=1 leaves no room for an observation's text: the chat "
+            "template's frame around a 'user' observation takes") in err
+
+
 def test_a_paged_pool_that_cannot_hold_every_slots_episode_is_refused(tmp_path, capsys):
     """9 pages hold one sequence of 40 tokens (5 pages of 8) and the trash page: enough for
     single-turn PPO (finished sequences free pages, the youngest is preempted), not for two

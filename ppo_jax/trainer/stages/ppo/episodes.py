@@ -42,6 +42,7 @@ from ppo_jax.rollout.sampler import Sampler, engine_metrics
 from ppo_jax.trainer.environments import (
     ALL_STOP_STRINGS, EpisodeFailure, build_environment, run_resets, run_steps,
 )
+from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.faults import UserCodeError, checkpoint_kept
 from ppo_jax.trainer.stages.ppo.step_data import Sampled, group_ids
 
@@ -67,6 +68,21 @@ def turn_settings(sampling: SamplingSettings, tokenizer, stop_strings, max_turns
     return replace(sampling, turns=TurnSettings(tuple(s for s in seqs if s), max_turns))
 
 
+def check_observation_room(env_cfg, tokenizer) -> None:
+    """`env.max_observation_tokens` must leave room for text inside the chat template's frame
+    around an observation (its ids count against the limit).
+
+    Raises:
+      ConfigError: naming `env.max_observation_tokens`, the frame's length and what to give.
+    """
+    role = env_cfg.observation_role
+    frame = len(observation_tokens(tokenizer, "", role=role, max_tokens=1 << 30))
+    if env_cfg.max_observation_tokens <= frame:
+        raise ConfigError(f"env.max_observation_tokens={env_cfg.max_observation_tokens} leaves "
+                          f"no room for an observation's text: the chat template's frame around "
+                          f"a {role!r} observation takes {frame} ids; give at least {frame + 1}")
+
+
 class EpisodeRunner:
     """Runs a batch's episodes with the run's sampler: `runner(sampler, actor, prompt_ids,
     prompt_mask, rows, key)` -> `(Generation, scores [B] float32, stats)` (module doc)."""
@@ -74,6 +90,7 @@ class EpisodeRunner:
     def __init__(self, env_cfg, sampling: SamplingSettings, tokenizer):
         self.cfg, self.tokenizer = env_cfg, tokenizer
         self.last_stats = None  # the paged engine's `EngineStats` of the last batch
+        check_observation_room(env_cfg, tokenizer)
         self.env = build_environment(env_cfg.name, env_cfg.kwargs, timeout_s=env_cfg.timeout_s)
         stops = env_cfg.stop_strings
         if stops is None:

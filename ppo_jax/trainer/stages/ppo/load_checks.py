@@ -345,4 +345,6 @@ def check_engine(cfg: Config, replicas: int) -> None:
                       max_new_tokens=e.max_new_tokens or g.max_new_tokens, replicas=replicas,
                       group_size=e.samples_per_prompt if share else 1, turns=bool(cfg.env.name))
     except ValueError as err:
-        raise ConfigError(f"the held-out evaluation's batch of {rows} rows: {err}") from None
+        raise ConfigError(f"the held-out evaluation's batch ({rows} rows, "
+                          f"eval.samples_per_prompt={e.samples_per_prompt}, "
+                          f"{e.max_new_tokens or g.max_new_tokens} new tokens): {err}") from None

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ppo_jax.core import informative_groups
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.rules import tree_shardings
-from ppo_jax.rollout.draws import SamplingSettings
+from ppo_jax.rollout.draws import SamplingSettings, TurnSettings
 from ppo_jax.rollout.forward import Rollout, rollout_scores
 from ppo_jax.rollout.sampler import Sampler
 from ppo_jax.rollout.weights import rollout_copy_fn, rollout_rules
@@ -136,7 +136,10 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
     widest batch: prompts `prompt_width` (`data.max_prompt_length`) wide, responses
     `max_new_tokens` long; the ReMax greedy pass when `settings.greedy_baseline` is set, the
     critic-only update when `ppo.critic_warmup_steps` > 0 (`per_step` 0: warm-up steps only)
-    and the evaluation (`per_step` 1 / eval.every).
+    and the evaluation (`per_step` 1 / eval.every). With `env.name` the sampler is the engine's
+    turn loop (its resume after an observation included) and the experience takes the
+    episodes' action mask; the evaluation is compiled single-turn (an abstract build has no
+    environment to play).
 
     Args:
       jit: the step's programs.
@@ -157,13 +160,20 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
     remax = settings.greedy_baseline is not None
     baseline = batch_shape(place, (size,), jnp.float32) if remax else None
     logprobs = batch_shape(place, (size, new), jnp.float32)
-    # no action mask, ended read from the responses: a single-turn step (env.* is not compiled)
+    sampling, episode = settings.sampling, None
+    if cfg.env.name:  # episodes: the engine's turn loop, and the experience of its action mask
+        # (the environment's stop strings need its tokenizer; they do not change a shape)
+        sampling = replace(sampling, turns=TurnSettings((), cfg.env.max_turns))
+        episode = {"action_mask": ids(size, new), "ended": batch_shape(place, (size,), bool),
+                   "scores": batch_shape(place, (size,), jnp.float32)}
     exp_args = (models, state["kl"], RolloutBatch(rollout, ids(size), scores, baseline, logprobs))
+    if episode is not None:
+        exp_args = (models, state["kl"], replace(exp_args[2], **episode))
     exp = out_shapes(lambda *a: jit.experience(*a).experience, exp_args, place.by_row)
     out, rollout_actor = _rollout_programs(jit.rollout_copy, models.actor, model_shardings.actor,
                                            place, rollout_layout)
     sample_args = (rollout_actor, q, qm, gen_key)
-    out += sampler_programs(jit.sampler, sample_args, settings.sampling, "")
+    out += sampler_programs(jit.sampler, sample_args, sampling, "")
     if remax:
         out += sampler_programs(jit.sampler, sample_args, settings.greedy_baseline, "greedy_")
         if not scored_on_host:
