@@ -74,3 +74,29 @@ def test_offloaded_frozen_params_leave_hbm_on_a_multi_host_slice():
     assert per_chip_bytes(trainer.resident()["reference"]) == 0
     experience = {p.name: p for p in trainer.programs()}["experience"]
     assert {x.sharding.memory_kind for x in jax.tree.leaves(experience.args[1])} == {"device"}
+
+
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_an_environment_run_lists_the_engines_turn_loop_and_the_episodes_experience(
+        tmp_path, monkeypatch, engine):
+    """With env.name, a step samples on the engine's turn loop whichever engine (static: one
+    page per row), so --compile-for lists its prefill, decode chunk and resume after an
+    observation, and the experience of an action mask; no single-turn static sampler."""
+    import importlib
+
+    importlib.import_module("tests.trainer.scripted_environment")  # registers scripted_tool
+    monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
+    sets = [f"train.output_dir={tmp_path / 'run'}", "env.name=scripted_tool",
+            "eval.every=0", "eval.at_start=false", f"generation.engine={engine}"]
+    if engine == "paged":
+        sets.append("generation.page_size=8")
+    cfg = load_config(ROOT / "configs/tiny.yaml", sets)
+    trainer = PPOTrainer.abstract(cfg)
+    programs = {p.name: p for p in trainer.programs()}
+    assert {"engine_prefill", "engine_decode", "engine_resume"} <= set(programs)
+    assert "sampler" not in programs
+    resume = programs["engine_resume"]
+    assert resume.per_step == programs["engine_prefill"].per_step * (cfg.env.max_turns - 1)
+    batch = programs["experience"].args[2]
+    assert batch.action_mask.shape == (cfg.ppo.batch_size, cfg.generation.max_new_tokens)
+    assert batch.ended.shape == (cfg.ppo.batch_size,)
