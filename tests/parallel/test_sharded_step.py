@@ -175,7 +175,12 @@ def test_multi_turn_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache, en
              "--set", "generation.decode_chunk=4") if engine == "paged" else ()
     finish(launch(out, [(1, 1, 1), mesh], devices=8, cache=cache, extra=ENV + paged))
     got, want = load(out, mesh), load(out, (1, 1, 1))
-    assert_same_run(got, want, f"multi-turn {engine}, mesh 2x2x2", skip=ENGINE_FIGURES)
+    # params to 5e-5: with observation text in the responses (env.max_observation_tokens 12,
+    # the frame's 8 and up to 4 text ids) one embedding entry of 13k moves 2.3e-5 apart, the
+    # same on the code before the one-path restructuring: the sharded sums' rounding, after
+    # Adam's normalised step
+    assert_same_run(got, want, f"multi-turn {engine}, mesh 2x2x2", skip=ENGINE_FIGURES,
+                    param_atol=5e-5)
     first = want[0]["metrics"][0]
     assert first["env/tool_call"] > 0 and first["action_length"] < first["response_length"]
 
