@@ -1,10 +1,10 @@
 """`ModelConfig`: the static description of a decoder, read from a Hugging Face `config.json`.
 
-One frozen, hashable dataclass covers the Llama family (Llama 2/3, Qwen2/2.5, Mistral, SmolLM2)
-and GPT-2. It is stored on the modules (static part of the NNX graphdef), so it must stay
+One frozen, hashable dataclass covers the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral,
+SmolLM2) and GPT-2. It is stored on the modules (static part of the NNX graphdef), so it must stay
 hashable: tuples, not lists.
 
-Sources: transformers `configuration_{llama,qwen2,mistral,gpt2}.py` and
+Sources: transformers `configuration_{llama,qwen2,qwen3,mistral,gpt2}.py` and
 `modeling_rope_utils.py` (both the transformers-5 `rope_parameters` dict and the older
 `rope_theta` / `rope_scaling` keys are accepted).
 """
@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping
 import jax
 import jax.numpy as jnp
 
-LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2",)
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,7 +50,7 @@ class ModelConfig:
     """Static model description.
 
     Attributes:
-      model_type: "llama" | "qwen2" | "mistral" | "gpt2".
+      model_type: "llama" | "qwen2" | "qwen3" | "mistral" | "gpt2".
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
       head_dim: sizes (GQA when num_kv_heads < num_heads).
       max_position_embeddings: context length (GPT-2: size of the learned position table).
@@ -58,6 +58,7 @@ class ModelConfig:
       hidden_act: "silu" (SwiGLU gate) or "gelu_new" (GPT-2 MLP), or another of `ACTIVATION_NAMES`.
       tie_word_embeddings: LM head shares the token embedding.
       qkv_bias / o_bias / mlp_bias: biases on q,k,v projections / output projection / MLP.
+      qk_norm: per-head RMSNorm over head_dim on q and k before RoPE (Qwen3).
       rope_theta, rope_type ("default" | "linear" | "llama3"), rope_factor,
       rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings:
         RoPE settings (Su et al. 2021; Llama-3.1 frequency scaling).
@@ -87,6 +88,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
@@ -161,7 +163,7 @@ class ModelConfig:
 
     @property
     def is_llama_family(self) -> bool:
-        """True for llama / qwen2 / mistral (RMSNorm, RoPE, SwiGLU)."""
+        """True for llama / qwen2 / qwen3 / mistral (RMSNorm, RoPE, SwiGLU)."""
         return self.model_type in LLAMA_FAMILY
 
     @property
@@ -248,7 +250,7 @@ def _rope_fields(d: Mapping) -> dict:
 
 
 def _sliding_windows(d: Mapping, mt: str, n_layers: int) -> tuple[int, ...]:
-    """Per-layer windows. Mistral: `sliding_window` on every layer; Qwen2: `layer_types`
+    """Per-layer windows. Mistral: `sliding_window` on every layer; Qwen2/3: `layer_types`
     (or `use_sliding_window` + `max_window_layers`)."""
     window = d.get("sliding_window")
     if mt == "llama" or not window:
@@ -278,7 +280,8 @@ def _llama_fields(d: Mapping, mt: str) -> dict:
         num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=d.get("num_key_value_heads") or n_heads,
-        head_dim=d.get("head_dim") or hidden // n_heads,
+        # Qwen3Config's head_dim defaults to 128, not hidden // heads
+        head_dim=d.get("head_dim") or (128 if mt == "qwen3" else hidden // n_heads),
         max_position_embeddings=d.get("max_position_embeddings", 2048),
         norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         hidden_act=d.get("hidden_act", "silu"),
@@ -286,6 +289,7 @@ def _llama_fields(d: Mapping, mt: str) -> dict:
         qkv_bias=True if mt == "qwen2" else attn_bias,
         o_bias=False if mt == "qwen2" else attn_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=mt == "qwen3",
         sliding_windows=_sliding_windows(d, mt, n_layers),
         **_rope_fields(d),
     )
@@ -349,10 +353,12 @@ def to_hf_dict(cfg: ModelConfig, architecture: str, torch_dtype: str) -> dict:
                {k: v for k, v in rope.items() if k != "rope_theta"})
     if cfg.model_type == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if cfg.model_type == "qwen3":
+        out.update(attention_bias=cfg.qkv_bias)
     windows = set(cfg.sliding_windows) - {0}
     if cfg.model_type == "mistral":
         out["sliding_window"] = max(windows) if windows else None
-    if cfg.model_type == "qwen2" and windows:
+    if cfg.model_type in ("qwen2", "qwen3") and windows:
         out.update(use_sliding_window=True, sliding_window=max(windows),
                    layer_types=["sliding_attention" if w else "full_attention"
                                 for w in cfg.sliding_windows])

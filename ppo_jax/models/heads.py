@@ -26,7 +26,7 @@ KINDS = ("causal_lm", "value", "reward", "causal_lm_value")
 
 
 def make_backbone(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    """`LlamaBackbone` for llama/qwen2/mistral, `GPT2Backbone` for gpt2. Raises ValueError otherwise."""
+    """`LlamaBackbone` for llama/qwen2/qwen3/mistral, `GPT2Backbone` for gpt2. Raises ValueError otherwise."""
     if cfg.is_llama_family:
         return LlamaBackbone(cfg, rngs=rngs)
     if cfg.model_type == "gpt2":

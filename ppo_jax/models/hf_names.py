@@ -32,10 +32,12 @@ HEAD_NAMES = {
 ARCHITECTURES = {
     ("llama", "causal_lm"): "LlamaForCausalLM",
     ("qwen2", "causal_lm"): "Qwen2ForCausalLM",
+    ("qwen3", "causal_lm"): "Qwen3ForCausalLM",
     ("mistral", "causal_lm"): "MistralForCausalLM",
     ("gpt2", "causal_lm"): "GPT2LMHeadModel",
     ("llama", "reward"): "LlamaForSequenceClassification",
     ("qwen2", "reward"): "Qwen2ForSequenceClassification",
+    ("qwen3", "reward"): "Qwen3ForSequenceClassification",
     ("mistral", "reward"): "MistralForSequenceClassification",
     ("gpt2", "reward"): "GPT2ForSequenceClassification",
 }

@@ -1,14 +1,16 @@
-"""Llama-family decoder backbone: Llama 2/3, Qwen2/2.5, Mistral, SmolLM2.
+"""Llama-family decoder backbone: Llama 2/3, Qwen2/2.5, Qwen3 (dense), Mistral, SmolLM2.
 
 Pre-norm blocks `x + attn(rmsnorm(x))`, `x + mlp(rmsnorm(x))` with grouped-query attention,
-RoPE and a SwiGLU MLP, `down(act(gate(x)) * up(x))`. Qwen2 adds optional q/k/v bias; Mistral
-and Qwen2's `layer_types` add per-layer sliding windows. Source: transformers
-`models/{llama,qwen2,mistral}/modeling_*.py`; Touvron et al. 2023; Shazeer 2020 (SwiGLU).
+RoPE and a SwiGLU MLP, `down(act(gate(x)) * up(x))`. Qwen2 adds optional q/k/v bias; Qwen3 a
+per-head RMSNorm over head_dim on q and k before RoPE (`q_norm`, `k_norm`); Mistral and
+Qwen2/3's `layer_types` add per-layer sliding windows. Source: transformers
+`models/{llama,qwen2,qwen3,mistral}/modeling_*.py`; Touvron et al. 2023; Shazeer 2020 (SwiGLU).
 
 Param paths (layer axis first in every `layers/...` leaf):
   embed_tokens/embedding [V, D]
   layers/input_layernorm/scale [N, D]      layers/post_attention_layernorm/scale [N, D]
   layers/attn/{q,k,v,o}_proj/kernel [N, in, out] (+ bias when configured)
+  layers/attn/{q,k}_norm/scale [N, head_dim] (Qwen3, `cfg.qk_norm`)
   layers/mlp/{gate,up,down}_proj/kernel [N, in, out]
   .../{q,...,down}_proj/lora_a [N, in, r], lora_b [N, r, out] when LoRA is on (`models.lora`)
   norm/scale [D]
@@ -33,7 +35,10 @@ def _linear(cfg: ModelConfig, name: str, din: int, dout: int, bias: bool, rngs: 
 
 
 class LlamaAttention(nnx.Module):
-    """GQA self-attention with RoPE; writes its k/v to the cache when one is given."""
+    """GQA self-attention with RoPE; writes its k/v to the cache when one is given.
+
+    With `cfg.qk_norm` (Qwen3), q `[B, L, H, hd]` and k `[B, L, KVH, hd]` go through an
+    RMSNorm over hd before RoPE (HF `modeling_qwen3.Qwen3Attention`); the cached k is normed."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
@@ -42,12 +47,19 @@ class LlamaAttention(nnx.Module):
         self.v_proj = _linear(cfg, "v_proj", d, cfg.num_kv_heads * hd, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, "o_proj", cfg.num_heads * hd, d, cfg.o_bias, rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        if cfg.qk_norm:
+            pd = cfg.jnp_param_dtype
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, param_dtype=pd)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, param_dtype=pd)
+        self.qk_norm = cfg.qk_norm
 
     def __call__(self, x, ctx: Context, window, cache: KVCache | None, layer):
         b, l, _ = x.shape
         q = self.q_proj(x).reshape(b, l, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, l, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, l, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         out, cache = attend(cache, layer, q, k, v, ctx, window)
         return self.o_proj(out), cache

@@ -18,6 +18,7 @@ sharded. Kernels are `[in, out]` (`x @ W`):
 | mlp/c_fc/bias                                  | [F]         | (tensor,)            |
 | mlp/{down_proj,c_proj}/kernel  (row-parallel)  | [F, D]      | (tensor, fsdp)       |
 | anything else: norms, row-parallel biases, value / score heads | replicated      |
+| attn/{q,k}_norm/scale (Qwen3, per-head norm)   | [hd]        | replicated           |
 | .../lora_a, .../lora_b of a kernel ruled (i, o)             | [in, r] / [r, out] | (i, None) / (None, o) |
 
 Column-parallel then row-parallel (Megatron-LM, Shoeybi et al. 2019): q/k/v and gate/up split

@@ -28,6 +28,11 @@ HF_CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False,
                                               rope_parameters={"rope_type": "default",
                                                                "rope_theta": 1e6}),
+    # Qwen3: q/k norms, head_dim independent of hidden / heads (64 / 4 = 16)
+    "qwen3_tied": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
+    "qwen3_untied": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=False,
+                                                     rope_parameters={"rope_type": "default",
+                                                                      "rope_theta": 1e6}),
     "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=4),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
                                             n_positions=64, bos_token_id=1, eos_token_id=2),

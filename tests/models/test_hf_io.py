@@ -17,7 +17,7 @@ from ppo_jax.models import CheckpointError, load_model, load_tokenizer, save_pre
 from hf_tiny import hf_logits, padded_batch, transformers
 
 
-@pytest.mark.parametrize("name", ["llama3_untied", "qwen2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama3_untied", "qwen2", "qwen3_tied", "qwen3_untied", "gpt2"])
 def test_saved_actor_loads_in_transformers_with_same_logits(loaded, name, tmp_path):
     graphdef, params, cfg, fn, _ = loaded[name]
     save_pretrained(nnx.merge(graphdef, params), cfg, tmp_path)

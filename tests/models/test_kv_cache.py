@@ -15,7 +15,7 @@ from hf_tiny import padded_batch
 SLOTS = 16  # cache longer than the sequence: unused trailing slots have mask 0
 
 
-@pytest.mark.parametrize("name", ["llama3_untied", "mistral_window", "gpt2"])
+@pytest.mark.parametrize("name", ["llama3_untied", "mistral_window", "qwen3_tied", "gpt2"])
 def test_prefill_then_decode_matches_full_forward(loaded, name):
     graphdef, params, cfg, fn, _ = loaded[name]
     ids, mask = padded_batch(seed=3, length=12, pads=(0, 2, 5))

@@ -20,7 +20,7 @@ from hf_tiny import padded_batch
 
 LLAMA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGETS = {"llama_tied": LLAMA_ALL, "llama3_untied": ("q_proj", "v_proj", "down_proj"),
-           "qwen2": LLAMA_ALL, "gpt2": ("c_attn", "c_proj", "c_fc")}
+           "qwen2": LLAMA_ALL, "qwen3_untied": LLAMA_ALL, "gpt2": ("c_attn", "c_proj", "c_fc")}
 
 
 def lora_model(d, targets, rank=4, alpha=8.0, seed=0):
