@@ -1,4 +1,4 @@
-"""The recipe comparison of docs/rlvr_results.md, re-read from its kept data: one markdown table and one PNG.
+"""The recipe comparison of results/rlvr/log.md, re-read from its kept data: one markdown table and one PNG.
 
 Each run is a pair of files in `--dir` (default results/rlvr): `<name>_seed<S>.metrics.jsonl`
 (the run's metrics.jsonl) and `<name>_seed<S>.accuracy.json` (scripts/compare_accuracy.py

@@ -1,4 +1,4 @@
-"""scripts/rlvr_recipes_report.py: the recipe table of docs/rlvr_results.md re-read from kept metrics."""
+"""scripts/rlvr_recipes_report.py: the recipe table of results/rlvr/log.md re-read from kept metrics."""
 
 from __future__ import annotations
 

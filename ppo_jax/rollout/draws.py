@@ -104,17 +104,6 @@ def filter_logits(logits: jax.Array, *, temperature: float = 1.0, top_k: int = 0
     return logits
 
 
-def sample_tokens(logits: jax.Array, rng: jax.Array, *, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0, greedy: bool = False) -> jax.Array:
-    """Draw one token per row from `[B, V]` logits -> `[B]` int32."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
-
-
-
-
 def sample_keys(step_key: jax.Array, rows: jax.Array) -> jax.Array:
     """`[B]` keys, one per sample: `fold_in(step_key, row)` for each batch row in `rows [B]`."""
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, rows.astype(jnp.uint32))

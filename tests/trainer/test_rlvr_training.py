@@ -65,13 +65,13 @@ def test_recipe_configs_load_on_the_rlvr_base(name):
     assert cfg.generation.samples_per_prompt == 8 and cfg.train.output_dir == f"runs/rlvr_{name}"
     want = {"gspo": ("gspo", 0.2)}.get(name, ("ppo_clip", 0.2))
     assert (cfg.ppo.policy_loss, cfg.ppo.cliprange) == want
-    if name == "gspo":  # the paper's clip and unbounded lengths fail at 6 tokens (docs/rlvr_results.md)
+    if name == "gspo":  # the paper's clip and unbounded lengths fail at 6 tokens (results/rlvr/log.md)
         assert cfg.ppo.cliprange_high == 0.28 and cfg.ppo.overlong_buffer == 4
     if name == "ppo_shared":  # ppo.yaml's critic on the actor, its head at its own rate
         assert cfg.model.shared_critic and cfg.ppo.advantage_estimator == "gae"
         assert cfg.optim.value_head_lr == 1e-3 and cfg.ppo.critic_warmup_steps == 0
         assert cfg.ppo.dynamic_sampling and (cfg.ppo.lam, cfg.ppo.critic_lam) == (1.0, 1.0)
-    if name == "ppo":  # no value pre-training: it lost on both seeds (docs/rlvr_results.md)
+    if name == "ppo":  # no value pre-training: it lost on both seeds (results/rlvr/log.md)
         assert cfg.ppo.critic_warmup_steps == 0 and not cfg.model.shared_critic
 
 

@@ -134,7 +134,7 @@ def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = Fals
     tasks' partial credit can be farmed: chain_sum's scorer gives `len(answer) / len(response's
     answer)` to any answer that contains the right one as a substring, so "<answer>51034</answer>"
     earns 0.2 on "1 + 2 =", and GRPO's group-normalised advantages turn that 0.2 into a full-sized
-    signal; the 1-2 digit run learnt ever longer numbers (docs/rlvr_results.md, "Why GRPO
+    signal; the 1-2 digit run learnt ever longer numbers (results/rlvr/log.md, "Why GRPO
     drifted").
 
     Components, each `[n]`: `accuracy` (fully right), `format`, `accuracy_format_free` (fully
@@ -142,7 +142,7 @@ def reasoning_gym_reward(format_weight: float = 0.0, partial_credit: bool = Fals
     accuracies count full credit only.
 
     `answer="last_number"` scores the response's last number instead, tag or not, so the reward
-    cannot be raised by the answer's format alone (docs/rlvr_results.md, "A reward without the
+    cannot be raised by the answer's format alone (results/rlvr/log.md, "A reward without the
     tag"); `accuracy` still logs the tagged answer's credit, and `format_weight` still pays for a
     closed tag.
 
