@@ -112,6 +112,16 @@ class GPT2Backbone(nnx.Module):
         x, cache = scan_layers(cfg, self.layers, x.astype(cfg.jnp_dtype), ctx, cache)
         return self.ln_f(x), cache
 
+    def run(self, input_ids: jax.Array, attention_mask: jax.Array, *,
+            cache: KVCache | PagedKVCache | None = None, cache_index=None,
+            paged: PagedView | None = None, routes=None):
+        """`(hidden, cache, None)`: `__call__` in the form MoE backbones share (`models.moe`);
+        a dense model has no routing, and `routes` must be None."""
+        if routes is not None:
+            raise ValueError("routes were given to a dense gpt2 backbone (no MoE layer)")
+        return (*self(input_ids, attention_mask, cache=cache, cache_index=cache_index,
+                      paged=paged), None)
+
     def embedding_matrix(self) -> jax.Array:
         """`[V, D]` token embedding (the tied LM head)."""
         return self.wte.embedding[...]

@@ -127,6 +127,14 @@ class LlamaBackbone(nnx.Module):
         x, cache = scan_layers(cfg, self.layers, x, ctx, cache)
         return self.norm(x), cache
 
+    def run(self, input_ids, attention_mask, *, cache=None, cache_index=None, paged=None,
+            routes=None):
+        """`(hidden, cache, None)`: `__call__` with the routing slot of MoE backbones."""
+        if routes is not None:
+            raise ValueError("routes were given to a dense backbone (no MoE layer)")
+        return (*self(input_ids, attention_mask, cache=cache, cache_index=cache_index,
+                      paged=paged), None)
+
     def embedding_matrix(self) -> jax.Array:
         """`[V, D]` token embedding (used by a tied LM head)."""
         return self.embed_tokens.embedding[...]

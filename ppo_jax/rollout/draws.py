@@ -47,6 +47,8 @@ class SamplingSettings:
       prompt, prefilled once. mesh: lays the rows out (None: one device).
     turns: None for single-turn responses; a `TurnSettings` for multi-turn episodes (the
       sampler then takes an `on_turn_end`, `rollout.turns`).
+    record_routes: also record the experts each response token goes through in an MoE
+      model (`Generation.routes`, for router replay: `model.router_replay: rollout`).
     """
 
     max_new_tokens: int
@@ -59,6 +61,7 @@ class SamplingSettings:
     samples_per_prompt: int
     mesh: Optional[Mesh]
     turns: Optional[TurnSettings]
+    record_routes: bool
 
 
 class Generation(NamedTuple):
@@ -67,13 +70,30 @@ class Generation(NamedTuple):
     response_ids int32 (pad after the last token); response_mask int32, 1 through the last
     written token (a prefix mask: the forward passes' contract, `rollout.forward`); logprobs
     float32, each draw's log-prob (`draw`), 0 elsewhere. episodes: None single-turn; with
-    turns, the `rollout.turns.Episodes` (action mask, turns, turn ends, ended).
+    turns, the `rollout.turns.Episodes` (action mask, turns, turn ends, ended). routes: None,
+    or with `SamplingSettings.record_routes` the experts of every MoE layer each response
+    token was fed through, `[B, N, moe_layers, k]` int16 (`models.moe.Routing.experts`), -1
+    where none was fed (after a row's end, and the last column: a token is drawn from the
+    pass that feeds the one before it).
     """
 
     response_ids: jax.Array
     response_mask: jax.Array
     logprobs: jax.Array
     episodes: Optional[Any]
+    routes: Optional[jax.Array] = None
+
+
+ROUTE_DTYPE = jnp.int16  # expert indices (< 32768 experts): half the bytes of int32
+
+
+def empty_routes(rows: tuple[int, ...], columns: int, cfg) -> Optional[jax.Array]:
+    """`[*rows, columns, moe_layers, k]` of -1 (ROUTE_DTYPE) for the routes of a model of
+    `cfg` (a `ModelConfig`), or None for a dense model."""
+    if not getattr(cfg, "num_moe_layers", 0):
+        return None
+    shape = (*rows, columns, cfg.num_moe_layers, cfg.num_experts_per_tok)
+    return jnp.full(shape, -1, ROUTE_DTYPE)
 
 
 _NEG = -1e30  # finite "minus infinity" for filtered logits

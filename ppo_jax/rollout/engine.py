@@ -119,8 +119,10 @@ class PagedEngine:
         lay, d, kernel = self.layout, self.sampling, self.settings.attention
         self._prompt_lens = jax.jit(lambda m: jnp.sum(m.astype(jnp.int32), axis=1),
                                     out_shardings=rep)
+        routes_of = self.cfg if d.record_routes and getattr(self.cfg, "num_moe_layers", 0) else None
         self._empty = jax.jit(partial(empty_state, lay.replicas, lay.slots, lay.rows,
-                                      d.max_new_tokens, d.pad_token_id), out_shardings=(rows, rows))
+                                      d.max_new_tokens, d.pad_token_id, routes_of),
+                              out_shardings=(rows, rows))
         self._new_cache = jax.jit(partial(init_paged_cache, self.cfg, lay.replicas, lay.pages,
                                           self.settings.page_size, self.cache_dtype,
                                           self.head_major), out_shardings=pool)
@@ -134,7 +136,7 @@ class PagedEngine:
                                donate_argnums=(1, 2, 3),
                                out_shardings=(pool, rows, rows))
         self._finalize = jax.jit(partial(finalize, pad_token_id=d.pad_token_id),
-                                 out_shardings=(rows, rows, rows))
+                                 out_shardings=(rows,) * (3 if routes_of is None else 4))
 
     def _put(self, x: np.ndarray):
         """A host array (the same on every host) -> a replicated device array."""
@@ -211,7 +213,9 @@ class PagedEngine:
         stats.slot_occupancy /= max(stats.chunks, 1)
         self.last_stats = stats
         out = self._finalize(responses, self._put(final))
-        return self._episodes(record, out) if self.turns else Generation(*out, None)
+        if self.turns:
+            return self._episodes(record, out)
+        return Generation(*out[:3], None, out[3] if len(out) == 4 else None)
 
     def _key(self, step_key):
         """The step's key, checked; None only when greedy (a fixed key, never read)."""
@@ -227,11 +231,12 @@ class PagedEngine:
     def _episodes(self, record: TurnRecord, out) -> Generation:
         """The finished multi-turn batch, observations and action mask written on the host
         (`turns.episodes_of`), laid out by row."""
-        ids, mask, logp, episodes = episodes_of(record, *jax.device_get(out))
+        ids, mask, logp, episodes = episodes_of(record, *jax.device_get(out[:3]))
         rows = self._sharding(P(BATCH_AXES))
         put = (lambda x: jax.device_put(x, rows)) if rows is not None else jnp.asarray  # noqa: E731
         return Generation(put(ids), put(mask), put(logp),
-                          episodes._replace(action_mask=put(episodes.action_mask)))
+                          episodes._replace(action_mask=put(episodes.action_mask)),
+                          out[3] if len(out) == 4 else None)
 
     def _resumption(self, resumes: list[list]) -> Resumption:
         """Replica r's resuming slots `(slot, fed tokens, pages)` as one `Resumption`: K slots

@@ -10,13 +10,15 @@ only the slots' lengths and done flags after each chunk.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from ppo_jax.models.functional import Model
 from ppo_jax.models.paged_cache import PagedKVCache, PagedView
-from ppo_jax.rollout.draws import SamplingSettings, draw, sample_keys
+from ppo_jax.rollout.draws import SamplingSettings, draw, empty_routes, sample_keys
 
 
 def _draw(s: SamplingSettings, logits, keys, t):
@@ -58,10 +60,13 @@ class SlotState:
 
 @struct.dataclass
 class Responses:
-    """Tokens and their log-probs `[R, B / R, N]`, written as they are drawn."""
+    """Tokens and their log-probs `[R, B / R, N]`, written as they are drawn; with routes
+    recorded, the experts each token went through when it was fed `[R, B / R, N, moe_layers,
+    k]` (-1: not fed), else None."""
 
     tokens: jax.Array
     logprobs: jax.Array
+    routes: Optional[jax.Array] = None
 
 
 @struct.dataclass
@@ -82,12 +87,17 @@ class Admission:
     copy_dst: jax.Array
 
 
-def empty_state(replicas: int, slots: int, rows: int, max_new_tokens: int, pad_token_id: int):
-    """`(SlotState, Responses)` of an empty engine: every slot done, responses all pad."""
+def empty_state(replicas: int, slots: int, rows: int, max_new_tokens: int, pad_token_id: int,
+                routes_of=None):
+    """`(SlotState, Responses)` of an empty engine: every slot done, responses all pad; routes
+    all -1 for the `ModelConfig` `routes_of` (None: none recorded)."""
     z, no = jnp.zeros((replicas, slots), jnp.int32), jnp.zeros((replicas, slots), bool)
     shape = (replicas, rows, max_new_tokens)
+    routes = None if routes_of is None else empty_routes((replicas, rows), max_new_tokens,
+                                                         routes_of)
     return (SlotState(z, z, z, z, jnp.ones((replicas, slots), bool), z, no),
-            Responses(jnp.full(shape, pad_token_id, jnp.int32), jnp.zeros(shape, jnp.float32)))
+            Responses(jnp.full(shape, pad_token_id, jnp.int32), jnp.zeros(shape, jnp.float32),
+                      routes))
 
 
 def _rows_of(x: jax.Array) -> jax.Array:
@@ -110,7 +120,19 @@ def _record(responses: Responses, rows, t, tokens, logprobs, keep) -> Responses:
         return resp_t.at[r, tt].set(tok, mode="drop"), resp_l.at[r, tt].set(lp, mode="drop")
 
     tok, lp = jax.vmap(one)(responses.tokens, responses.logprobs, rows, t, tokens, logprobs)
-    return Responses(tok, lp)
+    return responses.replace(tokens=tok, logprobs=lp)
+
+
+def _record_routes(responses: Responses, rows, columns, routing, keep) -> Responses:
+    """Write the experts of the tokens fed at `(replica, rows, columns)` (each `[R, X]`) where
+    `keep`: `routing.experts` `[R * X, 1, moe_layers, k]` of the pass (None: no MoE)."""
+    if responses.routes is None or routing is None:
+        return responses
+    n_rows = responses.routes.shape[1]
+    rows = jnp.where(keep, rows, n_rows)  # out of range: dropped
+    experts = routing.experts.reshape(*rows.shape, *routing.experts.shape[2:])
+    put = jax.vmap(lambda r, x, i, c: r.at[i, c].set(x.astype(r.dtype), mode="drop"))
+    return responses.replace(routes=put(responses.routes, experts, rows, columns))
 
 
 def _copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
@@ -175,7 +197,9 @@ def _decode_step(model, cache, state: SlotState, responses: Responses, page_tabl
     position = jnp.where(active, state.position, 0)
     view = PagedView(page_table, _rows_of(position)[:, None], _rows_of(active)[:, None],
                      _rows_of(position) + 1, kernel, s.mesh)
-    hidden, cache = model.backbone(_rows_of(state.token)[:, None], None, cache=cache, paged=view)
+    hidden, cache, routing = model.backbone.run(_rows_of(state.token)[:, None], None,
+                                                cache=cache, paged=view)
+    responses = _record_routes(responses, state.row, state.length - 1, routing, active)
     logits = model.lm_head(hidden[:, 0])
     rows_per_replica = responses.tokens.shape[1]
     keys = sample_keys(step_key, _rows_of(_global_rows(state.row, rows_per_replica)))
@@ -266,7 +290,14 @@ def resume_program(model: Model, cache: PagedKVCache, state: SlotState, response
     view = PagedView(z.page_table, _rows_of(positions), _rows_of(write),
                      _rows_of(sub.position + counts), kernel, s.mesh)
     lm = model.merge()
-    hidden, cache = lm.backbone(_rows_of(z.tokens), None, cache=cache, paged=view)
+    hidden, cache, routing = lm.backbone.run(_rows_of(z.tokens), None, cache=cache, paged=view)
+    if routing is not None and responses.routes is not None:  # the fed token and observation
+        cols = sub.length[..., None] - 1 + j
+        routing = routing._replace(experts=routing.experts.reshape(
+            replicas * k * width, 1, *routing.experts.shape[2:]))
+        flat = lambda x: x.reshape(replicas, k * width)  # noqa: E731
+        responses = _record_routes(responses, flat(jnp.broadcast_to(sub.row[..., None], cols.shape)),
+                                   flat(cols), routing, flat(write))
     last = jnp.take_along_axis(hidden, (_rows_of(counts) - 1)[:, None, None], axis=1)[:, 0]
     column = sub.length + counts - 1  # the observation's m columns, then this draw
     keys = sample_keys(step_key, _rows_of(_global_rows(sub.row, responses.tokens.shape[1])))
@@ -282,12 +313,17 @@ def resume_program(model: Model, cache: PagedKVCache, state: SlotState, response
 
 def finalize(responses: Responses, lengths, pad_token_id: int):
     """Responses `[R, B / R, N]` and each row's final length `[R, B / R]` -> `(response_ids,
-    response_mask, logprobs)` `[B, N]`: tokens after a row's length are pad, log-probs 0."""
+    response_mask, logprobs)` `[B, N]`: tokens after a row's length are pad, log-probs 0;
+    then the routes `[B, N, moe_layers, k]` (-1 after the length) when recorded."""
     n = responses.tokens.shape[2]
     mask = jnp.arange(n, dtype=jnp.int32) < lengths[..., None]
     tokens = jnp.where(mask, responses.tokens, pad_token_id)
     logprobs = jnp.where(mask, responses.logprobs, 0.0)
-    return _rows_of(tokens), _rows_of(mask.astype(jnp.int32)), _rows_of(logprobs)
+    out = _rows_of(tokens), _rows_of(mask.astype(jnp.int32)), _rows_of(logprobs)
+    if responses.routes is None:
+        return out
+    routes = jnp.where(mask[..., None, None], responses.routes, -1).astype(responses.routes.dtype)
+    return (*out, _rows_of(routes))
 
 
 def decode_width_buckets(max_pages: int, buckets: int) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ PPO minibatch sees `ratio == 1` exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,16 +26,23 @@ from ppo_jax.parallel.mesh import shard_rows
 from ppo_jax.parallel.rules import vocab_shards
 
 
+# `model.router_replay`: whether the actor's passes replay the experts the sampler recorded
+RouterReplay = Literal["none", "rollout"]
+
+
 @struct.dataclass
 class Rollout:
     """Prompts and sampled responses, the input of every forward pass: `query_ids`,
     `query_mask` `[B, P]` int32 (left-padded prompts), `response_ids`, `response_mask` `[B, N]`
-    int32 (mask 1 up to and including the stop token)."""
+    int32 (mask 1 up to and including the stop token), and `routes`: None, or the experts each
+    response token went through when it was sampled, `[B, N, moe_layers, k]` int (-1: none
+    recorded), which the actor's passes then replay (`model.router_replay: rollout`)."""
 
     query_ids: jax.Array
     query_mask: jax.Array
     response_ids: jax.Array
     response_mask: jax.Array
+    routes: Optional[jax.Array] = None
 
     def arrays(self) -> tuple:
         return self.query_ids, self.query_mask, self.response_ids, self.response_mask
@@ -72,6 +79,35 @@ def _sequence(query_ids, query_mask, response_ids, response_mask):
     return ids, mask
 
 
+def sequence_routes(routes, prompt_len: int):
+    """Response routes `[B, N, moe_layers, k]` -> routes of the whole sequence `[B, P + N,
+    moe_layers, k]` int32, -1 (route by the router) on the prompt; None stays None."""
+    if routes is None:
+        return None
+    routes = routes.astype(jnp.int32)
+    prompt = jnp.full((routes.shape[0], prompt_len, *routes.shape[2:]), -1, jnp.int32)
+    return jnp.concatenate([prompt, routes], axis=1)
+
+
+def backbone_pass(model, ids, mask, routes=None):
+    """`(hidden [B, L, D], aux_loss)` of one backbone pass over `[B, L]` ids and mask, routing
+    with `routes` `[B, L, moe_layers, k]` where they are >= 0 (`models.moe`); aux_loss is the
+    MoE load-balancing loss of the pass (transformers' `load_balancing_loss_func`, unscaled),
+    0.0 for a dense model."""
+    hidden, _, routing = model.backbone.run(ids, mask, routes=routes)
+    aux = jnp.zeros((), jnp.float32) if routing is None else routing.aux_loss
+    return hidden, aux
+
+
+def aux_loss_weight(model_cfg, coef: Optional[float]) -> float:
+    """The weight of a model's MoE load-balancing loss in its training loss: `coef`
+    (`model.router_aux_loss_coef`), else the checkpoint's `router_aux_loss_coef`; 0 for a
+    dense model."""
+    if not getattr(model_cfg, "num_moe_layers", 0):
+        return 0.0
+    return float(model_cfg.router_aux_loss_coef if coef is None else coef)
+
+
 def _response_slice(x: jax.Array, prompt_len: int, response_len: int) -> jax.Array:
     return x[:, prompt_len - 1: prompt_len - 1 + response_len]
 
@@ -105,7 +141,7 @@ def head_logprobs(model, hidden: jax.Array, tokens: jax.Array, temperature: floa
 
 def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, response_mask, *,
                     temperature: float = 1.0, with_entropy: bool = False,
-                    logprob_chunk_size: int = 0, mesh=None):
+                    logprob_chunk_size: int = 0, mesh=None, routes=None, with_aux: bool = False):
     """Log-probs of the response tokens under a CausalLM (actor or reference).
 
     Args:
@@ -116,17 +152,24 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
       with_entropy: also return the entropy of the full next-token distribution.
       logprob_chunk_size, mesh: 0, or the vocabulary block size of `head_logprobs` (static),
         and the run's mesh (None on one device).
+      routes: None, or the response tokens' experts `[B, N, moe_layers, k]` to replay
+        (`Rollout.routes`); the prompt is routed by the router.
+      with_aux: also return the pass's MoE load-balancing loss (`backbone_pass`).
 
     Returns:
       logprobs `[B, N]` float32, or `(logprobs, entropy)` with entropy `[B, N]` float32 in
-      nats. Values on masked response slots are finite but meaningless.
+      nats; with `with_aux` the aux loss (float32 scalar) last. Values on masked response
+      slots are finite but meaningless.
     """
     model = nnx.merge(graphdef, params)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    hidden, _ = model.backbone(ids, mask)
+    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]))
     h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
-    return head_logprobs(model, h, response_ids, temperature, with_entropy=with_entropy,
-                         chunk_size=logprob_chunk_size, mesh=mesh)
+    out = head_logprobs(model, h, response_ids, temperature, with_entropy=with_entropy,
+                        chunk_size=logprob_chunk_size, mesh=mesh)
+    if not with_aux:
+        return out
+    return (*out, aux) if with_entropy else (out, aux)
 
 
 def critic_values(graphdef, params, query_ids, query_mask, response_ids, response_mask):
@@ -163,6 +206,7 @@ def reward_model_scores(graphdef, params, query_ids, query_mask, response_ids, r
 
 def map_in_chunks(fn, chunk_size: int, *arrays, mesh=None):
     """Apply `fn(*chunk)` to consecutive chunks of `chunk_size` rows with `lax.map`; concatenate.
+    `arrays` may be pytrees of arrays with rows first (a `Rollout`).
 
     Bounds activation memory and gives every chunk the same shape as a PPO micro-batch (so
     rollout and update log-probs come from identical computations). With a `mesh`, the rows of
@@ -171,20 +215,21 @@ def map_in_chunks(fn, chunk_size: int, *arrays, mesh=None):
     Raises:
       ValueError: the batch is not a multiple of `chunk_size`.
     """
-    batch = arrays[0].shape[0]
+    batch = jax.tree.leaves(arrays)[0].shape[0]
     if batch % chunk_size:
         raise ValueError(f"batch {batch} is not a multiple of the chunk size {chunk_size}")
     n = batch // chunk_size
     if n == 1:
         return fn(*arrays)
-    chunked = [shard_rows(a.reshape(n, chunk_size, *a.shape[1:]), mesh, axis=1) for a in arrays]
+    chunked = jax.tree.map(
+        lambda a: shard_rows(a.reshape(n, chunk_size, *a.shape[1:]), mesh, axis=1), arrays)
     out = jax.lax.map(lambda xs: fn(*xs), chunked)
     return jax.tree.map(lambda y: shard_rows(y.reshape(batch, *y.shape[2:]), mesh), out)
 
 
 def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response_ids, response_mask,
                                *, temperature: float = 1.0, logprob_chunk_size: int = 0,
-                               mesh=None):
+                               mesh=None, routes=None, with_aux: bool = False):
     """Shared-backbone policy and critic (`models.CausalLMWithValueHead`, TRL's
     `AutoModelForCausalLMWithValueHead`).
 
@@ -193,41 +238,48 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
       (others as `policy_logprobs`)
 
     Returns:
-      `(logprobs [B, N], entropy [B, N], values [B, N])`, float32, from ONE backbone pass.
+      `(logprobs [B, N], entropy [B, N], values [B, N])`, float32, from ONE backbone pass;
+      with `with_aux` the MoE aux loss last.
     """
     model = nnx.merge(graphdef, params)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    hidden, _ = model.backbone(ids, mask)
+    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]))
     h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
     logprobs, entropy = head_logprobs(model, h, response_ids, temperature,
                                       chunk_size=logprob_chunk_size, mesh=mesh)
-    return logprobs, entropy, model.values_from_hidden(h)
+    out = (logprobs, entropy, model.values_from_hidden(h))
+    return (*out, aux) if with_aux else out
 
 
 def _chunked(fn, rollout: Rollout, s: ForwardSettings):
-    return map_in_chunks(fn, s.micro_batch_size, *rollout.arrays(), mesh=s.mesh)
+    """`fn(*arrays, routes)` of every micro-batch chunk of `rollout`."""
+    return map_in_chunks(lambda r: fn(*r.arrays(), r.routes), s.micro_batch_size, rollout,
+                         mesh=s.mesh)
 
 
 def rollout_logprobs(model: Model, rollout: Rollout, s: ForwardSettings, *,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, replay: bool = True):
     """`policy_logprobs` of a CausalLM (actor or reference) over a rollout, in micro-batch
-    chunks: logprobs `[B, N]` float32, or `(logprobs, entropy)`."""
+    chunks: logprobs `[B, N]` float32, or `(logprobs, entropy)`. With `replay` the rollout's
+    `routes` (when it has them) route the model's MoE layers; the reference passes
+    `replay=False`: the routes are the actor's."""
     return _chunked(lambda *r: policy_logprobs(
-        model.graphdef, model.params, *r, temperature=s.temperature, with_entropy=with_entropy,
-        logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh), rollout, s)
+        model.graphdef, model.params, *r[:4], temperature=s.temperature,
+        with_entropy=with_entropy, logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh,
+        routes=r[4] if replay else None), rollout, s)
 
 
 def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ForwardSettings):
     """`policy_logprobs_and_values` of the shared policy / value model, in micro-batch chunks:
     `(logprobs, entropy, values)`, each `[B, N]` float32."""
     return _chunked(lambda *r: policy_logprobs_and_values(
-        model.graphdef, model.params, *r, temperature=s.temperature,
-        logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh), rollout, s)
+        model.graphdef, model.params, *r[:4], temperature=s.temperature,
+        logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh, routes=r[4]), rollout, s)
 
 
 def rollout_values(critic: Model, rollout: Rollout, s: ForwardSettings) -> jax.Array:
     """`critic_values` over a rollout, in micro-batch chunks: `[B, N]` float32."""
-    return _chunked(lambda *r: critic_values(critic.graphdef, critic.params, *r), rollout, s)
+    return _chunked(lambda *r: critic_values(critic.graphdef, critic.params, *r[:4]), rollout, s)
 
 
 def rollout_scores(reward: Model, rollout: Rollout, s: ForwardSettings) -> jax.Array:
@@ -235,7 +287,7 @@ def rollout_scores(reward: Model, rollout: Rollout, s: ForwardSettings) -> jax.A
     micro-batch chunks), normalised by `s.score_normalizer` when set: `(score - mean) / std`
     with the mean / std measured when the reward model was trained (OpenRLHF's
     `normalize_reward`)."""
-    scores = _chunked(lambda *r: reward_model_scores(reward.graphdef, reward.params, *r,
+    scores = _chunked(lambda *r: reward_model_scores(reward.graphdef, reward.params, *r[:4],
                                                      eos_id=s.reward_eos_id), rollout, s)
     if s.score_normalizer is None:
         return scores

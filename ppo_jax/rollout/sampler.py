@@ -68,18 +68,24 @@ class Sampler:
         other.engines = self.engines
         return other
 
+    def records_routes(self, settings: SamplingSettings) -> bool:
+        """Whether calls with `settings` return routes: asked for, and the actor is an MoE."""
+        return settings.record_routes and bool(getattr(self.model_cfg, "num_moe_layers", 0))
+
     def static(self, settings: SamplingSettings):
         """The jitted static batch of single-turn `settings`: `(actor, prompt_ids, prompt_mask,
-        key) -> (response_ids, response_mask, logprobs)`, laid out as the constructor says."""
+        key) -> (response_ids, response_mask, logprobs[, routes])`, laid out as the
+        constructor says."""
         if settings not in self.statics:
             fn = partial(sample, settings=settings)
             if self.by_row is None:
                 self.statics[settings] = jax.jit(fn)
             else:
                 rows, rep = self.by_row, self.replicated
+                outputs = 4 if self.records_routes(settings) else 3
                 self.statics[settings] = jax.jit(
                     fn, in_shardings=(self.actor_shardings, rows, rows, rep),
-                    out_shardings=(rows, rows, rows))
+                    out_shardings=(rows,) * outputs)
         return self.statics[settings]
 
     def paged(self, graphdef, settings: SamplingSettings, batch: int, width: int) -> PagedEngine:
@@ -119,7 +125,9 @@ class Sampler:
                 raise ValueError(f"on_turn_end={on_turn_end!r}: single-turn settings (turns "
                                  "None) take none")
             self.last_stats = None
-            return Generation(*self.static(settings)(actor, prompt_ids, prompt_mask, key), None)
+            ids, mask, logprobs, *routes = self.static(settings)(actor, prompt_ids, prompt_mask,
+                                                                 key)
+            return Generation(ids, mask, logprobs, None, routes[0] if routes else None)
         engine = self.paged(actor.graphdef, settings, *prompt_ids.shape)
         out = engine.generate(actor.params, prompt_ids, prompt_mask, key, on_turn_end)
         self.last_stats = engine.last_stats if self.engine is not None else None

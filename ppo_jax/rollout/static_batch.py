@@ -27,7 +27,7 @@ from flax import nnx
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.mesh import shard_rows
 from ppo_jax.rollout.prefill import check_groups, prefill_cache, shard_cache
-from ppo_jax.rollout.draws import SamplingSettings, draw, sample_keys
+from ppo_jax.rollout.draws import SamplingSettings, draw, empty_routes, sample_keys
 
 def int_setting(name: str, value, minimum: int) -> int:
     """`value` as an int >= `minimum`; ValueError naming `name` otherwise (bools refused)."""
@@ -159,22 +159,24 @@ def prefill(graphdef, params, prompt_ids, prompt_mask, *, max_new_tokens: int,
 
 class _Decoded(NamedTuple):
     """The decode loop's record: tokens and their log-probs `[B, N]`, the response mask, the
-    last drawn token `[B]` and which rows are done `[B]`."""
+    last drawn token `[B]`, which rows are done `[B]`, and the experts each fed token went
+    through `[B, N, moe_layers, k]` (None unless recorded)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     mask: jax.Array
     token: jax.Array
     done: jax.Array
+    routes: jax.Array | None = None
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
                                    "greedy", "stop_token_ids", "pad_token_id", "cache_dtype",
-                                   "samples_per_prompt", "mesh"))
+                                   "samples_per_prompt", "mesh", "record_routes"))
 def _generate(graphdef, params, prompt_ids, prompt_mask, rng, first_row, *, max_new_tokens,
               temperature,
               top_k, top_p, greedy, stop_token_ids, pad_token_id, cache_dtype, samples_per_prompt,
-              mesh):
+              mesh, record_routes):
     model = nnx.merge(graphdef, params)
     batch, prompt_len = prompt_ids.shape
     rows = partial(shard_rows, mesh=mesh)
@@ -193,7 +195,14 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, first_row, *, max_
         return _Decoded(rows(rec.tokens.at[:, t].set(token)),
                         rows(rec.logprobs.at[:, t].set(jnp.where(rec.done, 0.0, logp))),
                         rows(rec.mask.at[:, t].set((~rec.done).astype(jnp.int32))), token,
-                        rows(rec.done | jnp.isin(token, stops)))
+                        rows(rec.done | jnp.isin(token, stops)), rec.routes)
+
+    def record_routes_at(t, routing, rec: _Decoded) -> _Decoded:
+        """The experts token t of every live row went through (-1 for done rows)."""
+        if rec.routes is None:
+            return rec
+        experts = jnp.where(rec.done[:, None, None], -1, routing.experts[:, 0])
+        return rec._replace(routes=rows(rec.routes.at[:, t].set(experts.astype(rec.routes.dtype))))
 
     def cond(state):  # another token is wanted and some row is still going
         t, _, _, rec = state
@@ -203,24 +212,28 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, first_row, *, max_
         t, cache, mask, rec = state
         slot = prompt_len + t
         mask = mask.at[:, slot].set(1)
-        hidden, cache = model.backbone(rec.token[:, None], mask, cache=cache, cache_index=slot)
+        hidden, cache, routing = model.backbone.run(rec.token[:, None], mask, cache=cache,
+                                                    cache_index=slot)
+        rec = record_routes_at(t, routing, rec)
         rec = sample_at(t + 1, rows(model.lm_head(hidden[:, 0])), rec)
         return t + 1, shard_cache(cache, mesh), rows(mask), rec
 
     shape = (batch, max_new_tokens)
     empty = _Decoded(rows(jnp.full(shape, pad_token_id, jnp.int32)),
                      rows(jnp.zeros(shape, jnp.float32)), rows(jnp.zeros(shape, jnp.int32)),
-                     jnp.zeros((batch,), jnp.int32), rows(jnp.zeros((batch,), bool)))
+                     jnp.zeros((batch,), jnp.int32), rows(jnp.zeros((batch,), bool)),
+                     empty_routes((batch,), max_new_tokens, model.cfg) if record_routes else None)
     init = (jnp.int32(0), cache, mask, sample_at(0, logits, empty))
     rec = jax.lax.while_loop(cond, body, init)[3]
-    return rec.tokens, rec.mask, rec.logprobs
+    out = rec.tokens, rec.mask, rec.logprobs
+    return out if rec.routes is None else (*out, rec.routes)
 
 
 def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
              stop_token_ids: Sequence[int] = (), pad_token_id: int = 0, cache_dtype=None,
              samples_per_prompt: int = 1, mesh=None, return_logprobs: bool = False,
-             first_row: int = 0):
+             first_row: int = 0, record_routes: bool = False):
     """Sample responses for a batch of left-padded prompts in one jitted call.
 
     Args:
@@ -248,10 +261,13 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
       return_logprobs: also return the log-prob of each drawn token (`draws.draw`).
       first_row: the batch row of this call's first row, for the draws' keys (a batch answered
         in sub-batches draws the tokens of the whole batch; traced, no recompile).
+      record_routes: with an MoE model, also return the experts each response token was fed
+        through (`draws.Generation.routes`); a dense model records none.
 
     Returns:
       `(response_ids [B, N] int32, response_mask [B, N] int32)`, and with `return_logprobs`
-      `logprobs [B, N]` float32 (0 after a row's stop); the mask is 1 on every generated token
+      `logprobs [B, N]` float32 (0 after a row's stop), then with `record_routes` (MoE; with
+      `return_logprobs` only) the routes `[B, N, moe_layers, k]` int16; the mask is 1 on every generated token
       up to and including the first stop token, 0 after it. N tokens take the prefill and
       N - 1 one-token passes (the last token is not fed back). Token t of row b is drawn with
       the key `fold_in(fold_in(rng, first_row + b), t)`, as in `rollout.draws`.
@@ -275,7 +291,9 @@ def generate(graphdef, params, prompt_ids, prompt_mask, rng, *, max_new_tokens: 
         raise ValueError(f"rng must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
                          f"{type(rng).__name__} {getattr(rng, 'shape', '')}")
     out = _generate(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), rng,
-                    jnp.int32(first_row), samples_per_prompt=n, mesh=mesh, **settings)
+                    jnp.int32(first_row), samples_per_prompt=n, mesh=mesh,
+                    record_routes=record_routes and bool(getattr(cfg, "num_moe_layers", 0)),
+                    **settings)
     return out if return_logprobs else out[:2]
 
 
@@ -298,6 +316,6 @@ def generate_kwargs(settings: SamplingSettings) -> dict:
 def sample(model: Model, prompt_ids, prompt_mask, rng, *, settings: SamplingSettings):
     """`generate` with a `Model` and single-turn `SamplingSettings`: `(response_ids,
     response_mask, logprobs)` `[B, N]` for `[B, P]` left-padded prompts (the draws' log-probs,
-    float32)."""
+    float32), then the routes when `settings.record_routes` and the model is an MoE."""
     return generate(model.graphdef, model.params, prompt_ids, prompt_mask, rng,
                     return_logprobs=True, **generate_kwargs(settings))

@@ -9,7 +9,7 @@ from ppo_jax.rollout.draws import SamplingSettings, TurnSettings
 from ppo_jax.rollout.engine_layout import EngineSettings
 
 DEFAULTS = dict(temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_token_ids=(),
-                pad_token_id=0, samples_per_prompt=1, mesh=None, turns=None)
+                pad_token_id=0, samples_per_prompt=1, mesh=None, turns=None, record_routes=False)
 
 
 def sampling_settings(max_new_tokens: int, **fields) -> SamplingSettings:

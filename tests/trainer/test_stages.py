@@ -77,7 +77,7 @@ def test_sft_loss_equals_transformers_cross_entropy_with_masked_labels(tiny_chec
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, trainer.state["model"].params)
     trainer.state["model"] = trainer.state["model"].replace(params=params)
     batch = {k: v[:6] for k, v in trainer.train_data.items()}
-    lp, mask = sft_logprobs(trainer.model.graphdef, params, jax.tree.map(jnp.asarray, batch))
+    lp, mask, _ = sft_logprobs(trainer.model.graphdef, params, jax.tree.map(jnp.asarray, batch))
     ours = float(nll_loss(lp, mask)[0])
     out = trainer.export()
     hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()

@@ -71,6 +71,10 @@ def validate(cfg: Config) -> None:
     if cfg.model.logprob_chunk_size < 0:
         raise ConfigError(f"model.logprob_chunk_size={cfg.model.logprob_chunk_size!r} must be >= 0 "
                           "(0: full-vocabulary logits)")
+    coef = cfg.model.router_aux_loss_coef
+    if coef is not None and not (math.isfinite(coef) and coef >= 0):
+        raise ConfigError(f"model.router_aux_loss_coef={coef!r} must be a finite number >= 0 "
+                          "(null: the checkpoint's)")
     _positive("data.prompt_buckets", cfg.data.prompt_buckets)
     _positive("generation.response_buckets", g.response_buckets)
     _validate_optim_train(o, cfg.train)

@@ -28,6 +28,7 @@ from ppo_jax.core.kl_control import KLControllerKind
 from ppo_jax.core.rollout_correction import RolloutCorrection
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
+from ppo_jax.rollout.forward import RouterReplay
 from ppo_jax.trainer.config.fields import ConfigError, opt, section  # noqa: F401 (re-exported)
 from ppo_jax.trainer.config.environment import EnvConfig
 from ppo_jax.trainer.config.generation import GenerationConfig
@@ -97,6 +98,15 @@ class ModelsConfig:
                                   "mesh.tensor shard), forward and backward, never forming the "
                                   "[B, N, V] logits; same values to float32 rounding; 0: full "
                                   "logits")
+    router_replay: RouterReplay = opt(
+        "none", "an MoE actor (qwen3_moe): 'rollout' records the experts each response token "
+        "went through when it was sampled and routes the actor's experience and update passes "
+        "through them (router replay, R3: the log-prob mismatch of re-routing goes); 'none': "
+        "the router chooses again in every pass")
+    router_aux_loss_coef: Optional[float] = opt(
+        None, "an MoE actor: weight of the router's load-balancing loss in the actor's loss "
+        "(sft, ppo), logged as router_aux_loss; null: the checkpoint's router_aux_loss_coef; "
+        "0: off")
     lora: LoraConfig = section(LoraConfig)
 
 

@@ -15,14 +15,16 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import masked_sum, nll_loss, shift_for_next_token
-from ppo_jax.rollout.forward import head_logprobs
+from ppo_jax.rollout.forward import aux_loss_weight, backbone_pass, head_logprobs
 from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
 from ppo_jax.trainer.data.text import read_records, sft_examples, tokenize_sft
 
 
 def sft_logprobs(graphdef, params, batch: dict, *, chunk_size: int = 0, mesh=None):
-    """`(logprobs [B, L-1], mask [B, L-1])` float32 of each next token under the CausalLM; the
-    mask is the response (loss) mask of the targets, zero on weight-0 (padding) rows.
+    """`(logprobs [B, L-1], mask [B, L-1], aux_loss)` of each next token under the CausalLM:
+    log-probs float32; the mask is the response (loss) mask of the targets, zero on weight-0
+    (padding) rows; aux_loss the MoE load-balancing loss of the pass (float32 scalar, 0 for a
+    dense model; `rollout.forward.backbone_pass`).
 
     `chunk_size` (`model.logprob_chunk_size`, static) > 0: the LM head and log-softmax in blocks
     of that many vocabulary columns (`rollout.forward.head_logprobs`), so no `[B, L, V]` float32
@@ -30,12 +32,12 @@ def sft_logprobs(graphdef, params, batch: dict, *, chunk_size: int = 0, mesh=Non
     float32 rounding.
     """
     model = nnx.merge(graphdef, params)
-    hidden, _ = model.backbone(batch["ids"], batch["attention_mask"])
+    hidden, aux = backbone_pass(model, batch["ids"], batch["attention_mask"])
     keep = (batch["loss_mask"] > 0) & (batch["weight"] > 0)[:, None]
     targets, mask = shift_for_next_token(batch["ids"], keep)
     logprobs = head_logprobs(model, hidden[:, :-1], targets, with_entropy=False,
                              chunk_size=chunk_size, mesh=mesh)
-    return logprobs, mask
+    return logprobs, mask, aux
 
 
 def _as_arrays(seqs) -> dict:
@@ -74,12 +76,21 @@ class SFTTrainer(SupervisedTrainer):
                             mesh=self.place.constraint_mesh)
 
     def loss(self, graphdef, params, micro: dict, denominator):
-        logprobs, mask = self._logprobs(graphdef, params, micro)
+        """The next-token NLL of the micro-batch's response tokens over the minibatch's
+        `denominator`; an MoE model adds `router_aux_loss_coef` x its load-balancing loss,
+        weighted by the micro-batch's share of the response tokens (so the accumulated sum
+        is a token-weighted mean over micro-batches) and logged as `router_aux_loss`."""
+        logprobs, mask, aux = self._logprobs(graphdef, params, micro)
         loss, stats = nll_loss(logprobs, mask, loss_normalizer=denominator)
-        return loss, {"loss": stats["nll"], "tokens": stats["tokens"] * denominator}
+        out = {"loss": stats["nll"], "tokens": stats["tokens"] * denominator}
+        coef = aux_loss_weight(self.model.cfg, self.cfg.model.router_aux_loss_coef)
+        if coef:
+            aux = aux * stats["tokens"]  # this micro-batch's share of the tokens
+            loss, out["router_aux_loss"] = loss + coef * aux, aux
+        return loss, out
 
     def eval_sums(self, graphdef, params, batch: dict) -> dict:
-        logprobs, mask = self._logprobs(graphdef, params, batch)
+        logprobs, mask, _ = self._logprobs(graphdef, params, batch)
         return {"nll": -masked_sum(logprobs, mask), "tokens": jnp.sum(mask).astype(jnp.float32)}
 
     def finish_eval(self, sums: dict) -> dict:

@@ -91,10 +91,12 @@ def draw_round(batch: PromptBatch, actor: Model, key, *, sample: Callable,
     `sample` is the run's sampler with the step's settings, `sample(actor, ids, mask, key) ->
     Generation`; `score(texts, ids, mask, rows) -> TextScores`; `informative` maps `[B]` scores
     to `[B / n]` bool, jitted."""
-    resp, mask, logprobs, _ = jax.block_until_ready(sample(actor, batch.ids, batch.mask, key))
+    out = jax.block_until_ready(sample(actor, batch.ids, batch.mask, key))
+    resp, mask, logprobs = out.response_ids, out.response_mask, out.logprobs
     scored = score(batch.texts, resp, mask, batch.rows)
     found = int(np.sum(jax.device_get(informative(scored.scores))))
-    return DrawnRound(indices=batch.indices, rollout=Rollout(batch.ids, batch.mask, resp, mask),
+    return DrawnRound(indices=batch.indices,
+                      rollout=Rollout(batch.ids, batch.mask, resp, mask, out.routes),
                       logprobs=logprobs, scores=scored.scores, reward_means=scored.components,
                       informative=found)
 
@@ -139,7 +141,9 @@ def informative_rollout(drawn: list[DrawnRound], rng, update_key, *, select: Cal
     resp, resp_mask, resp_width = response_columns(rollout.response_ids, rollout.response_mask)
     return Sampled(
         prompts=[prompts.texts[i] for i in idx],
-        rollout=Rollout(rollout.query_ids, rollout.query_mask, resp, resp_mask),
+        rollout=Rollout(rollout.query_ids, rollout.query_mask, resp, resp_mask,
+                        None if rollout.routes is None
+                        else response_columns.cut(rollout.routes, resp_width)),
         group_ids=group_ids(place, batch, n), baseline_scores=None, update_key=update_key,
         rng=rng, prompt_width=prompt_width, response_width=int(resp_width),
         end=time.perf_counter(), rows=prompt_rows(prompts, idx), scores=scores,

@@ -224,7 +224,9 @@ def sampled_episodes(runner: EpisodeRunner, sampler: Sampler, actor, batch, gen_
     scores, stats = episode_scores(episodes), episode_stats(episodes, ep.turns)
     resp, resp_mask, width = columns(out.response_ids, out.response_mask)
     return Sampled(
-        prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),
+        prompts=batch.texts,
+        rollout=Rollout(batch.ids, batch.mask, resp, resp_mask,
+                        None if out.routes is None else columns.cut(out.routes, width)),
         group_ids=group_ids(place, batch_size, n), baseline_scores=None, update_key=update_key,
         rng=rng, prompt_width=batch.width, response_width=int(width), end=time.perf_counter(),
         rows=batch.rows, scores=place.put_rows(scores, (batch_size,)), reward_stats=stats,

@@ -137,6 +137,9 @@ class Experience:
     # [B, N] int32, 1 on the tokens the actor sampled: the losses' mask. A multi-turn response's
     # observation tokens are 0 here, 1 in response_mask (core.actions); single-turn: equal
     action_mask: jax.Array
+    # [B, N, moe_layers, k] int, the experts each response token went through when sampled,
+    # replayed by the update's actor passes (`model.router_replay: rollout`); None: no replay
+    routes: Optional[jax.Array] = None
 
 
 def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
@@ -151,7 +154,8 @@ def forward_passes(models: PPOModels, rollout: Rollout, scores, *,
 
     Args:
       models: `PPOModels`; without a critic (and no shared critic) the values are zeros.
-      rollout: the prompts and responses.
+      rollout: the prompts and responses; its `routes`, when recorded, route the actor's MoE
+        layers (never the reference's: they are the actor's choices).
       scores: `[B]` from a reward function, or None to read `models.reward`
         (`forward.rollout_scores`, normalised when `settings.forward.score_normalizer` is set).
 
@@ -165,7 +169,7 @@ def forward_passes(models: PPOModels, rollout: Rollout, scores, *,
         logprobs, entropy = rollout_logprobs(models.actor, rollout, s, with_entropy=True)
         values = (jnp.zeros(rollout.response_mask.shape, jnp.float32) if models.critic is None
                   else rollout_values(models.critic, rollout, s))
-    ref_logprobs = rollout_logprobs(models.reference, rollout, s)
+    ref_logprobs = rollout_logprobs(models.reference, rollout, s, replay=False)
     if scores is None:
         scores = rollout_scores(models.reward, rollout, s)
     return logprobs, entropy, values, ref_logprobs, scores
@@ -304,7 +308,7 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         response_ids=rollout.response_ids, response_mask=length, logprobs=logprobs,
         ref_logprobs=ref_logprobs, values=values, scores=scores, rewards=rewards,
         advantages=advantages, returns=returns, group_ids=group_ids,
-        rollout_logprobs=rollout_logprobs, action_mask=mask)
+        rollout_logprobs=rollout_logprobs, action_mask=mask, routes=rollout.routes)
     return exp, new_kl_state, stats
 
 

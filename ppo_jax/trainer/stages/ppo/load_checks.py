@@ -311,6 +311,18 @@ def check_kernel(cfg: Config, model_cfg, mesh) -> None:
                           "generation.attention=reference")
 
 
+def check_router_replay(cfg: Config, model_cfg) -> None:
+    """`model.router_replay: rollout` needs an MoE actor: a dense one has no routes to replay.
+
+    Raises:
+      ConfigError: naming `model.router_replay` and the actor's model type.
+    """
+    if cfg.model.router_replay != "none" and not getattr(model_cfg, "num_moe_layers", 0):
+        raise ConfigError(f"model.router_replay={cfg.model.router_replay!r}: the actor "
+                          f"({model_cfg.model_type}) has no MoE layer to replay; use "
+                          "model.router_replay=none")
+
+
 def check_engine(cfg: Config, replicas: int) -> None:
     """With `generation.engine: paged`, check the engine's settings against the run's widest
     batches on `replicas` data replicas, before any model is loaded. One is the training batch,

@@ -61,7 +61,7 @@ def sampling_settings(cfg: Config, *, stop_token_ids: tuple[int, ...], pad_token
         greedy=g.greedy, stop_token_ids=() if g.ignore_eos else tuple(stop_token_ids),
         pad_token_id=pad_token_id,
         samples_per_prompt=g.samples_per_prompt if g.share_prompt_prefill else 1, mesh=mesh,
-        turns=None)
+        turns=None, record_routes=cfg.model.router_replay == "rollout")
 
 
 def experience_settings(cfg: Config, forward: ForwardSettings, *,
@@ -81,8 +81,10 @@ def experience_settings(cfg: Config, forward: ForwardSettings, *,
         samples_per_prompt=cfg.generation.samples_per_prompt)
 
 
-def update_settings(cfg: Config, *, shared_critic: bool, mesh=None) -> UpdateSettings:
-    """The update's settings (`ppo.*`: epochs, minibatches, losses, clipping, coefficients)."""
+def update_settings(cfg: Config, *, shared_critic: bool, mesh=None,
+                    router_aux_loss_coef: float = 0.0) -> UpdateSettings:
+    """The update's settings (`ppo.*`: epochs, minibatches, losses, clipping, coefficients);
+    `router_aux_loss_coef` the MoE actor's (`router_aux_loss_coef`), 0 for a dense one."""
     p = cfg.ppo
     return UpdateSettings(
         ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
@@ -95,7 +97,9 @@ def update_settings(cfg: Config, *, shared_critic: bool, mesh=None) -> UpdateSet
         kl_loss_estimator=p.kl_loss_estimator, shared_critic=shared_critic, vf_coef=p.vf_coef,
         mesh=mesh, train_actor=True, logprob_chunk_size=cfg.model.logprob_chunk_size,
         max_response_length=cfg.generation.max_new_tokens,
-        rollout_correction=p.rollout_correction, rollout_correction_cap=p.rollout_correction_cap)
+        rollout_correction=p.rollout_correction, rollout_correction_cap=p.rollout_correction_cap,
+        router_aux_loss_coef=router_aux_loss_coef)
+
 
 
 def engine_settings(cfg: Config) -> Optional[EngineSettings]:
@@ -111,7 +115,7 @@ def engine_settings(cfg: Config) -> Optional[EngineSettings]:
 def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
                  score_normalizer: Optional[tuple[float, float]] = None,
                  reward_eos_id: Optional[int] = None, stop_token_ids: tuple[int, ...] = (),
-                 pad_token_id: int = 0) -> PPOSettings:
+                 pad_token_id: int = 0, router_aux_loss_coef: float = 0.0) -> PPOSettings:
     """The `PPOSettings` of `cfg`.
 
     Args:
@@ -121,6 +125,7 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
       reward_eos_id: with `reward.eos_at_end`, the EOS id the reward model reads at, else None.
       stop_token_ids, pad_token_id: from the tokenizer and the model config;
         `generation.ignore_eos` samples with no stop token.
+      router_aux_loss_coef: the MoE actor's (`router_aux_loss_coef`); 0 for a dense actor.
     """
     e = cfg.eval
     forward = forward_settings(cfg, mesh=mesh, score_normalizer=score_normalizer,
@@ -137,5 +142,6 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
         greedy_baseline=dataclasses.replace(sampling, greedy=True) if greedy else None,
         engine=engine_settings(cfg),
         experience=experience_settings(cfg, forward, shared_critic=shared_critic),
-        update=update_settings(cfg, shared_critic=shared_critic, mesh=mesh),
+        update=update_settings(cfg, shared_critic=shared_critic, mesh=mesh,
+                               router_aux_loss_coef=router_aux_loss_coef),
         eval=EvalSettings(eval_sampling, dataclasses.replace(forward, temperature=e.temperature)))

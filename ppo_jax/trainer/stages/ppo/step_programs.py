@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ppo_jax.core import informative_groups
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.rules import tree_shardings
-from ppo_jax.rollout.draws import SamplingSettings, TurnSettings
+from ppo_jax.rollout.draws import ROUTE_DTYPE, SamplingSettings, TurnSettings
 from ppo_jax.rollout.forward import Rollout, rollout_scores
 from ppo_jax.rollout.sampler import Sampler
 from ppo_jax.rollout.weights import rollout_copy_fn, rollout_rules
@@ -154,7 +154,12 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
     size, new = cfg.ppo.batch_size, cfg.generation.max_new_tokens
     ids = lambda *shape: batch_shape(place, shape, jnp.int32)  # noqa: E731
     q, qm = ids(size, prompt_width), ids(size, prompt_width)
-    rollout = Rollout(q, qm, ids(size, new), ids(size, new))
+    routes = None
+    if jit.sampler.records_routes(settings.sampling):  # router replay: the recorded experts
+        mcfg = jit.sampler.model_cfg
+        routes = batch_shape(place, (size, new, mcfg.num_moe_layers, mcfg.num_experts_per_tok),
+                             ROUTE_DTYPE)
+    rollout = Rollout(q, qm, ids(size, new), ids(size, new), routes)
     _, gen_key, upd_key = out_shapes(jit.split_keys, (state["rng"],), place.replicated)
     scores = batch_shape(place, (size,), jnp.float32) if scored_on_host else None
     remax = settings.greedy_baseline is not None
@@ -177,7 +182,8 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
     if remax:
         out += sampler_programs(jit.sampler, sample_args, settings.greedy_baseline, "greedy_")
         if not scored_on_host:
-            out.append(Program("greedy_scores", jit.reward_model_scores, (models.reward, rollout)))
+            out.append(Program("greedy_scores", jit.reward_model_scores,
+                               (models.reward, rollout.replace(routes=None))))
     actor, critic = state["actor"], state["critic"]
     out += [Program("experience", jit.experience, exp_args),
             Program("update", jit.update, (actor, critic, frozen, exp, upd_key))]

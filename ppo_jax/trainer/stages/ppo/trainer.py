@@ -19,7 +19,7 @@ import jax
 
 from ppo_jax.models.functional import Model
 from ppo_jax.trainer.stages.ppo.experience import PPOModels, RolloutBatch
-from ppo_jax.rollout.forward import Rollout
+from ppo_jax.rollout.forward import Rollout, aux_loss_weight
 from ppo_jax.rollout.sampler import engine_metrics
 from ppo_jax.rollout.weights import resolve_layout
 from ppo_jax.trainer.config import eval_enabled
@@ -88,6 +88,7 @@ class PPOTrainer(StageTrainer):
         load = abstract_models if self.is_abstract else build_models
         models = load(cfg, sharding_fn=place.sharding_fn)
         load_checks.check_kernel(cfg, models.actor.cfg, place.mesh)
+        load_checks.check_router_replay(cfg, models.actor.cfg)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = prompt_set(cfg, self.tokenizer, models.actor.cfg, cfg.data.prompts,
                                   "data.prompts", abstract=self.is_abstract)
@@ -100,7 +101,9 @@ class PPOTrainer(StageTrainer):
             reward_eos_id=rewards.reward_eos_id(cfg.reward.eos_at_end, self.tokenizer,
                                                 self.stop_ids),
             stop_token_ids=self.stop_ids,
-            pad_token_id=pad_token_id(self.tokenizer, models.actor.cfg))
+            pad_token_id=pad_token_id(self.tokenizer, models.actor.cfg),
+            router_aux_loss_coef=aux_loss_weight(models.actor.cfg,
+                                                 cfg.model.router_aux_loss_coef))
         self.episodes = (episodes.EpisodeRunner(cfg.env, self.settings.sampling, self.tokenizer)
                          if cfg.env.name and not self.is_abstract else None)
         params = build.build_params(cfg, place, models)  # takes over the loaded param buffers
@@ -216,19 +219,21 @@ class PPOTrainer(StageTrainer):
         batch = self.next_prompts(bucketed=True)
         rng, gen_key, update_key = self.jit.split_keys(self.state["rng"])
         actor = self.rollout_actor()
-        resp, resp_mask, logprobs, _ = jax.block_until_ready(
+        out = jax.block_until_ready(
             self.jit.sampler(actor, batch.ids, batch.mask, gen_key, self.settings.sampling))
         engine_stats = engine_metrics(self.jit.sampler.last_stats)
         baseline = self.greedy_baseline(actor, batch.ids, batch.mask, gen_key, batch.texts,
                                         batch.rows)
-        resp, resp_mask, resp_width = self.response_columns(resp, resp_mask)
+        resp, resp_mask, resp_width = self.response_columns(out.response_ids, out.response_mask)
         n = self.cfg.generation.samples_per_prompt  # rows of one prompt are adjacent: one group
+        cut = self.response_columns.cut
+        routes = None if out.routes is None else cut(out.routes, resp_width)
         return Sampled(
-            prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask),
+            prompts=batch.texts, rollout=Rollout(batch.ids, batch.mask, resp, resp_mask, routes),
             group_ids=step_data.group_ids(self.place, self.cfg.ppo.batch_size, n),
             baseline_scores=baseline, update_key=update_key, rng=rng,
             prompt_width=batch.width, response_width=int(resp_width), end=time.perf_counter(),
-            rows=batch.rows, rollout_logprobs=self.response_columns.cut(logprobs, resp_width),
+            rows=batch.rows, rollout_logprobs=cut(out.logprobs, resp_width),
             engine_stats=engine_stats)
 
     def episode_rollout(self) -> Sampled:
@@ -309,8 +314,8 @@ class PPOTrainer(StageTrainer):
         reward function, or the reward model), or None when the estimator needs none."""
         if self.settings.greedy_baseline is None:
             return None
-        resp, mask, _, _ = self.jit.sampler(actor, prompt_ids, prompt_mask, key,
-                                            self.settings.greedy_baseline)
+        out = self.jit.sampler(actor, prompt_ids, prompt_mask, key, self.settings.greedy_baseline)
+        resp, mask = out.response_ids, out.response_mask
         if self.reward_fn is None:
             reward = Model(self.models.reward.graphdef, self.place.onload(self.reward_params))
             return self.jit.reward_model_scores(reward,

@@ -56,7 +56,9 @@ class UpdateSettings:
     train_actor: False in the critic warm-up's update.
     max_response_length: `generation.max_new_tokens`, the constant T of seq-mean-token-sum.
       It is pinned so that cutting all-pad response columns changes no loss; None uses the
-      response width."""
+      response width.
+    router_aux_loss_coef: the weight of an MoE actor's load-balancing loss in its loss
+      (`model.router_aux_loss_coef`, else the checkpoint's); 0 for a dense actor."""
 
     ppo_epochs: int
     mini_batch_size: int
@@ -82,6 +84,7 @@ class UpdateSettings:
     max_response_length: Optional[int]
     rollout_correction: str
     rollout_correction_cap: float
+    router_aux_loss_coef: float
 
     def policy_fixed_kwargs(self) -> dict:
         """The trainer's own keyword arguments of a policy-loss call."""
@@ -144,6 +147,17 @@ def value_objective(batch: LossInputs, norms, s: UpdateSettings):
     return reduce_loss({"vf_loss": per_token}, stats, batch.mask, s.loss_aggregation, norms)
 
 
+def with_router_aux(loss, stats, aux, s: UpdateSettings):
+    """`loss + router_aux_loss_coef * aux`, with `router_aux_loss` among the stats. The aux
+    loss of a micro-batch is a mean over its tokens, so it is weighted by the micro-batch's
+    share of the minibatch's rows: the accumulated sum is the mean over micro-batches. A dense
+    actor (coefficient 0) gets neither term nor stat."""
+    if not s.router_aux_loss_coef:
+        return loss, stats
+    aux = aux * (s.micro_batch_size / s.mini_batch_size)
+    return loss + s.router_aux_loss_coef * aux, {**stats, "router_aux_loss": aux}
+
+
 def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=None):
     """`(actor_loss, critic_loss, joint_loss)`, each `fn(params, mb, norms) -> (loss, stats)`
     on one micro-batch `mb = (m, group_ids)` with the whole minibatch's `norms`.
@@ -158,10 +172,13 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
     def actor_loss(params, mb, norms):
         m, g = mb
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
-        logprobs, entropy = policy_logprobs(actor_graphdef, params, *rollout,
-                                            temperature=s.temperature, with_entropy=True,
-                                            logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh)
-        return policy_objective(loss_inputs(m, g, logprobs=logprobs, entropy=entropy), norms, s)
+        logprobs, entropy, aux = policy_logprobs(
+            actor_graphdef, params, *rollout, temperature=s.temperature, with_entropy=True,
+            logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh, routes=m.routes,
+            with_aux=True)
+        loss, stats = policy_objective(loss_inputs(m, g, logprobs=logprobs, entropy=entropy),
+                                       norms, s)
+        return with_router_aux(loss, stats, aux, s)
 
     def critic_loss(params, mb, norms):
         m, g = mb
@@ -173,13 +190,14 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
         """pg_loss + vf_coef * vf_loss of the shared policy/value model (TRL 0.11)."""
         m, g = mb
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
-        logprobs, entropy, values = policy_logprobs_and_values(
+        logprobs, entropy, values, aux = policy_logprobs_and_values(
             actor_graphdef, params, *rollout, temperature=s.temperature,
-            logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh)
+            logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh, routes=m.routes,
+            with_aux=True)
         batch = loss_inputs(m, g, logprobs=logprobs, entropy=entropy, values=values)
         pg, p_stats = policy_objective(batch, norms, s)
         vf, v_stats = value_objective(batch, norms, s)
-        return pg + s.vf_coef * vf, {**p_stats, **v_stats}
+        return with_router_aux(pg + s.vf_coef * vf, {**p_stats, **v_stats}, aux, s)
 
     return (loss_of_trained(actor_loss, actor_base), loss_of_trained(critic_loss, critic_base),
             loss_of_trained(joint_loss, actor_base))
