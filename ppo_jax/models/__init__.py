@@ -1,4 +1,5 @@
-"""Flax NNX language models (Llama family, GPT-2), heads, KV cache and HF/GGUF checkpoint I/O.
+"""Flax NNX language models (Llama family, Gemma 3, GPT-2), heads, KV cache and HF/GGUF
+checkpoint I/O.
 
 See docs/contracts.md and docs/models_ready.md for the API. torch is never imported here
 (the GGUF conversion included; only the tests use it).

@@ -1,10 +1,10 @@
 """`ModelConfig`: the static description of a decoder, read from a Hugging Face `config.json`.
 
 One frozen, hashable dataclass covers the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral,
-SmolLM2) and GPT-2. It is stored on the modules (static part of the NNX graphdef), so it must stay
-hashable: tuples, not lists.
+SmolLM2), Gemma 3 (text) and GPT-2. It is stored on the modules (static part of the NNX
+graphdef), so it must stay hashable: tuples, not lists.
 
-Sources: transformers `configuration_{llama,qwen2,qwen3,mistral,gpt2}.py` and
+Sources: transformers `configuration_{llama,qwen2,qwen3,mistral,gemma3,gpt2}.py` and
 `modeling_rope_utils.py` (both the transformers-5 `rope_parameters` dict and the older
 `rope_theta` / `rope_scaling` keys are accepted).
 """
@@ -17,8 +17,10 @@ from typing import Any, Literal, Mapping
 import jax
 import jax.numpy as jnp
 
+from ppo_jax.models.gemma3_config import GEMMA3, gemma3_fields, gemma3_hf_dict
+
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2",)
+SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + (GEMMA3, "gpt2")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 # HF `hidden_act` / `activation_function` names the decoders implement (`layers.ACTIVATIONS`)
@@ -50,7 +52,7 @@ class ModelConfig:
     """Static model description.
 
     Attributes:
-      model_type: "llama" | "qwen2" | "qwen3" | "mistral" | "gpt2".
+      model_type: "llama" | "qwen2" | "qwen3" | "mistral" | "gemma3_text" | "gpt2".
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
       head_dim: sizes (GQA when num_kv_heads < num_heads).
       max_position_embeddings: context length (GPT-2: size of the learned position table).
@@ -58,10 +60,14 @@ class ModelConfig:
       hidden_act: "silu" (SwiGLU gate) or "gelu_new" (GPT-2 MLP), or another of `ACTIVATION_NAMES`.
       tie_word_embeddings: LM head shares the token embedding.
       qkv_bias / o_bias / mlp_bias: biases on q,k,v projections / output projection / MLP.
-      qk_norm: per-head RMSNorm over head_dim on q and k before RoPE (Qwen3).
+      qk_norm: per-head RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3).
+      query_pre_attn_scalar: attention scores are scaled by `query_pre_attn_scalar ** -0.5`
+        (Gemma 3); None: by `head_dim ** -0.5`. See `attn_scale`.
       rope_theta, rope_type ("default" | "linear" | "llama3"), rope_factor,
       rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings:
         RoPE settings (Su et al. 2021; Llama-3.1 frequency scaling).
+      rope_local_theta: RoPE base of the sliding-window layers, unscaled (Gemma 3's
+        `rope_local_base_freq`); None: every layer uses `rope_theta`.
       sliding_windows: per-layer attention window, 0 for full attention; empty for none.
       bos_token_id, eos_token_ids, pad_token_id: special ids from config.json; None or empty
         when it has none.
@@ -89,12 +95,14 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    query_pre_attn_scalar: float | None = None
     rope_theta: float = 10000.0
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    rope_local_theta: float | None = None
     sliding_windows: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -132,6 +140,10 @@ class ModelConfig:
             raise ValueError(f"remat={self.remat!r}; expected one of {remat_policy_names()}")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ValueError("sliding_windows must have one entry per layer (0 = full attention)")
+        for name in ("query_pre_attn_scalar", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0 (or None)")
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -167,6 +179,13 @@ class ModelConfig:
         return self.model_type in LLAMA_FAMILY
 
     @property
+    def attn_scale(self) -> float:
+        """The factor of the attention scores: `query_pre_attn_scalar ** -0.5` (Gemma 3), else
+        `head_dim ** -0.5`."""
+        return (self.head_dim if self.query_pre_attn_scalar is None
+                else self.query_pre_attn_scalar) ** -0.5
+
+    @property
     def jnp_dtype(self):
         """Compute dtype as a jnp dtype."""
         return jnp.dtype(self.dtype)
@@ -185,8 +204,8 @@ class ModelConfig:
         """Build from a HF config (a `PretrainedConfig` or the `config.json` dict).
 
         `overrides` set our own fields (param_dtype, dtype, remat, ...).
-        Raises ValueError on an unsupported model_type or rope type, a missing size field, or a
-        size that is not a positive int.
+        Raises ValueError on an unsupported model_type or rope type, a missing size field, a
+        size that is not a positive int, or a feature the decoders lack (`gemma3_fields`).
         """
         d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
         mt = d.get("model_type")
@@ -195,7 +214,8 @@ class ModelConfig:
                 f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
         try:
-            fields = _gpt2_fields(d) if mt == "gpt2" else _llama_fields(d, mt)
+            fields = (_gpt2_fields(d) if mt == "gpt2" else gemma3_fields(d) if mt == GEMMA3
+                      else _llama_fields(d, mt))
         except KeyError as e:
             raise ValueError(f"{mt} config is missing the required field {e.args[0]!r}") from None
         fields.update(_special_ids(d))
@@ -333,6 +353,8 @@ def to_hf_dict(cfg: ModelConfig, architecture: str, torch_dtype: str) -> dict:
     common = dict(model_type=cfg.model_type, architectures=[architecture],
                   vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
                   torch_dtype=torch_dtype, **ids)
+    if cfg.model_type == GEMMA3:
+        return dict(common, **gemma3_hf_dict(cfg))
     if cfg.model_type == "gpt2":
         return dict(common, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
                     n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.gemma3 import Gemma3Backbone
 from ppo_jax.models.gpt2 import GPT2Backbone
 from ppo_jax.models.kv_cache import KVCache
 from ppo_jax.models.llama import LlamaBackbone
@@ -26,9 +27,12 @@ KINDS = ("causal_lm", "value", "reward", "causal_lm_value")
 
 
 def make_backbone(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    """`LlamaBackbone` for llama/qwen2/qwen3/mistral, `GPT2Backbone` for gpt2. Raises ValueError otherwise."""
+    """`LlamaBackbone` for llama/qwen2/qwen3/mistral, `Gemma3Backbone` for gemma3_text,
+    `GPT2Backbone` for gpt2. Raises ValueError otherwise."""
     if cfg.is_llama_family:
         return LlamaBackbone(cfg, rngs=rngs)
+    if cfg.model_type == "gemma3_text":
+        return Gemma3Backbone(cfg, rngs=rngs)
     if cfg.model_type == "gpt2":
         return GPT2Backbone(cfg, rngs=rngs)
     raise ValueError(f"unsupported model_type {cfg.model_type!r}")

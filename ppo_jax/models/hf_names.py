@@ -4,9 +4,10 @@ Our paths are the NNX state paths joined by "/" (see `functional.param_paths`), 
 `backbone/layers/attn/q_proj/kernel` (stacked: `[num_layers, in, out]`). HF names are the
 PyTorch `state_dict` keys, e.g. `model.layers.3.self_attn.q_proj.weight` (`[out, in]`).
 
-Rules (transformers `modeling_llama.py`, `modeling_gpt2.py`, `GenericForSequenceClassification`):
-- `backbone/` -> the base-model prefix: "model." (Llama family) / "transformer." (GPT-2), or ""
-  for a bare base-model checkpoint;
+Rules (transformers `modeling_llama.py`, `modeling_gemma3.py`, `modeling_gpt2.py`,
+`GenericForSequenceClassification`):
+- `backbone/` -> the base-model prefix: "model." (Llama family, Gemma 3) / "transformer."
+  (GPT-2), or "" for a bare base-model checkpoint;
 - `layers/` -> `layers.{i}.` (Llama) / `h.{i}.` (GPT-2), one HF tensor per layer, stacked;
 - Llama `attn/` -> `self_attn.`;
 - leaves: `kernel` -> `weight` transposed (torch `nn.Linear` is `[out, in]`), except GPT-2
@@ -34,11 +35,14 @@ ARCHITECTURES = {
     ("qwen2", "causal_lm"): "Qwen2ForCausalLM",
     ("qwen3", "causal_lm"): "Qwen3ForCausalLM",
     ("mistral", "causal_lm"): "MistralForCausalLM",
+    ("gemma3_text", "causal_lm"): "Gemma3ForCausalLM",
     ("gpt2", "causal_lm"): "GPT2LMHeadModel",
     ("llama", "reward"): "LlamaForSequenceClassification",
     ("qwen2", "reward"): "Qwen2ForSequenceClassification",
     ("qwen3", "reward"): "Qwen3ForSequenceClassification",
     ("mistral", "reward"): "MistralForSequenceClassification",
+    # transformers' Gemma3ForSequenceClassification is the multimodal model's (gemma3)
+    ("gemma3_text", "reward"): "Gemma3TextForSequenceClassification",
     ("gpt2", "reward"): "GPT2ForSequenceClassification",
 }
 

@@ -94,12 +94,18 @@ class LayerNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     """`[head_dim // 2]` float32 inverse frequencies `theta^(-2i/d)` (Su et al. 2021), with
-    "linear" (divide by factor) or "llama3" scaling (transformers `_compute_llama3_parameters`)."""
+    "linear" (divide by factor) or "llama3" scaling (transformers `_compute_llama3_parameters`).
+
+    local: the sliding-window layers' table, `theta = cfg.rope_local_theta` and no scaling
+    (Gemma 3's `rope_local_base_freq`, transformers `Gemma3RotaryEmbedding`)."""
     dim = cfg.head_dim
-    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
     inv = inv.astype(np.float32)
+    if local:
+        return inv
     if cfg.rope_type == "linear":
         inv = inv / np.float32(cfg.rope_factor)
     elif cfg.rope_type == "llama3":
@@ -115,9 +121,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions `[B, L]` int -> cos, sin `[B, L, head_dim]` float32 (halves duplicated, HF layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array,
+                 local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """positions `[B, L]` int -> cos, sin `[B, L, head_dim]` float32 (halves duplicated, HF
+    layout); `local`: the sliding-window layers' table (`rope_inv_freq`)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg, local))
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -137,7 +145,9 @@ class Context(NamedTuple):
     positions `[B, L]`, allowed `[B, L, S]` bool, q_slots `[L]`, k_slots `[S]`,
     cos/sin `[B, L, hd]` float32 or None (GPT-2), cache_index int32 scalar; with a paged cache
     `paged` is the call's `PagedView` and allowed / q_slots / k_slots are None (the pages'
-    mask follows `paged.positions` and `paged.kv_lens`).
+    mask follows `paged.positions` and `paged.kv_lens`). cos_local / sin_local: the
+    sliding-window layers' tables when `cfg.rope_local_theta` is set (Gemma 3), else None
+    (`layer_rope` picks per layer).
     """
 
     positions: jax.Array
@@ -148,14 +158,35 @@ class Context(NamedTuple):
     sin: jax.Array | None
     cache_index: jax.Array
     paged: PagedView | None = None
+    cos_local: jax.Array | None = None
+    sin_local: jax.Array | None = None
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array, rope: bool) -> tuple:
+    """`(cos, sin, cos_local, sin_local)` of `Context` for `positions [B, L]`: all None
+    without RoPE (GPT-2), the local pair None without `cfg.rope_local_theta`."""
+    if not rope:
+        return None, None, None, None
+    local = (rope_cos_sin(cfg, positions, local=True) if cfg.rope_local_theta is not None
+             else (None, None))
+    return (*rope_cos_sin(cfg, positions), *local)
+
+
+def layer_rope(ctx: Context, window) -> tuple[jax.Array, jax.Array]:
+    """The `(cos, sin)` of one layer: the local tables for a sliding-window layer (`window`, an
+    int32 scalar, traced in the layer scan, > 0) when the context has them, else the global."""
+    if window is None or ctx.cos_local is None:
+        return ctx.cos, ctx.sin
+    local = window > 0
+    return jnp.where(local, ctx.cos_local, ctx.cos), jnp.where(local, ctx.sin_local, ctx.sin)
 
 
 def make_context(cfg: ModelConfig, attention_mask, length: int, cache_index, rope: bool) -> Context:
     """Positions from the mask, the attention pattern and the RoPE tables for L new tokens."""
     positions, allowed, q_slots, k_slots = slot_layout(attention_mask, length, cache_index)
-    cos, sin = rope_cos_sin(cfg, positions) if rope else (None, None)
+    cos, sin, cos_local, sin_local = rope_tables(cfg, positions, rope)
     idx = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
-    return Context(positions, allowed, q_slots, k_slots, cos, sin, idx)
+    return Context(positions, allowed, q_slots, k_slots, cos, sin, idx, None, cos_local, sin_local)
 
 
 def write_and_read_cache(cache: KVCache | None, layer, k_new, v_new, cache_index):
@@ -171,28 +202,31 @@ def write_and_read_cache(cache: KVCache | None, layer, k_new, v_new, cache_index
     return kc[layer], vc[layer], KVCache(kc, vc)
 
 
-def paged_attention(q: jax.Array, cache: PagedKVCache, layer, view: PagedView, window=None):
+def paged_attention(q: jax.Array, cache: PagedKVCache, layer, view: PagedView, window=None,
+                    scale: float | None = None):
     """Attention of `q [R * S, L, H, hd]` over layer `layer`'s pages: jax's Pallas
     `ragged_paged_attention` (TPU; a token-major pool) when `view.kernel == "pallas"` and the
-    call decodes one token per row, else `paged_cache.paged_attention_reference`.
-    `[R * S, L, H * hd]` out."""
+    call decodes one token per row, else `paged_cache.paged_attention_reference`; scores
+    scaled by `scale` (None: `hd ** -0.5`). `[R * S, L, H * hd]` out."""
     if view.kernel == "pallas" and q.shape[1] == 1 and not cache.head_major:
         from ppo_jax.models.paged_attention_tpu import pallas_decode_attention  # TPU only
 
-        return pallas_decode_attention(q, cache.kv[layer], view, window)
-    return paged_attention_reference(q, cache.kv[layer], view, window, cache.head_major)
+        return pallas_decode_attention(q, cache.kv[layer], view, window, scale=scale)
+    return paged_attention_reference(q, cache.kv[layer], view, window, cache.head_major,
+                                     scale=scale)
 
 
-def attend(cache, layer, q, k, v, ctx: Context, window=None):
+def attend(cache, layer, q, k, v, ctx: Context, window=None, scale: float | None = None):
     """Write this call's `k, v [B, L, KVH, hd]` to the cache and attend `q [B, L, H, hd]` over
     it: the dense `KVCache` (or none) through `dot_attention`, a `PagedKVCache` through
-    `paged_attention`. Returns `(out [B, L, H * hd], cache)`."""
+    `paged_attention`; scores scaled by `scale` (None: `hd ** -0.5`; Gemma 3 passes
+    `cfg.attn_scale`). Returns `(out [B, L, H * hd], cache)`."""
     if isinstance(cache, PagedKVCache):
         cache = write_pages(cache, layer, ctx.paged, k, v)
-        return paged_attention(q, cache, layer, ctx.paged, window), cache
+        return paged_attention(q, cache, layer, ctx.paged, window, scale), cache
     k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
     out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed,
-                        window=window, q_slots=ctx.q_slots, k_slots=ctx.k_slots)
+                        window=window, q_slots=ctx.q_slots, k_slots=ctx.k_slots, scale=scale)
     return out, cache
 
 
@@ -251,8 +285,9 @@ def forward_context(cfg: ModelConfig, input_ids, attention_mask, cache, cache_in
     if not isinstance(cache, PagedKVCache) or paged.positions.shape != input_ids.shape:
         raise ValueError(f"a PagedView needs a PagedKVCache and positions {paged.positions.shape}"
                          f" shaped like input_ids {input_ids.shape}")
-    cos, sin = rope_cos_sin(cfg, paged.positions) if rope else (None, None)
-    return input_ids, Context(paged.positions, None, None, None, cos, sin, jnp.int32(0), paged)
+    cos, sin, cos_local, sin_local = rope_tables(cfg, paged.positions, rope)
+    return input_ids, Context(paged.positions, None, None, None, cos, sin, jnp.int32(0), paged,
+                              cos_local, sin_local)
 
 
 def check_inputs(input_ids, attention_mask, cache, cache_index):

@@ -14,7 +14,8 @@ mesh, the call is mapped (`jax.shard_map`) over it: replicas over ("data", "fsdp
 
 Kernel constraints (jax 0.10.2 + libtpu 0.0.42.1, compiled for v4, v5e, v5p and v6e):
 - head_dim == 128 (64 or 192: an assertion in the kernel; 256: Mosaic "The last dim size is not
-  128 in original base memref");
+  128 in original base memref" with 2 or more KV heads; with one, as Gemma-3-270M / 1B have,
+  it compiles for v5e in bfloat16, but no chip has run it, so 256 stays refused);
 - KV heads per shard: 1, 2, 4 or a multiple of 4 (float32), 1, 2, 4, 8 or a multiple of 8
   (bfloat16) ("num_combined_kv_heads=6 can not be XLA fully tiled": SmolLM2-135M's 3 and
   SmolLM2-360M's 5 KV heads are refused);
@@ -141,13 +142,15 @@ def _interpret_mode(interpret: bool):
     return contextlib.nullcontext()
 
 
-def _local_attention(q, kv, table, lens, *, sliding_window: Optional[int], interpret: bool):
+def _local_attention(q, kv, table, lens, *, sliding_window: Optional[int], interpret: bool,
+                     scale: Optional[float] = None):
     """One device's replicas in one kernel call.
 
     q `[r, S, h, hd]`, kv `[r, P, page_size, 2 kvh, hd]`, table `[r, S, W]`, lens `[r, S]`;
-    returns `[r, S, h, hd]` in kv.dtype. kv lengths are clamped to `[1, W * page_size]` (a
-    length of 0 would leave the kernel's accumulator unwritten and its first page fetch
-    unawaited; the table holds no more than W pages); rows of length <= 0 return zeros.
+    scores scaled by `scale` (None: `hd ** -0.5`); returns `[r, S, h, hd]` in kv.dtype. kv
+    lengths are clamped to `[1, W * page_size]` (a length of 0 would leave the kernel's
+    accumulator unwritten and its first page fetch unawaited; the table holds no more than W
+    pages); rows of length <= 0 return zeros.
     """
     r, s, h, hd = q.shape
     pages, page_size, kv_heads2 = kv.shape[1:4]
@@ -160,7 +163,8 @@ def _local_attention(q, kv, table, lens, *, sliding_window: Optional[int], inter
         out = ragged_paged_attention(
             q.reshape(n, h, hd).astype(kv.dtype), kv.reshape(r * pages, page_size, kv_heads2, hd),
             kv_lens, page_indices, jnp.arange(n + 1, dtype=jnp.int32),
-            jnp.full((1,), n, jnp.int32), sm_scale=float(hd) ** -0.5,
+            jnp.full((1,), n, jnp.int32),
+            sm_scale=float(hd) ** -0.5 if scale is None else float(scale),
             sliding_window=sliding_window, num_kv_pages_per_block=blocks.kv_pages_per_block,
             num_queries_per_block=blocks.queries_per_block,
             vmem_limit_bytes=blocks.vmem_limit_bytes)
@@ -212,7 +216,8 @@ def _check(q: jax.Array, kv_layer: jax.Array, view: PagedView) -> None:
 
 
 def pallas_decode_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView,
-                            window=None, *, interpret: bool = False) -> jax.Array:
+                            window=None, *, interpret: bool = False,
+                            scale: Optional[float] = None) -> jax.Array:
     """Decode attention of `q [R * S, 1, H, hd]` over one layer's pool `kv_layer [R, P,
     page_size, 2 * KVH, hd]` through `view` (`page_table [R, S, W]`, `kv_lens [R * S]`, `mesh`);
     returns `[R * S, 1, H * hd]` in q.dtype: `paged_attention_reference(q, kv_layer, view,
@@ -226,6 +231,8 @@ def pallas_decode_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView,
     kernel compiles one window into its mask.
     interpret: run the kernel in Pallas TPU interpret mode (on CPU; fails in jax 0.10.2, see
     the module docstring).
+    scale: the scores' factor, the kernel's static `sm_scale` (None: `hd ** -0.5`; Gemma 3:
+    `query_pre_attn_scalar ** -0.5`).
     Source: jax `ragged_paged_attention`; Kwon et al. 2023 (vLLM, PagedAttention).
 
     Raises:
@@ -235,7 +242,8 @@ def pallas_decode_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView,
     _check(q, kv_layer, view)
     replicas, rows, _ = view.page_table.shape
     static, traced = _static_window(window)
-    fn = functools.partial(_local_attention, sliding_window=static, interpret=interpret)
+    fn = functools.partial(_local_attention, sliding_window=static, interpret=interpret,
+                           scale=scale)
     if view.mesh is not None:
         fn = _mapped(fn, view.mesh, replicas, kv_layer.shape[3] // 2)
 
@@ -247,4 +255,5 @@ def pallas_decode_attention(q: jax.Array, kv_layer: jax.Array, view: PagedView,
     if not traced:
         return kernel()
     bites = (window > 0) & (jnp.max(view.kv_lens) > window)
-    return lax.cond(bites, lambda: paged_attention_reference(q, kv_layer, view, window), kernel)
+    return lax.cond(bites, lambda: paged_attention_reference(q, kv_layer, view, window,
+                                                             scale=scale), kernel)

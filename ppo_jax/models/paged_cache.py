@@ -175,11 +175,11 @@ def paged_mask(view: PagedView, kv_width: int, window: Optional[jax.Array] = Non
 
 def paged_attention_reference(q: jax.Array, kv_layer: jax.Array, view: PagedView,
                               window: Optional[jax.Array] = None,
-                              head_major: bool = False) -> jax.Array:
+                              head_major: bool = False, scale: Optional[float] = None) -> jax.Array:
     """Attention of the new queries `q [R * S, L, H, hd]` over their rows' pages of one layer's
     pool `kv_layer` (either layout, `PagedKVCache`), gathered (`gather_pages`) and masked
-    (`paged_mask`); scores and softmax in float32 as `attention.dot_attention`. Returns
-    `[R * S, L, H * hd]` in q.dtype."""
+    (`paged_mask`); scores (scaled by `scale`, None: `hd ** -0.5`) and softmax in float32 as
+    `attention.dot_attention`. Returns `[R * S, L, H * hd]` in q.dtype."""
     k, v = gather_pages(kv_layer, view.page_table, head_major)
     allowed = paged_mask(view, k.shape[2], window)
-    return kv_major_attention(q, k.astype(q.dtype), v.astype(q.dtype), allowed)
+    return kv_major_attention(q, k.astype(q.dtype), v.astype(q.dtype), allowed, scale)

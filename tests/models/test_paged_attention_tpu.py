@@ -143,7 +143,7 @@ def test_a_traced_window_runs_the_reference_only_where_it_bites(standin, monkeyp
     got = jax.jit(lambda *a: pallas_decode_attention(*a))(q, kv, view, jnp.int32(window))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # with the reference made wrong, only a window that bites sees it
-    monkeypatch.setattr(pat, "paged_attention_reference", lambda q, *a: jnp.zeros_like(want))
+    monkeypatch.setattr(pat, "paged_attention_reference", lambda q, *a, **k: jnp.zeros_like(want))
     zeros = jax.jit(lambda *a: pallas_decode_attention(*a))(q, kv, view, jnp.int32(window))
     assert bool(np.all(np.asarray(zeros) == 0)) == (0 < window < WIDTH * PAGE)
 
@@ -176,6 +176,25 @@ def test_a_model_decoding_through_the_kernel_gives_the_reference_logits(standin,
     model = init_model(tiny_config(64, head_dim=HD, sliding_windows=windows), seed=2)
     got = _decode_logits(model, "pallas")
     assert standin and all(c["sliding_window"] is None for c in standin)
+    want = _decode_logits(model, "reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_qwen3_and_gemma3_decode_through_the_kernel_with_their_attention_scale(
+        standin, monkeypatch, family):
+    """Qwen3's q/k norms, and Gemma 3's: scores scaled by `query_pre_attn_scalar ** -0.5` (the
+    kernel's `sm_scale`), a local layer of window 4 (traced: the reference where it bites) with
+    its own RoPE base beside a global one (the kernel)."""
+    scales, counted = [], pat.ragged_paged_attention
+    monkeypatch.setattr(pat, "ragged_paged_attention",
+                        lambda *a, **k: scales.append(k["sm_scale"]) or counted(*a, **k))
+    gemma = dict(model_type="gemma3_text", qk_norm=True, hidden_act="gelu_pytorch_tanh",
+                 query_pre_attn_scalar=100.0, rope_local_theta=50.0, sliding_windows=(4, 0))
+    extra = gemma if family == "gemma3_text" else dict(model_type="qwen3", qk_norm=True)
+    model = init_model(tiny_config(64, head_dim=HD, **extra), seed=2)
+    got = _decode_logits(model, "pallas")
+    assert standin and set(scales) == {(100.0 if family == "gemma3_text" else HD) ** -0.5}
     want = _decode_logits(model, "reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
