@@ -48,11 +48,11 @@ def workload(name: str, args):
 def model_dir(args):
     """SmolLM2-135M-Instruct, or random weights of the tiny shape (`--tiny`) or of SmolLM2's
     (`--random-stops`)."""
-    from ppo_jax.models.smollm2 import ensure_smollm2
+    from ppo_jax.models.packaged import ensure_packaged
 
     if args.tiny or args.random_stops:
         return random_model("tiny" if args.tiny else "smollm2")
-    return ensure_smollm2()
+    return ensure_packaged("smollm2")
 
 
 def build(name: str, args):

@@ -18,7 +18,7 @@ import torch
 from harness import (compare, finish, fmt, interleaved, log, options, ratio, spread, stats,
                      table, timed, under_malloc_settings)
 from ppo_jax.models import load_model, load_tokenizer, split_model
-from ppo_jax.models.smollm2 import ensure_smollm2
+from ppo_jax.models.packaged import ensure_packaged
 from ppo_jax.rollout.static_batch import generate
 
 PROMPTS = [
@@ -78,7 +78,7 @@ def markdown(d: dict) -> str:
 
 def main() -> None:
     args = options(__doc__, new_tokens=64, runs=5, json=None)
-    n, runs, model_dir = args.new_tokens, max(args.runs, 3), ensure_smollm2()
+    n, runs, model_dir = args.new_tokens, max(args.runs, 3), ensure_packaged("smollm2")
     sides = load_sides(model_dir, 8, n)
     batch, width = sides.ids.shape
     log(f"model {model_dir.name}, float32, batch {batch}, prompt width {width}, {n} new tokens, "

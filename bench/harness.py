@@ -290,7 +290,7 @@ def random_model(shape: str) -> Path:
     written once under the cache folder ($PPO_JAX_CACHE, else .cache)."""
     from ppo_jax.models import load_tokenizer
     from ppo_jax.models.hf_io import load_model_config
-    from ppo_jax.models.smollm2 import default_cache_dir
+    from ppo_jax.models.packaged import default_cache_dir
     from ppo_jax.models.tiny_random import ensure_random_checkpoint, tiny_config
 
     cache = default_cache_dir()

@@ -204,11 +204,11 @@ def main() -> None:
     if args.worker == "jax":
         (args.epochs,) = args.epochs  # one value
         return emit(run_jax_worker(args))
-    from ppo_jax.models.smollm2 import ensure_smollm2
+    from ppo_jax.models.packaged import ensure_packaged
     from ppo_jax.trainer.host.memory import malloc_env, malloc_settings_active
 
     # random weights of a shape (harness.SHAPES), else --model-dir, else the converted SmolLM2-135M-Instruct
-    model_dir = random_model(args.random_shape) if args.random_shape else Path(args.model_dir or ensure_smollm2())
+    model_dir = random_model(args.random_shape) if args.random_shape else Path(args.model_dir or ensure_packaged("smollm2"))
     model_dir, configs = model_dir.resolve(), args.configs
     if "trl" in configs and not TRL_PYTHON.is_file():
         log(f"TRL environment not found ({TRL_PYTHON}); run bench/setup_trl_env.sh. Skipping the TRL rows.")

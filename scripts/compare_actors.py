@@ -74,7 +74,8 @@ def seed_figures(seeds, before: list[np.ndarray], after: list[np.ndarray]) -> di
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("trained", help="HF directory of the trained actor (runs/<run>/actor_hf)")
-    parser.add_argument("--base", default="smollm2", help="starting actor: a directory or 'smollm2'")
+    parser.add_argument("--base", default="smollm2",
+                        help="starting actor: a directory, 'smollm2' or 'gemma3-270m'")
     parser.add_argument("--prompts", default="configs/prompts/reviews.jsonl")
     parser.add_argument("--first", type=int, default=32, help="use the first N prompts")
     parser.add_argument("--show", type=int, default=2, help="print this many prompt/response pairs")

@@ -59,7 +59,8 @@ OUTPUTS = ("pairs.jsonl", "sft.jsonl", "pairs_eval.jsonl", "sft_eval.jsonl", "sa
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--actor", required=True, help="HF directory, 'smollm2' or 'tiny-random'")
+    p.add_argument("--actor", required=True,
+                   help="HF directory, 'smollm2', 'gemma3-270m' or 'tiny-random'")
     p.add_argument("--prompts", required=True, help="prompt file (.jsonl/.json/.txt/.parquet)")
     p.add_argument("--k", type=int, default=4, help="samples per prompt (>= 2)")
     p.add_argument("--out", required=True, help="output directory")
@@ -124,7 +125,8 @@ def load_actor(source: str) -> Actor:
     """Load the actor as the trainer does (`resolve_model_path`, float32, EOS stop tokens).
 
     Raises:
-      FileNotFoundError: `source` is neither 'smollm2', 'tiny-random' nor an HF directory.
+      FileNotFoundError: `source` is neither a packaged model ('smollm2', 'gemma3-270m'),
+        'tiny-random' nor an HF directory.
     """
     from ppo_jax.models import load_model, load_tokenizer, split_model
     from ppo_jax.trainer.config import Config

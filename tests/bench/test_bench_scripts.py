@@ -64,9 +64,9 @@ def test_shipped_tokenizer_unpacks(tmp_path):
 def test_shipped_tokenizer_is_the_converted_smollm2s():
     import hashlib
 
-    from ppo_jax.models.smollm2 import ensure_smollm2
+    from ppo_jax.models.packaged import ensure_packaged
 
-    data = (ensure_smollm2() / "tokenizer.json").read_bytes()
+    data = (ensure_packaged("smollm2") / "tokenizer.json").read_bytes()
     assert hashlib.sha256(data).hexdigest() == harness.TOKENIZER_SHA256
 
 

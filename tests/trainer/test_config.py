@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from ppo_jax.rollout.forward import ROUTER_REPLAYS
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -163,6 +164,7 @@ def _code_accepts():
             ones, ones, ones, gamma=1.0, lam=0.9, method=v)),
         "optim.schedule": (SCHEDULES, lambda v: make_schedule(1e-3, schedule=v, warmup_steps=0, total_steps=3)),
         "reward.kind": (REWARD_KINDS, None),
+        "model.router_replay": (ROUTER_REPLAYS, None),
         "env.observation_role": (OBSERVATION_ROLES, lambda v: observation_frame(tok, v)),
         "generation.engine": (ENGINES, None),
         "generation.attention": (ATTENTION_KERNELS, lambda v: engine_layout(

