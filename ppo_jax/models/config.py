@@ -1,10 +1,10 @@
 """`ModelConfig`: the static description of a decoder, read from a Hugging Face `config.json`.
 
-One frozen, hashable dataclass covers the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral,
-SmolLM2), Gemma 3 (text) and GPT-2. It is stored on the modules (static part of the NNX
-graphdef), so it must stay hashable: tuples, not lists.
+One frozen, hashable dataclass covers the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Qwen3-MoE,
+Mistral, SmolLM2), Gemma 3 (text) and GPT-2. It is stored on the modules (static part of the
+NNX graphdef), so it must stay hashable: tuples, not lists.
 
-Sources: transformers `configuration_{llama,qwen2,qwen3,mistral,gemma3,gpt2}.py` and
+Sources: transformers `configuration_{llama,qwen2,qwen3,qwen3_moe,mistral,gemma3,gpt2}.py` and
 `modeling_rope_utils.py` (both the transformers-5 `rope_parameters` dict and the older
 `rope_theta` / `rope_scaling` keys are accepted).
 """
@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from ppo_jax.models.gemma3_config import GEMMA3, gemma3_fields, gemma3_hf_dict
+from ppo_jax.models.moe_layout import (
+    LayerRun, check_moe, layer_runs, moe_fields, moe_hf_fields,
+)
 
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + (GEMMA3, "gpt2")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -52,7 +55,7 @@ class ModelConfig:
     """Static model description.
 
     Attributes:
-      model_type: "llama" | "qwen2" | "qwen3" | "mistral" | "gemma3_text" | "gpt2".
+      model_type: "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mistral" | "gemma3_text" | "gpt2".
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
       head_dim: sizes (GQA when num_kv_heads < num_heads).
       max_position_embeddings: context length (GPT-2: size of the learned position table).
@@ -69,6 +72,13 @@ class ModelConfig:
       rope_local_theta: RoPE base of the sliding-window layers, unscaled (Gemma 3's
         `rope_local_base_freq`); None: every layer uses `rope_theta`.
       sliding_windows: per-layer attention window, 0 for full attention; empty for none.
+      num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+      router_aux_loss_coef: Qwen3-MoE's sparse MLP (`models.moe`): E experts of FFN width
+        moe_intermediate_size, top-k routing, top-k weights renormalised when norm_topk_prob,
+        the load-balancing loss's coefficient. num_experts 0 = dense.
+      sparse_layers: per-layer flag, True where the MLP is the sparse block; empty for a
+        model without experts (from HF `decoder_sparse_step` / `mlp_only_layers` by
+        `moe_layout.sparse_pattern`).
       bos_token_id, eos_token_ids, pad_token_id: special ids from config.json; None or empty
         when it has none.
       param_dtype: "float32" | "bfloat16" | "float16" - storage dtype of the weights.
@@ -104,6 +114,12 @@ class ModelConfig:
     rope_original_max_position_embeddings: int = 8192
     rope_local_theta: float | None = None
     sliding_windows: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
+    sparse_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -144,6 +160,7 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value!r} must be > 0 (or None)")
+        check_moe(self)
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -153,10 +170,19 @@ class ModelConfig:
             return
         names = lora_target_names(self.model_type)
         bad = [t for t in self.lora_targets if t not in names]
+        moe = (" (adapters on the experts or the router of a sparse layer are not supported)"
+               if self.num_moe_layers else "")
         if bad or not self.lora_targets:
             raise ValueError(f"lora target_modules={list(self.lora_targets)}: "
                              f"{'unknown ' + str(bad) if bad else 'empty'}; a {self.model_type} "
-                             f"model has {list(names)} (PEFT's module names)")
+                             f"model has {list(names)} (PEFT's module names){moe}")
+        mlp = [t for t in self.lora_targets if t in ("gate_proj", "up_proj", "down_proj")]
+        if mlp and self.num_moe_layers == self.num_layers:
+            raise ValueError(
+                f"lora target_modules {mlp}: every layer of this {self.model_type} model is "
+                "sparse, and its gate/up/down projections are stacked experts, which take no "
+                "adapter (PEFT cannot target transformers' fused expert parameters by module "
+                "name either); target the attention projections (q/k/v/o_proj)")
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha={self.lora_alpha!r} must be > 0")
 
@@ -174,8 +200,20 @@ class ModelConfig:
         return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
 
     @property
+    def num_moe_layers(self) -> int:
+        """How many layers have the sparse MLP block (0 for a dense model)."""
+        return sum(self.sparse_layers)
+
+    @property
+    def layer_runs(self) -> tuple["LayerRun", ...]:
+        """The decoder's layers as runs of consecutive same-kind (dense / sparse) layers, each
+        one stacked module scanned by `layers.scan_layer_run`. A model with one kind of layer
+        has one run named "layers"; a mixed one names each run `layers_{first}`."""
+        return layer_runs(self.sparse_layers or (False,) * self.num_layers)
+
+    @property
     def is_llama_family(self) -> bool:
-        """True for llama / qwen2 / qwen3 / mistral (RMSNorm, RoPE, SwiGLU)."""
+        """True for llama / qwen2 / qwen3 / qwen3_moe / mistral (RMSNorm, RoPE, SwiGLU)."""
         return self.model_type in LLAMA_FAMILY
 
     @property
@@ -271,7 +309,8 @@ def _rope_fields(d: Mapping) -> dict:
 
 def _sliding_windows(d: Mapping, mt: str, n_layers: int) -> tuple[int, ...]:
     """Per-layer windows. Mistral: `sliding_window` on every layer; Qwen2/3: `layer_types`
-    (or `use_sliding_window` + `max_window_layers`)."""
+    (or `use_sliding_window` + `max_window_layers`); Qwen3-MoE: every layer when
+    `use_sliding_window` (its attention reads the one `sliding_window` of its config)."""
     window = d.get("sliding_window")
     if mt == "llama" or not window:
         return ()
@@ -279,6 +318,8 @@ def _sliding_windows(d: Mapping, mt: str, n_layers: int) -> tuple[int, ...]:
         return (int(window),) * n_layers
     if not d.get("use_sliding_window", False):
         return ()
+    if mt == "qwen3_moe":
+        return (int(window),) * n_layers
     types = d.get("layer_types") or [
         "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
         for i in range(n_layers)
@@ -309,9 +350,10 @@ def _llama_fields(d: Mapping, mt: str) -> dict:
         qkv_bias=True if mt == "qwen2" else attn_bias,
         o_bias=False if mt == "qwen2" else attn_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
-        qk_norm=mt == "qwen3",
+        qk_norm=mt in ("qwen3", "qwen3_moe"),
         sliding_windows=_sliding_windows(d, mt, n_layers),
         **_rope_fields(d),
+        **(moe_fields(d, n_layers) if mt == "qwen3_moe" else {}),
     )
 
 
@@ -375,11 +417,15 @@ def to_hf_dict(cfg: ModelConfig, architecture: str, torch_dtype: str) -> dict:
                {k: v for k, v in rope.items() if k != "rope_theta"})
     if cfg.model_type == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-    if cfg.model_type == "qwen3":
+    if cfg.model_type in ("qwen3", "qwen3_moe"):
         out.update(attention_bias=cfg.qkv_bias)
+    if cfg.model_type == "qwen3_moe":
+        out.update(moe_hf_fields(cfg))
     windows = set(cfg.sliding_windows) - {0}
     if cfg.model_type == "mistral":
         out["sliding_window"] = max(windows) if windows else None
+    if cfg.model_type == "qwen3_moe" and windows:
+        out.update(use_sliding_window=True, sliding_window=max(windows))
     if cfg.model_type in ("qwen2", "qwen3") and windows:
         out.update(use_sliding_window=True, sliding_window=max(windows),
                    layer_types=["sliding_attention" if w else "full_attention"

@@ -136,16 +136,46 @@ def _warn_unused(reader: SafetensorsReader) -> None:
 
 def _read_param(reader: SafetensorsReader, cfg: ModelConfig, path: str, shape, prefix: str):
     spec = hf_names.hf_tensor(cfg, path, prefix)
-    want = tuple(shape[1:]) if spec.stacked else tuple(shape)
-    want_hf = want[::-1] if spec.transpose else want
+    lead = tuple(shape[:spec.lead])
+    want = tuple(shape[spec.lead:])
+    if spec.experts and spec.name.format(i=spec.layers[0], j=0) not in reader.names:
+        return _read_fused_experts(reader, spec, path, want)
+    want_hf = _transposed(want) if spec.transpose else want
     arrays = []
     for name in spec.names(cfg.num_layers):
         a = reader.get(name)
         if tuple(a.shape) != want_hf:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)} but the config "
                                   f"expects {want_hf} (param {path})")
-        arrays.append(a.T if spec.transpose else a)
-    return np.stack(arrays) if spec.stacked else arrays[0]
+        arrays.append(np.swapaxes(a, -1, -2) if spec.transpose else a)
+    return np.stack(arrays).reshape(lead + want) if lead else arrays[0]
+
+
+def _transposed(shape: tuple) -> tuple:
+    return shape[:-2] + shape[:-3:-1]
+
+
+def _read_fused_experts(reader: SafetensorsReader, spec: hf_names.HFTensor, path: str, want):
+    """Experts `[N, E, in, out]` from transformers 5's in-memory layout, one tensor per layer of
+    `[E, out, in]` experts: `mlp.experts.gate_up_proj [E, 2F, D]` (gate rows, then up rows) or
+    `mlp.experts.down_proj [E, D, F]`, for a checkpoint written from a state dict without
+    transformers' conversion to the per-expert layout."""
+    leaf = path.rsplit("/", 1)[1]
+    fused = "down_proj" if leaf == "down_proj" else "gate_up_proj"
+    base = spec.name.split(".{j}.")[0]
+    din, dout = want
+    expect = (spec.experts, dout if fused == "down_proj" else 2 * dout, din)
+    out = []
+    for i in spec.layers:
+        name = f"{base}.{fused}".format(i=i)
+        a = reader.get(name)
+        if tuple(a.shape) != expect:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)} but the config "
+                                  f"expects {expect} (param {path})")
+        if fused == "gate_up_proj":
+            a = a[:, :dout] if leaf == "gate_proj" else a[:, dout:]
+        out.append(np.swapaxes(a, -1, -2))
+    return np.stack(out)
 
 
 def _fresh_head(path: str, shape, std: float, seed: int) -> np.ndarray:
@@ -285,9 +315,9 @@ def hf_state_dict(model: nnx.Module, cfg: ModelConfig, dtype: str | None = None)
         a = np.asarray(jax.device_get(arr))
         if dtype is not None:
             a = a.astype(jnp.dtype(dtype))
-        layers = list(a) if spec.stacked else [a]
-        for name, t in zip(spec.names(cfg.num_layers), layers):
-            out[name] = np.ascontiguousarray(t.T if spec.transpose else t)
+        tensors = list(a.reshape(-1, *a.shape[spec.lead:])) if spec.lead else [a]
+        for name, t in zip(spec.names(cfg.num_layers), tensors):
+            out[name] = np.ascontiguousarray(np.swapaxes(t, -1, -2) if spec.transpose else t)
     return out
 
 

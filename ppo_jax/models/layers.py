@@ -256,21 +256,38 @@ def scan_layers(cfg: ModelConfig, layers: nnx.Module, x: jax.Array, ctx: Context
     Each layer is called as `layer(x, ctx, window, cache, layer_index) -> (x, cache)`; the full
     cache rides in the carry so each step writes only its new slots in place. Returns (x, cache).
     """
+    def call(layer, h, window, c, index, _):
+        return (*layer(h, ctx, window, c, index), None)
+
+    x, cache, _ = scan_layer_run(cfg, layers, x, cache, call)
+    return x, cache
+
+
+def scan_layer_run(cfg: ModelConfig, layers: nnx.Module, x: jax.Array, cache, call: Callable,
+                   first: int = 0, per_layer=None):
+    """Run a stack of n layers, decoder layers `[first, first + n)`, with `jax.lax.scan`.
+
+    `call(layer, x, window, cache, layer_index, per_layer_slice) -> (x, cache, out)` runs one
+    merged layer; `per_layer` is None or a pytree whose leaves have the layer axis first (the
+    replayed routes of a run of sparse layers). Each layer is wrapped in `cfg.remat`. Returns
+    `(x, cache, outs)`, the outs stacked along a leading layer axis.
+    """
     graphdef, state = nnx.split(layers)
-    windows = jnp.asarray(cfg.sliding_windows or (0,) * cfg.num_layers, jnp.int32)
+    n = jax.tree_util.tree_leaves(state)[0].shape[0]
+    windows = jnp.asarray(cfg.sliding_windows[first:first + n] or (0,) * n, jnp.int32)
     use_window = bool(cfg.sliding_windows)
 
     def body(carry, xs):
         h, c = carry
-        layer_state, window, index = xs
+        layer_state, window, index, extra = xs
         layer = nnx.merge(graphdef, layer_state)
-        h, c = layer(h, ctx, window if use_window else None, c, index)
-        return (h, c), None
+        h, c, out = call(layer, h, window if use_window else None, c, index, extra)
+        return (h, c), out
 
     body = remat_layer(body, cfg.remat)
-    xs = (state, windows, jnp.arange(cfg.num_layers, dtype=jnp.int32))
-    (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
-    return x, cache
+    xs = (state, windows, jnp.arange(first, first + n, dtype=jnp.int32), per_layer)
+    (x, cache), outs = jax.lax.scan(body, (x, cache), xs)
+    return x, cache, outs
 
 
 def forward_context(cfg: ModelConfig, input_ids, attention_mask, cache, cache_index,

@@ -74,10 +74,10 @@ def peft_keys(cfg: ModelConfig, path: str) -> list[str]:
         return [SCORE_KEY]
     if not is_adapter(path):
         raise KeyError(f"{path!r} is not a LoRA adapter or score head")
-    module = hf_names.hf_tensor(cfg, path.rsplit("/", 1)[0] + "/kernel").name
-    module = module.removesuffix(".weight")
+    spec = hf_names.hf_tensor(cfg, path.rsplit("/", 1)[0] + "/kernel")
     sub = "lora_A" if path.endswith("lora_a") else "lora_B"
-    return [f"{KEY_PREFIX}{module.format(i=i)}.{sub}.weight" for i in range(cfg.num_layers)]
+    return [f"{KEY_PREFIX}{name.removesuffix('.weight')}.{sub}.weight"
+            for name in spec.names(cfg.num_layers)]
 
 
 def adapter_config(cfg: ModelConfig, *, base_model: str, kind: str = "causal_lm",

@@ -17,6 +17,9 @@ sharded. Kernels are `[in, out]` (`x @ W`):
 | mlp/{gate,up}_proj/kernel, mlp/c_fc/kernel     | [D, F]      | (fsdp, tensor)       |
 | mlp/c_fc/bias                                  | [F]         | (tensor,)            |
 | mlp/{down_proj,c_proj}/kernel  (row-parallel)  | [F, D]      | (tensor, fsdp)       |
+| mlp/experts/{gate_proj,up_proj} (MoE experts)  | [E, D, F]   | (fsdp, None, tensor) |
+| mlp/experts/down_proj (MoE experts)            | [E, F, D]   | (fsdp, tensor, None) |
+| mlp/gate/kernel (MoE router)                   | [D, E]      | replicated           |
 | anything else: norms, row-parallel biases, value / score heads | replicated      |
 | attn/{q,k}_norm/scale (Qwen3, per-head norm)   | [hd]        | replicated           |
 | .../lora_a, .../lora_b of a kernel ruled (i, o)             | [in, r] / [r, out] | (i, None) / (None, o) |
@@ -29,6 +32,15 @@ vocabulary of the embedding and the LM head goes over `tensor` (Megatron's vocab
 embedding), so `[B, T, V]` logits come out split over `tensor`. GPT-2's fused `c_attn` is not
 split over `tensor` (its output concatenates q|k|v, so column blocks would not align with
 heads), and neither is its attention output projection.
+
+Mixture-of-experts layers (`models.moe`) put the experts on the existing `fsdp` axis rather than
+a new `expert` axis: each device holds E / fsdp whole experts, each expert's FFN columns
+split over `tensor` as a dense MLP's. This is tunix's choice for Qwen3-MoE
+(`tunix/models/qwen3/model.py`, `ShardingConfig.exp_weight_cdf = ('fsdp', None, 'tp')`,
+`exp_weight_cfd = ('fsdp', 'tp', None)`): a mesh keeps its three axes, the expert
+weights are sharded as finely as the dense ones, and the grouped matmul sees whole experts
+(the partitioner gathers them per layer, as fsdp does for every weight). The router is tiny and
+replicated.
 
 A dim that the mesh axis size does not divide falls back to replication (e.g. 2 KV heads
 under tensor=4), so any model runs under any mesh; only memory and speed change.
@@ -57,6 +69,8 @@ RULES: tuple[Rule, ...] = (
     (r"mlp/(gate_proj|up_proj|c_fc)/kernel$", ("fsdp", "tensor")),
     (r"mlp/c_fc/bias$", ("tensor",)),
     (r"mlp/(down_proj|c_proj)/kernel$", ("tensor", "fsdp")),
+    (r"mlp/experts/(gate_proj|up_proj)$", ("fsdp", None, "tensor")),
+    (r"mlp/experts/down_proj$", ("fsdp", "tensor", None)),
 )
 
 

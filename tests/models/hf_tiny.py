@@ -1,8 +1,8 @@
 """Helpers for tiny random HF checkpoints (created and saved locally, never downloaded).
 
-Every checkpoint has 2 layers, hidden 64, vocab 256. Weights are re-drawn with a larger scale
-than HF's init (and norms around 1, not exactly 1) so a wrong transpose or a missed tensor
-shows up in the logits.
+Every checkpoint has 2 layers (the Qwen3-MoE ones up to 4), hidden 64, vocab 256. Weights are
+re-drawn with a larger scale than HF's init (and norms around 1, not exactly 1) so a wrong
+transpose or a missed tensor shows up in the logits.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+MOE = dict(COMMON, head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -33,6 +35,15 @@ HF_CONFIGS = {
     "qwen3_untied": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=False,
                                                      rope_parameters={"rope_type": "default",
                                                                       "rope_theta": 1e6}),
+    # Qwen3-MoE: 8 experts, top-2; all layers sparse (one `layers` stack), or a dense layer 0
+    # then sparse (mlp_only_layers) / every other layer sparse (decoder_sparse_step=2)
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE, tie_word_embeddings=True,
+                                                     norm_topk_prob=True),
+    "qwen3_moe_mixed": lambda: transformers.Qwen3MoeConfig(**{**MOE, "num_hidden_layers": 3},
+                                                           mlp_only_layers=[0]),
+    "qwen3_moe_step2": lambda: transformers.Qwen3MoeConfig(**{**MOE, "num_hidden_layers": 4},
+                                                           decoder_sparse_step=2,
+                                                           norm_topk_prob=True),
     "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=4),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
                                             n_positions=64, bos_token_id=1, eos_token_id=2),

@@ -225,8 +225,8 @@ def test_norms_are_named_as_hf_and_replicated():
         path = f"backbone/layers/{name}/scale"
         assert hf_tensor(cfg, path).names(4)[3] == f"model.layers.3.{name}.weight"
         assert param_spec(path, (4, 64), mesh) == P()
-    assert hf_tensor(cfg, "backbone/layers/attn/q_norm/scale").names(1) == [
-        "model.layers.0.self_attn.q_norm.weight"]
+    assert hf_tensor(cfg, "backbone/layers/attn/q_norm/scale").names(4)[0] == (
+        "model.layers.0.self_attn.q_norm.weight")
     assert param_spec("backbone/layers/attn/k_norm/scale", (4, 32), mesh) == P()
 
 
