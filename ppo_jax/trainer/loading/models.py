@@ -23,7 +23,7 @@ from ppo_jax.models import abstract_model, load_model, load_tokenizer, split_mod
 from ppo_jax.models import load_model_config
 from ppo_jax.models.hf_io import SafetensorsReader
 from ppo_jax.models.packaged import PACKAGED, default_cache_dir, ensure_packaged
-from ppo_jax.models.tiny_random import ensure_tiny_random, tiny_config, tiny_vocab
+from ppo_jax.models.tiny_random import TINY_MOE, ensure_tiny_random, tiny_config, tiny_vocab
 from ppo_jax.trainer.config import Config, ConfigError
 from ppo_jax.trainer.data.prompts import PromptSet, prompt_records, tokenize_prompts
 from ppo_jax.trainer.environments import build_environment, episode_prompts
@@ -32,6 +32,7 @@ from ppo_jax.trainer.loading.lora import (
 )
 
 TINY_RANDOM = "tiny-random"
+TINY_RANDOM_MOE = "tiny-random-moe"  # the same, as a Qwen3-MoE (`models.tiny_random.TINY_MOE`)
 # config.json-only directories of real models, for `train.py --compile-for` (no weights)
 MODEL_SHAPES = Path(__file__).resolve().parents[3] / "configs" / "model_shapes"
 
@@ -48,6 +49,8 @@ def resolve_model_path(source: str, key: str) -> Path:
         return ensure_packaged(source)
     if source == TINY_RANDOM:
         return ensure_tiny_random(default_cache_dir() / "tiny-random-llama")
+    if source == TINY_RANDOM_MOE:
+        return ensure_tiny_random(default_cache_dir() / "tiny-random-qwen3-moe", moe=True)
     path = Path(source).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{key}={source!r}: no HF checkpoint directory (config.json) there; "
@@ -56,8 +59,9 @@ def resolve_model_path(source: str, key: str) -> Path:
 
 
 def _names() -> str:
-    """The source names, for error messages: 'smollm2', 'gemma3-270m' or 'tiny-random'."""
-    return f"{', '.join(map(repr, PACKAGED))} or {TINY_RANDOM!r}"
+    """The source names, for error messages: 'smollm2', 'gemma3-270m', 'tiny-random' or
+    'tiny-random-moe'."""
+    return f"{', '.join(map(repr, (*PACKAGED, TINY_RANDOM)))} or {TINY_RANDOM_MOE!r}"
 
 
 def model_shape_config(source: str, key: str, **overrides):
@@ -70,8 +74,9 @@ def model_shape_config(source: str, key: str, **overrides):
       FileNotFoundError: naming `key`, when `source` is none of these.
       ValueError: an unsupported or malformed config.json.
     """
-    if source == TINY_RANDOM:
-        return tiny_config(len(tiny_vocab()), **overrides)
+    if source in (TINY_RANDOM, TINY_RANDOM_MOE):
+        moe = TINY_MOE if source == TINY_RANDOM_MOE else {}
+        return tiny_config(len(tiny_vocab()), **{**moe, **overrides})
     path = (MODEL_SHAPES / PACKAGED[source].dir_name if source in PACKAGED
             else Path(source).expanduser())
     if not (path / "config.json").is_file():
