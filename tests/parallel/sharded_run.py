@@ -29,7 +29,11 @@ WATCH = ("params/backbone/layers/attn/q_proj/kernel", "params/backbone/layers/at
          # LoRA runs (model.lora.rank > 0): the adapters and a moment
          "params/backbone/layers/attn/q_proj/lora_a", "params/backbone/layers/attn/q_proj/lora_b",
          "params/backbone/layers/mlp/down_proj/lora_a",
-         "opt_state/1/0/mu/backbone/layers/attn/q_proj/lora_b")
+         "opt_state/1/0/mu/backbone/layers/attn/q_proj/lora_b",
+         # Qwen3-MoE runs (model.actor=tiny-random-moe): the experts and the router
+         "params/backbone/layers/mlp/experts/gate_proj", "params/backbone/layers/mlp/experts/down_proj",
+         "params/backbone/layers/mlp/gate/kernel",
+         "opt_state/1/0/mu/backbone/layers/mlp/experts/gate_proj")
 
 
 def overrides(args, mesh, out_dir) -> list[str]:

@@ -140,6 +140,30 @@ def test_lora_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
         assert moment["spec"] == lay["params/backbone/layers/attn/q_proj/lora_b"]["spec"]
 
 
+def test_moe_ppo_step_with_replay_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
+    """A Qwen3-MoE actor (`tiny-random-moe`: 8 experts, 2 per token) with router replay: its
+    experts split over fsdp and their columns over tensor (`parallel.rules`), the router
+    replicated; the same step as one device."""
+    out, mesh = tmp_path / "runs", (2, 2, 2)
+    moe = ("--set", "model.actor=tiny-random-moe", "--set", "model.router_replay=rollout")
+    finish(launch(out, [(1, 1, 1), mesh], devices=8, cache=cache, extra=moe))
+    got, want = load(out, mesh), load(out, (1, 1, 1))
+    # params to 5e-5: one expert weight of 32,768 lands 1.5e-5 apart (every metric agrees to
+    # 1e-5): the sharded gradient sums' rounding, made visible by Adam's normalised step
+    assert_same_run(got, want, "MoE mesh 2x2x2", param_atol=5e-5)
+    assert want[0]["metrics"][0]["router_aux_loss"] > 0
+    for when in ("layout_before", "layout_after"):
+        lay = got[0][when]
+        gate = lay["params/backbone/layers/mlp/experts/gate_proj"]  # [layers, E, D, F]
+        assert gate["spec"] == "P(None, 'fsdp', None, 'tensor')", gate
+        assert gate["shard_shape"] == [2, 8 // 2, 64, 32 // 2], gate
+        down = lay["params/backbone/layers/mlp/experts/down_proj"]  # [layers, E, F, D]
+        assert down["shard_shape"] == [2, 8 // 2, 32 // 2, 64], down
+        assert lay["params/backbone/layers/mlp/gate/kernel"]["spec"] == "P()"
+        moment = lay["opt_state/1/0/mu/backbone/layers/mlp/experts/gate_proj"]
+        assert moment["spec"] == gate["spec"]
+
+
 PAGED = ("--set", "generation.engine=paged", "--set", "generation.page_size=8")
 ENGINE_FIGURES = ("rollout/",)  # per replica (slots, pages, preemptions): the layout's own
 
