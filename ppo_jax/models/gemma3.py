@@ -138,8 +138,9 @@ class Gemma3Backbone(nnx.Module):
 
     def run(self, input_ids: jax.Array, attention_mask: jax.Array, *,
             cache: KVCache | PagedKVCache | None = None, cache_index=None,
-            paged: PagedView | None = None, routes=None):
-        """`(hidden [B, L, D], cache, None)`. Raises ValueError: `routes` given (a dense
+            paged: PagedView | None = None, routes=None, mesh=None):
+        """`(hidden [B, L, D], cache, None)`; `mesh` is accepted for the backbones' shared
+        signature and unused (no experts). Raises ValueError: `routes` given (a dense
         model has no experts to route to), or inconsistent shapes (`forward_context`)."""
         if routes is not None:
             raise ValueError("routes were given to a gemma3_text backbone, which has no experts")
@@ -151,9 +152,9 @@ class Gemma3Backbone(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
                  cache: KVCache | PagedKVCache | None = None, cache_index=None,
-                 paged: PagedView | None = None):
+                 paged: PagedView | None = None, mesh=None):
         return self.run(input_ids, attention_mask, cache=cache, cache_index=cache_index,
-                        paged=paged)[:2]
+                        paged=paged, mesh=mesh)[:2]
 
     def embedding_matrix(self) -> jax.Array:
         """`[V, D]` token embedding, unscaled (the tied LM head's; HF `lm_head.weight`)."""

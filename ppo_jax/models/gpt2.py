@@ -103,7 +103,8 @@ class GPT2Backbone(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
                  cache: KVCache | PagedKVCache | None = None, cache_index=None,
-                 paged: PagedView | None = None):
+                 paged: PagedView | None = None, mesh=None):
+        del mesh  # the backbones' shared signature: only experts use a mesh
         cfg = self.cfg
         input_ids, ctx = forward_context(cfg, input_ids, attention_mask, cache, cache_index,
                                          paged, rope=False)
@@ -114,9 +115,9 @@ class GPT2Backbone(nnx.Module):
 
     def run(self, input_ids: jax.Array, attention_mask: jax.Array, *,
             cache: KVCache | PagedKVCache | None = None, cache_index=None,
-            paged: PagedView | None = None, routes=None):
+            paged: PagedView | None = None, routes=None, mesh=None):
         """`(hidden, cache, None)`: `__call__` in the form MoE backbones share (`models.moe`);
-        a dense model has no routing, and `routes` must be None."""
+        a dense model has no routing, `routes` must be None and `mesh` is unused."""
         if routes is not None:
             raise ValueError("routes were given to a dense gpt2 backbone (no MoE layer)")
         return (*self(input_ids, attention_mask, cache=cache, cache_index=cache_index,

@@ -106,16 +106,18 @@ class LlamaBlock(nnx.Module):
 
 class LlamaMoeBlock(LlamaBlock):
     """A sparse decoder layer: the MLP is a `SparseMoeBlock` (transformers
-    `Qwen3MoeDecoderLayer` on a sparse layer). Also takes `token_mask [B, L]` and `routes`
-    (None or `[B, L, k]`) and returns `(x, cache, RouterStats)`."""
+    `Qwen3MoeDecoderLayer` on a sparse layer). Also takes `token_mask [B, L]`, `routes`
+    (None or `[B, L, k]`) and a static `mesh` (None or a `Mesh`: see `SparseMoeBlock`) and
+    returns `(x, cache, RouterStats)`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         super().__init__(cfg, rngs, mlp=SparseMoeBlock)
 
-    def __call__(self, x, ctx: Context, window, cache, layer, token_mask, routes=None):
+    def __call__(self, x, ctx: Context, window, cache, layer, token_mask, routes=None,
+                 mesh=None):
         h, cache = self.attn(self.input_layernorm(x), ctx, window, cache, layer)
         x = x + h
-        y, stats = self.mlp(self.post_attention_layernorm(x), token_mask, routes)
+        y, stats = self.mlp(self.post_attention_layernorm(x), token_mask, routes, mesh)
         return x + y, cache, stats
 
 
@@ -123,10 +125,12 @@ class LlamaBackbone(nnx.Module):
     """Embedding -> N scanned decoder layers -> final RMSNorm.
 
     `__call__(input_ids [B, L] int32, attention_mask [B, S] int32, *, cache=None,
-    cache_index=None, paged=None) -> (hidden [B, L, D] in cfg.dtype, cache)`; S == L without
-    a cache. Over a `PagedKVCache`, `paged` (a `PagedView`) gives positions and pages and the
-    mask is not read. `run(..., routes=None)` also returns the MoE `Routing` (None for a dense
-    model). Positions come from the mask, so left padding does not shift them; see
+    cache_index=None, paged=None, mesh=None) -> (hidden [B, L, D] in cfg.dtype, cache)`; S == L
+    without a cache. Over a `PagedKVCache`, `paged` (a `PagedView`) gives positions and pages
+    and the mask is not read. `run(..., routes=None)` also returns the MoE `Routing` (None for
+    a dense model). `mesh` (static, None or a `jax.sharding.Mesh`; over pages `paged.mesh` when
+    None) makes each device compute the experts of its own rows (`moe_dispatch`); a dense
+    model ignores it. Positions come from the mask, so left padding does not shift them; see
     `kv_cache.slot_layout`.
     """
 
@@ -145,29 +149,31 @@ class LlamaBackbone(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
                  cache: KVCache | PagedKVCache | None = None, cache_index=None,
-                 paged: PagedView | None = None):
+                 paged: PagedView | None = None, mesh=None):
         return self.run(input_ids, attention_mask, cache=cache, cache_index=cache_index,
-                        paged=paged)[:2]
+                        paged=paged, mesh=mesh)[:2]
 
     def run(self, input_ids: jax.Array, attention_mask: jax.Array, *,
             cache: KVCache | PagedKVCache | None = None, cache_index=None,
-            paged: PagedView | None = None, routes: jax.Array | None = None):
+            paged: PagedView | None = None, routes: jax.Array | None = None, mesh=None):
         """`__call__` that also returns the routing: `(hidden [B, L, D], cache, Routing |
         None)`. routes: None, or int32 `[B, L, M, k]` (M = `cfg.num_moe_layers`), the experts
         each token uses at each sparse layer; a token/layer with `routes[..., 0] < 0` is routed
-        by the router. Raises ValueError on inconsistent shapes, or routes on a dense model."""
+        by the router. mesh: see the class docstring. Raises ValueError on inconsistent shapes,
+        routes on a dense model, or a mesh without the axes of `parallel.make_mesh`."""
         cfg = self.cfg
         input_ids, ctx = forward_context(cfg, input_ids, attention_mask, cache, cache_index,
                                          paged, rope=True)
         x = self.embed_tokens(input_ids).astype(cfg.jnp_dtype)
         routes = _check_routes(cfg, routes, input_ids.shape)
         mask = _token_mask(attention_mask, input_ids.shape, cache_index, paged)
+        mesh = paged.mesh if mesh is None and paged is not None else mesh
 
         def dense(layer, h, window, c, index, _):
             return (*layer(h, ctx, window, c, index), None)
 
         def sparse(layer, h, window, c, index, r):
-            return layer(h, ctx, window, c, index, mask, r)
+            return layer(h, ctx, window, c, index, mask, r, mesh)
 
         stats, moe = [], 0
         for run in cfg.layer_runs:

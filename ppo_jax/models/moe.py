@@ -9,7 +9,8 @@ transformers `models/qwen3_moe/modeling_qwen3_moe.py` (`Qwen3MoeTopKRouter`,
 
 The experts run as one grouped matmul (`jax.lax.ragged_dot`) over the T*k (token, expert)
 rows sorted by expert: every row is computed, no token is dropped, there is no capacity factor.
-Shapes stay static under jit (the group sizes are data, the row count is T*k).
+Shapes stay static under jit (the group sizes are data, the row count is T*k). On a mesh each
+device routes and runs its own rows (`models.moe_dispatch`, which holds `expert_ffn`).
 
 Router replay ("R3": verl, NeMo-RL, slime): `routes [..., k]` gives each token's experts; the
 gate values are still the router's probabilities gathered at those experts (renormalised when
@@ -32,6 +33,7 @@ from flax import nnx
 
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.layers import activation
+from ppo_jax.models.moe_dispatch import dispatch, expert_ffn, splits_rows
 
 
 class Routing(NamedTuple):
@@ -76,29 +78,6 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool, routes: jax.Array | N
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts, probs, top.astype(jnp.int32)
-
-
-def expert_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array,
-               up_proj: jax.Array, down_proj: jax.Array, act) -> jax.Array:
-    """`sum_j weights[t, j] * FFN_{experts[t, j]}(x[t])` as a grouped matmul.
-
-    x `[T, D]`; experts `[T, k]` int32 in [0, E); weights `[T, k]`; gate_proj / up_proj
-    `[E, D, F]`, down_proj `[E, F, D]` (all in x's dtype); act: the activation. The T*k rows
-    are sorted by expert (a stable argsort), run through `jax.lax.ragged_dot` with group sizes
-    counted from `experts`, scaled by their gate value and summed back per token. `[T, D]` out,
-    x's dtype.
-    """
-    t, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    rows = jnp.take(x, order // k, axis=0)
-    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
-    h = act(jax.lax.ragged_dot(rows, gate_proj, sizes)) * jax.lax.ragged_dot(rows, up_proj, sizes)
-    y = jax.lax.ragged_dot(h, down_proj, sizes)
-    y = y * jnp.take(weights.reshape(-1), order).astype(y.dtype)[:, None]
-    # gather back to (token, slot) order rather than scatter-add: deterministic, sums k values
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
-    return jnp.sum(jnp.take(y, inverse, axis=0).reshape(t, k, -1), axis=1)
 
 
 def router_stats(experts: jax.Array, probs: jax.Array, top: jax.Array,
@@ -147,9 +126,23 @@ class SparseMoeBlock(nnx.Module):
         self.k, self.norm_topk_prob, self.act = (cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                                  cfg.hidden_act)
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None):
+    def __call__(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None,
+                 mesh=None):
         """x `[B, L, D]`, token_mask `[B, L]` (1 = real token), routes None or `[B, L, k]`
-        int32 -> `(out [B, L, D] in x's dtype, RouterStats)`."""
+        int32 -> `(out [B, L, D] in x's dtype, RouterStats)`. mesh: None, or a static
+        `jax.sharding.Mesh` whose batch axes then split the rows: each device routes and
+        computes its own tokens (`moe_dispatch.dispatch`); same values, stats summed over
+        the devices. Raises ValueError: see `moe_dispatch.splits_rows`."""
+        if splits_rows(mesh, x.shape[0]):
+            out, experts, counts, probs = dispatch(self, mesh, x, token_mask, routes)
+            return out, RouterStats(experts, counts, probs)
+        return self.local(x, token_mask, routes)
+
+    def local(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None,
+              tensor_axis: str | None = None):
+        """`__call__` over the tokens at hand (all of them, or one device's inside
+        `shard_map`). tensor_axis: inside `shard_map`, the mesh axis the experts' FFN width is
+        split over; their outputs are partial sums, `psum`'d over it."""
         b, l, d = x.shape
         flat = x.reshape(b * l, d)
         logits = self.gate(flat)  # in the compute dtype, as transformers' F.linear
@@ -161,5 +154,7 @@ class SparseMoeBlock(nnx.Module):
         out = expert_ffn(flat, experts, weights.astype(logits.dtype), e.gate_proj[...].astype(dt),
                          e.up_proj[...].astype(dt), e.down_proj[...].astype(dt),
                          activation(self.act))
+        if tensor_axis is not None:
+            out = jax.lax.psum(out, tensor_axis)
         stats = router_stats(experts.reshape(b, l, self.k), probs, top, token_mask.reshape(-1))
         return out.reshape(b, l, d), stats

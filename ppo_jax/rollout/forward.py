@@ -90,12 +90,13 @@ def sequence_routes(routes, prompt_len: int):
     return jnp.concatenate([prompt, routes], axis=1)
 
 
-def backbone_pass(model, ids, mask, routes=None):
+def backbone_pass(model, ids, mask, routes=None, mesh=None):
     """`(hidden [B, L, D], aux_loss)` of one backbone pass over `[B, L]` ids and mask, routing
     with `routes` `[B, L, moe_layers, k]` where they are >= 0 (`models.moe`); aux_loss is the
     MoE load-balancing loss of the pass (transformers' `load_balancing_loss_func`, unscaled),
-    0.0 for a dense model."""
-    hidden, _, routing = model.backbone.run(ids, mask, routes=routes)
+    0.0 for a dense model. With the run's `mesh`, an MoE layer computes each device's own
+    tokens (`models.moe_dispatch`)."""
+    hidden, _, routing = model.backbone.run(ids, mask, routes=routes, mesh=mesh)
     aux = jnp.zeros((), jnp.float32) if routing is None else routing.aux_loss
     return hidden, aux
 
@@ -164,7 +165,8 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
     """
     model = nnx.merge(graphdef, params)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]))
+    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]),
+                                mesh)
     h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
     out = head_logprobs(model, h, response_ids, temperature, with_entropy=with_entropy,
                         chunk_size=logprob_chunk_size, mesh=mesh)
@@ -244,7 +246,8 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
     """
     model = nnx.merge(graphdef, params)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]))
+    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]),
+                                mesh)
     h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
     logprobs, entropy = head_logprobs(model, h, response_ids, temperature,
                                       chunk_size=logprob_chunk_size, mesh=mesh)

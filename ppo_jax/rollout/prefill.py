@@ -86,7 +86,7 @@ def prefill_cache(model, prompt_ids, prompt_mask, *, max_new_tokens: int,
     cache = shard_cache(init_cache(model.cfg, batch // n, prompt_len + max_new_tokens - 1,
                                    cache_dtype), mesh)
     hidden, cache = model.backbone(rows(prompt_ids[::n].astype(jnp.int32)), rows(mask[::n]),
-                                   cache=cache, cache_index=0)
+                                   cache=cache, cache_index=0, mesh=mesh)
     logits = rows(model.lm_head(hidden[:, -1]))
     if n > 1:  # each distinct prompt's cache and logits to the n rows of its group
         logits = rows(jnp.repeat(logits, n, axis=0))

@@ -213,7 +213,7 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng, first_row, *, max_
         slot = prompt_len + t
         mask = mask.at[:, slot].set(1)
         hidden, cache, routing = model.backbone.run(rec.token[:, None], mask, cache=cache,
-                                                    cache_index=slot)
+                                                    cache_index=slot, mesh=mesh)
         rec = record_routes_at(t, routing, rec)
         rec = sample_at(t + 1, rows(model.lm_head(hidden[:, 0])), rec)
         return t + 1, shard_cache(cache, mesh), rows(mask), rec

@@ -213,13 +213,13 @@ def test_n_tokens_take_the_prefill_and_n_minus_1_passes(split, monkeypatch):
     from ppo_jax.models.llama import LlamaBackbone
 
     calls = []
-    original = LlamaBackbone.__call__
+    original = LlamaBackbone.run  # `__call__` (the prefill) runs it too
 
     def counted(self, input_ids, *a, **kw):
         jax.debug.callback(lambda: calls.append(1))
         return original(self, input_ids, *a, **kw)
 
-    monkeypatch.setattr(LlamaBackbone, "__call__", counted)
+    monkeypatch.setattr(LlamaBackbone, "run", counted)
     ids, mask = prompts()
     free, _ = generate(*split, ids, mask, None, max_new_tokens=5, greedy=True, pad_token_id=0)
     jax.effects_barrier()

@@ -32,7 +32,7 @@ def sft_logprobs(graphdef, params, batch: dict, *, chunk_size: int = 0, mesh=Non
     float32 rounding.
     """
     model = nnx.merge(graphdef, params)
-    hidden, aux = backbone_pass(model, batch["ids"], batch["attention_mask"])
+    hidden, aux = backbone_pass(model, batch["ids"], batch["attention_mask"], mesh=mesh)
     keep = (batch["loss_mask"] > 0) & (batch["weight"] > 0)[:, None]
     targets, mask = shift_for_next_token(batch["ids"], keep)
     logprobs = head_logprobs(model, hidden[:, :-1], targets, with_entropy=False,
