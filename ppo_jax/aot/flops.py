@@ -1,7 +1,9 @@
 """The project's own count of model FLOPs: the matrix multiplies of a traced program (jaxpr).
 
 `jaxpr_matmul_flops(jaxpr)` counts `2 * prod(out.shape) * K` per `dot_general` (K = product of
-the contracted dimensions; batch dimensions are in the output), each `scan` body `length`
+the contracted dimensions; batch dimensions are in the output) and per `ragged_dot_general`
+the rows each group really multiplies (an MoE's chosen experts only: model FLOPs of the
+active parameters), each `scan` body `length`
 times, a `cond` by its costliest branch, a `while` body `while_trips` times (the sampler's
 decode loop: `max_new_tokens - 1`; 1 by default). Attention's `q k^T` and `p v` are matmuls and
 are counted; elementwise work (softmax, norms, Adam) is not. Recomputation under remat is in
@@ -23,6 +25,22 @@ def dot_general_flops(eqn) -> int:
     lhs_shape = eqn.invars[0].aval.shape
     k = math.prod(lhs_shape[d] for d in lhs_contract)
     return 2 * math.prod(eqn.outvars[0].aval.shape) * k
+
+
+def ragged_dot_flops(eqn) -> int:
+    """`2 x` the multiply-adds of one `ragged_dot_general` (a grouped matmul: MoE experts). Each
+    row of a ragged non-contracting dim meets one group's matrix: `2 * prod(out.shape) * K`,
+    as a dot. A ragged contracting dim (the experts' weight gradient, out `[G, ...]`) sums each
+    group over its own rows only: `2 * prod(out.shape) / G * M`, M the rows of all groups."""
+    dims = eqn.params["ragged_dot_dimension_numbers"]
+    (lhs_contract, _), _ = dims.dot_dimension_numbers
+    lhs_shape = eqn.invars[0].aval.shape
+    out = math.prod(eqn.outvars[0].aval.shape)
+    ragged = dims.lhs_ragged_dimensions[0]
+    if ragged in lhs_contract:
+        groups = eqn.invars[2].aval.shape[-1]
+        return 2 * out // groups * math.prod(lhs_shape[d] for d in lhs_contract)
+    return 2 * out * math.prod(lhs_shape[d] for d in lhs_contract)
 
 
 def _sub_jaxprs(params: dict):
@@ -47,6 +65,9 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
         name = eqn.primitive.name
         if name == "dot_general":
             flops += dot_general_flops(eqn)
+            continue
+        if name == "ragged_dot_general":
+            flops += ragged_dot_flops(eqn)
             continue
         subs = [jaxpr_matmul_flops(j, while_trips) for j in _sub_jaxprs(eqn.params)]
         if not subs:

@@ -110,8 +110,30 @@ def conv_flops(comp: Computation, ins: Instr) -> float:
     return 2.0 * batch * features * rhs_dims[rhs_l.index("i")] * pairs
 
 
+# XLA:TPU's grouped-matmul kernel for `jax.lax.ragged_dot` (MoE experts): a Mosaic custom call
+# named "ragged-dot-<mode>"; "ragged-dot-metadata" only lays out the group offsets
+_RAGGED_DOT = re.compile(r'op_name="[^"]*ragged-dot-(?!metadata)')
+
+
+def ragged_dot_flops(comp: Computation, ins: Instr) -> float:
+    """`2 x` the multiply-adds of XLA:TPU's ragged-dot kernel, from its last two operands (the
+    rows `[M, K]` and the groups' matrices) and its result: each row meets its own group's
+    matrix, `2 * prod(out) * K`; with the result `[G, K, N]` (the weight gradient), each group
+    sums over its own rows, `2 * prod(out) / G * M`."""
+    lhs = shapes(_operand_type(comp, ins.operands[-2]))
+    out = shapes(ins.type)
+    if not lhs or not out:
+        return 0.0
+    (_, lhs_dims), (_, out_dims) = lhs[0], out[0]
+    if len(out_dims) == 3:
+        return 2.0 * math.prod(out_dims) / out_dims[0] * lhs_dims[0]
+    return 2.0 * math.prod(out_dims) * lhs_dims[-1]
+
+
 def instr_flops(comp: Computation, ins: Instr) -> tuple[float, float]:
     """`(matmul flops, other flops)` of one instruction (not of what it calls)."""
+    if ins.opcode == "custom-call" and _RAGGED_DOT.search(ins.attrs):
+        return ragged_dot_flops(comp, ins), 0.0
     if ins.opcode == "dot":
         lhs = shapes(_operand_type(comp, ins.operands[0]))
         dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)

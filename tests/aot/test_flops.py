@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ppo_jax.aot.flops import count_flops
+from ppo_jax.aot.flops import count_flops, jaxpr_matmul_flops
 
 
 def test_counted_flops_of_a_matmul_are_2mnk():
@@ -55,3 +55,18 @@ def test_while_loops_are_reported():
     c = count_flops(jax.jit(f), jnp.ones((4, 4)), with_xla=False)
     assert c == {"flops": 2 * 4 ** 3, "loops": 1, "xla_flops": None}
 
+
+
+def test_a_grouped_matmul_counts_each_row_against_its_own_group_only():
+    """MoE experts (`jax.lax.ragged_dot`): 12 rows of width 8, each through one of 4 groups'
+    8 x 6 matrices: 2 x 12 x 8 x 6, not x 4; its gradient is three such products (the weight
+    gradient sums each group over its own rows)."""
+    x, w = jnp.ones((12, 8)), jnp.ones((4, 8, 6))
+    sizes = jnp.array([5, 0, 3, 4], jnp.int32)
+
+    def f(x, w):
+        return jax.lax.ragged_dot(x, w, sizes).sum()
+
+    assert jaxpr_matmul_flops(jax.make_jaxpr(f)(x, w))[0] == 2 * 12 * 8 * 6
+    grad = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
+    assert jaxpr_matmul_flops(grad)[0] == 3 * 2 * 12 * 8 * 6
