@@ -43,6 +43,23 @@ def ragged_dot_flops(eqn) -> int:
     return 2 * out * math.prod(lhs_shape[d] for d in lhs_contract)
 
 
+# jax's Pallas megablox kernels (`models.grouped_matmul` on TPU): a `jit` named "gmm" (forward,
+# input gradient) or "tgmm" (weight gradient) around a pallas_call whose kernel jaxpr holds
+# one tile's dot, so they are counted from their operands instead
+MEGABLOX_KERNELS = ("gmm", "tgmm")
+
+
+def megablox_flops(eqn) -> int:
+    """`2 x` the multiply-adds of a megablox kernel: `gmm(lhs [M, K], rhs [G, K, N])` -> `[M, N]`
+    is `2 * prod(out) * K`; `tgmm(lhs [K, M], rhs [M, N])` -> `[G, K, N]` sums each group over
+    its own rows, `2 * prod(out) / G * M`. M counts the zero rows padding it to a row tile."""
+    out = eqn.outvars[0].aval.shape
+    lhs = eqn.invars[0].aval.shape
+    if eqn.params["name"] == "tgmm":
+        return 2 * math.prod(out) // out[0] * lhs[1]
+    return 2 * math.prod(out) * lhs[1]
+
+
 def _sub_jaxprs(params: dict):
     """Every jaxpr (closed or open) among an equation's params, tuples included."""
     for value in params.values():
@@ -68,6 +85,9 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
             continue
         if name == "ragged_dot_general":
             flops += ragged_dot_flops(eqn)
+            continue
+        if name in ("jit", "pjit") and eqn.params.get("name") in MEGABLOX_KERNELS:
+            flops += megablox_flops(eqn)
             continue
         subs = [jaxpr_matmul_flops(j, while_trips) for j in _sub_jaxprs(eqn.params)]
         if not subs:

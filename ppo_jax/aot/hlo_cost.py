@@ -110,16 +110,22 @@ def conv_flops(comp: Computation, ins: Instr) -> float:
     return 2.0 * batch * features * rhs_dims[rhs_l.index("i")] * pairs
 
 
-# XLA:TPU's grouped-matmul kernel for `jax.lax.ragged_dot` (MoE experts): a Mosaic custom call
-# named "ragged-dot-<mode>"; "ragged-dot-metadata" only lays out the group offsets
-_RAGGED_DOT = re.compile(r'op_name="[^"]*ragged-dot-(?!metadata)')
+# Grouped-matmul kernels (MoE experts), Mosaic custom calls known by their op_name:
+# XLA:TPU's for `jax.lax.ragged_dot`, "ragged-dot-<mode>" ("ragged-dot-metadata" only lays out
+# the group offsets), and jax's Pallas megablox kernels (`models.grouped_matmul`), a
+# "tpu_custom_call" whose op_name ends in "jit(gmm)/pallas_call" (forward, input gradient) or
+# "jit(tgmm)/pallas_call" (weight gradient), or "transpose(jvp(jit(tgmm)))/pallas_call" where
+# no scope (a shard_map) is between the gradient and the kernel
+_RAGGED_DOT = re.compile(
+    r'op_name="[^"]*(?:ragged-dot-(?!metadata)|jit\(t?gmm\)\)*/pallas_call")')
 
 
 def ragged_dot_flops(comp: Computation, ins: Instr) -> float:
-    """`2 x` the multiply-adds of XLA:TPU's ragged-dot kernel, from its last two operands (the
-    rows `[M, K]` and the groups' matrices) and its result: each row meets its own group's
-    matrix, `2 * prod(out) * K`; with the result `[G, K, N]` (the weight gradient), each group
-    sums over its own rows, `2 * prod(out) / G * M`."""
+    """`2 x` the multiply-adds of a grouped-matmul kernel, from its last two operands (the
+    rows `[M, K]` and the groups' matrices, or for megablox's `tgmm` the rows' cotangents
+    `[M, N]`) and its result: each row meets its own group's matrix, `2 * prod(out) * K`;
+    with the result `[G, K, N]` (the weight gradient), each group sums over its own rows,
+    `2 * prod(out) / G * M`. M counts megablox's zero padding rows (up to a row tile)."""
     lhs = shapes(_operand_type(comp, ins.operands[-2]))
     out = shapes(ins.type)
     if not lhs or not out:

@@ -7,8 +7,9 @@ the token's experts and their probabilities its gate values (divided by their su
 transformers `models/qwen3_moe/modeling_qwen3_moe.py` (`Qwen3MoeTopKRouter`,
 `Qwen3MoeExperts`, `Qwen3MoeSparseMoeBlock`); Shazeer et al. 2017 (top-k gating).
 
-The experts run as one grouped matmul (`jax.lax.ragged_dot`) over the T*k (token, expert)
-rows sorted by expert: every row is computed, no token is dropped, there is no capacity factor.
+The experts run as one grouped matmul (`jax.lax.ragged_dot`, or megablox's kernels on TPU:
+`models.grouped_matmul`) over the T*k (token, expert) rows sorted by expert: every row is
+computed, no token is dropped, there is no capacity factor.
 Shapes stay static under jit (the group sizes are data, the row count is T*k). On a mesh each
 device routes and runs its own rows (`models.moe_dispatch`, which holds `expert_ffn`).
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.grouped_matmul import use_megablox
 from ppo_jax.models.layers import activation
 from ppo_jax.models.moe_dispatch import dispatch, expert_ffn, splits_rows
 
@@ -136,13 +138,15 @@ class SparseMoeBlock(nnx.Module):
         if splits_rows(mesh, x.shape[0]):
             out, experts, counts, probs = dispatch(self, mesh, x, token_mask, routes)
             return out, RouterStats(experts, counts, probs)
-        return self.local(x, token_mask, routes)
+        return self.local(x, token_mask, routes,
+                          megablox_kernel=use_megablox(mesh, per_device=False))
 
     def local(self, x: jax.Array, token_mask: jax.Array, routes: jax.Array | None = None,
-              tensor_axis: str | None = None):
+              tensor_axis: str | None = None, megablox_kernel: bool = False):
         """`__call__` over the tokens at hand (all of them, or one device's inside
         `shard_map`). tensor_axis: inside `shard_map`, the mesh axis the experts' FFN width is
-        split over; their outputs are partial sums, `psum`'d over it."""
+        split over; their outputs are partial sums, `psum`'d over it. megablox_kernel
+        (static): the experts' grouped matmul on megablox's TPU kernels (`expert_ffn`)."""
         b, l, d = x.shape
         flat = x.reshape(b * l, d)
         logits = self.gate(flat)  # in the compute dtype, as transformers' F.linear
@@ -153,7 +157,7 @@ class SparseMoeBlock(nnx.Module):
         dt = x.dtype
         out = expert_ffn(flat, experts, weights.astype(logits.dtype), e.gate_proj[...].astype(dt),
                          e.up_proj[...].astype(dt), e.down_proj[...].astype(dt),
-                         activation(self.act))
+                         activation(self.act), megablox_kernel)
         if tensor_axis is not None:
             out = jax.lax.psum(out, tensor_axis)
         stats = router_stats(experts.reshape(b, l, self.k), probs, top, token_mask.reshape(-1))

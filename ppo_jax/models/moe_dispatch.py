@@ -1,8 +1,10 @@
 """The experts of a sparse layer as a grouped matmul, over all tokens or, on a device mesh,
 over each device's own tokens.
 
-`expert_ffn` sorts the call's T*k (token, expert) rows by expert and runs
-`jax.lax.ragged_dot` over them. That sort mixes all rows and ragged_dot has no batch dim to
+`expert_ffn` sorts the call's T*k (token, expert) rows by expert and runs a grouped matmul
+over them (`models.grouped_matmul`: `jax.lax.ragged_dot`, or on TPU megablox's kernels where
+the work is one device's: inside `dispatch`, or with no mesh / a one-device mesh; XLA cannot
+partition a Mosaic kernel). That sort mixes all rows and ragged_dot has no batch dim to
 split ("ragged_dot vmap over any dim but 0 - NYI"), so when the batch is split over the
 mesh's ("data", "fsdp") axes the SPMD partitioner moves every token's rows to every device at
 every sparse layer (an all-gather or all-reduce of the `[T*k, D]` rows in the compiled CPU
@@ -38,26 +40,33 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ppo_jax.models.functional import path_str
+from ppo_jax.models.grouped_matmul import grouped_matmul, use_megablox
 from ppo_jax.parallel.mesh import AXES, BATCH_AXES, batch_shards
 
 
 def expert_ffn(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array,
-               up_proj: jax.Array, down_proj: jax.Array, act) -> jax.Array:
+               up_proj: jax.Array, down_proj: jax.Array, act,
+               megablox_kernel: bool = False) -> jax.Array:
     """`sum_j weights[t, j] * FFN_{experts[t, j]}(x[t])` as a grouped matmul.
 
     x `[T, D]`; experts `[T, k]` int32 in [0, E); weights `[T, k]`; gate_proj / up_proj
     `[E, D, F]`, down_proj `[E, F, D]` (all in x's dtype); act: the activation. The T*k rows
-    are sorted by expert (a stable argsort), run through `jax.lax.ragged_dot` with group sizes
-    counted from `experts`, scaled by their gate value and summed back per token. `[T, D]` out,
-    x's dtype.
+    are sorted by expert (a stable argsort), run through `grouped_matmul` with group sizes
+    counted from `experts` (megablox's TPU kernels when `megablox_kernel`, static: see
+    `grouped_matmul.use_megablox`; else `jax.lax.ragged_dot`), scaled by their gate value and
+    summed back per token. `[T, D]` out, x's dtype.
     """
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x, order // k, axis=0)
     sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
-    h = act(jax.lax.ragged_dot(rows, gate_proj, sizes)) * jax.lax.ragged_dot(rows, up_proj, sizes)
-    y = jax.lax.ragged_dot(h, down_proj, sizes)
+
+    def gmm(lhs, rhs):
+        return grouped_matmul(lhs, rhs, sizes, megablox_kernel=megablox_kernel)
+
+    h = act(gmm(rows, gate_proj)) * gmm(rows, up_proj)
+    y = gmm(h, down_proj)
     y = y * jnp.take(weights.reshape(-1), order).astype(y.dtype)[:, None]
     # gather back to (token, slot) order rather than scatter-add: deterministic, sums k values
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
@@ -111,16 +120,21 @@ def dispatch(block, mesh: Mesh, x: jax.Array, token_mask: jax.Array,
     """
     graphdef, state = nnx.split(block)
     tp = _tensor_axis(mesh, block.experts.gate_proj.shape[-1])
+    megablox_kernel = use_megablox(mesh, per_device=True)
     # cast before the fsdp gather (in the compute dtype, as `local` would after it): exact
     state = jax.tree_util.tree_map_with_path(
         lambda p, a: a.astype(x.dtype) if "experts/" in path_str(p) else a, state)
 
     def local(state, x, token_mask, routes):
-        out, stats = nnx.merge(graphdef, state).local(x, token_mask, routes, tp)
+        out, stats = nnx.merge(graphdef, state).local(x, token_mask, routes, tp, megablox_kernel)
         counts, probs = (jax.lax.psum(v, BATCH_AXES) for v in (stats.counts, stats.probs))
         return out, stats.experts, counts, probs
 
     batch = P(BATCH_AXES)
+    # megablox's pallas_call declares outputs without varying mesh axes, which check_vma
+    # refuses (MaxText maps it with the check off too); unchecked, shard_map's transpose still
+    # scales the cotangents of replicated outputs, so the gradients are the same (tested)
     return jax.shard_map(local, mesh=mesh,
                          in_specs=(_state_specs(state, tp), batch, batch, batch),
-                         out_specs=(batch, batch, P(), P()))(state, x, token_mask, routes)
+                         out_specs=(batch, batch, P(), P()),
+                         check_vma=not megablox_kernel)(state, x, token_mask, routes)

@@ -70,3 +70,21 @@ def test_a_grouped_matmul_counts_each_row_against_its_own_group_only():
     assert jaxpr_matmul_flops(jax.make_jaxpr(f)(x, w))[0] == 2 * 12 * 8 * 6
     grad = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
     assert jaxpr_matmul_flops(grad)[0] == 3 * 2 * 12 * 8 * 6
+
+
+def test_megablox_kernels_count_their_rows_not_one_tile():
+    """The experts on TPU (`models.grouped_matmul`, megablox's gmm / tgmm: a pallas_call whose
+    kernel holds one tile's dot): forward, input and weight gradient, each 2 M K N, with M the
+    256 rows (two row tiles, no padding) and K, N wider than one tile."""
+    from ppo_jax.models.grouped_matmul import grouped_matmul
+
+    m, k, n = 256, 2048, 1536
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, k, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def f(x, w, sizes):
+        return grouped_matmul(x, w, sizes, megablox_kernel=True).astype(jnp.float32).sum()
+
+    assert jaxpr_matmul_flops(jax.make_jaxpr(f)(x, w, sizes))[0] == 2 * m * k * n
+    grad = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w, sizes)
+    assert jaxpr_matmul_flops(grad)[0] == 3 * 2 * m * k * n
