@@ -91,7 +91,7 @@ def test_every_packaged_model_is_a_source_name_with_shipped_shapes(tmp_path, mon
     assert loading.model_shape_config("smollm2", "model.actor").hidden_size == 576
     if "gemma3_text" in SUPPORTED_MODEL_TYPES:  # once the Gemma 3 model is in
         assert loading.model_shape_config("gemma3-270m", "model.actor").hidden_size == 640
-    with pytest.raises(FileNotFoundError, match="'smollm2', 'gemma3-270m' or 'tiny-random'"):
+    with pytest.raises(FileNotFoundError, match="'smollm2', 'gemma3-270m', 'tiny-random' or 'tiny-random-moe'"):
         loading.resolve_model_path(str(tmp_path / "none"), "model.actor")
 
 
