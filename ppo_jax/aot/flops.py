@@ -54,7 +54,7 @@ def megablox_flops(eqn) -> int:
     is `2 * prod(out) * K`; `tgmm(lhs [K, M], rhs [M, N])` -> `[G, K, N]` sums each group over
     its own rows, `2 * prod(out) / G * M`. M counts the zero rows padding it to a row tile."""
     out = eqn.outvars[0].aval.shape
-    lhs = eqn.invars[0].aval.shape
+    lhs = next(v.aval.shape for v in eqn.invars if len(getattr(v.aval, "shape", ())) == 2)
     if eqn.params["name"] == "tgmm":
         return 2 * math.prod(out) // out[0] * lhs[1]
     return 2 * math.prod(out) * lhs[1]
@@ -86,7 +86,8 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
         if name == "ragged_dot_general":
             flops += ragged_dot_flops(eqn)
             continue
-        if name in ("jit", "pjit") and eqn.params.get("name") in MEGABLOX_KERNELS:
+        if (name in ("jit", "pjit") and eqn.params.get("name") in MEGABLOX_KERNELS
+                and any(len(getattr(v.aval, "shape", ())) == 2 for v in eqn.invars)):
             flops += megablox_flops(eqn)
             continue
         subs = [jaxpr_matmul_flops(j, while_trips) for j in _sub_jaxprs(eqn.params)]

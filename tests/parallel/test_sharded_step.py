@@ -140,6 +140,8 @@ def test_lora_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
         assert moment["spec"] == lay["params/backbone/layers/attn/q_proj/lora_b"]["spec"]
 
 
+@pytest.mark.slow  # default-run budget (65 s on 2 cores); tests/models/test_qwen3_moe_sharded.py
+# keeps the experts' mesh in the default run
 def test_moe_ppo_step_with_replay_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
     """A Qwen3-MoE actor (`tiny-random-moe`: 8 experts, 2 per token) with router replay: its
     experts split over fsdp and their columns over tensor (`parallel.rules`), the router
