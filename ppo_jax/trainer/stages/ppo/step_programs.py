@@ -154,12 +154,8 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
     size, new = cfg.ppo.batch_size, cfg.generation.max_new_tokens
     ids = lambda *shape: batch_shape(place, shape, jnp.int32)  # noqa: E731
     q, qm = ids(size, prompt_width), ids(size, prompt_width)
-    routes = None
-    if jit.sampler.records_routes(settings.sampling):  # router replay: the recorded experts
-        mcfg = jit.sampler.model_cfg
-        routes = batch_shape(place, (size, new, mcfg.num_moe_layers, mcfg.num_experts_per_tok),
-                             ROUTE_DTYPE)
-    rollout = Rollout(q, qm, ids(size, new), ids(size, new), routes)
+    rollout = Rollout(q, qm, ids(size, new), ids(size, new),
+                      _abstract_routes(jit.sampler, settings.sampling, place, size, new))
     _, gen_key, upd_key = out_shapes(jit.split_keys, (state["rng"],), place.replicated)
     scores = batch_shape(place, (size,), jnp.float32) if scored_on_host else None
     remax = settings.greedy_baseline is not None
@@ -194,6 +190,16 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
     if evaluator is not None:
         out += evaluator.programs(replace(models, critic=None), per_step=1.0 / cfg.eval.every)
     return out
+
+
+def _abstract_routes(sampler: Sampler, sampling: SamplingSettings, place, size: int, new: int):
+    """The recorded experts `[size, new, sparse layers, k]` (router replay) as the experience
+    pass receives them, or None when the sampler records none."""
+    if not sampler.records_routes(sampling):
+        return None
+    cfg = sampler.model_cfg
+    return batch_shape(place, (size, new, cfg.num_moe_layers, cfg.num_experts_per_tok),
+                       ROUTE_DTYPE)
 
 
 def _rollout_programs(rollout_copy, actor: Model, actor_sh: Model, place, layout: str):
