@@ -48,6 +48,17 @@ def _validate_value_head_lr(cfg: Config) -> None:
     _positive("optim.value_head_lr", lr)
 
 
+def _validate_model(m) -> None:
+    """`model.logprob_chunk_size` >= 0; `model.router_aux_loss_coef` null or >= 0."""
+    if m.logprob_chunk_size < 0:
+        raise ConfigError(f"model.logprob_chunk_size={m.logprob_chunk_size!r} must be >= 0 "
+                          "(0: full-vocabulary logits)")
+    coef = m.router_aux_loss_coef
+    if coef is not None and not (math.isfinite(coef) and coef >= 0):
+        raise ConfigError(f"model.router_aux_loss_coef={coef!r} must be a finite number >= 0 "
+                          "(null: the checkpoint's)")
+
+
 def validate(cfg: Config) -> None:
     """Check the relations between fields, then refuse settings left without effect (`no_effect`).
 
@@ -68,13 +79,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"generation.top_k={g.top_k!r} must be >= 0 and generation.top_p="
                           f"{g.top_p!r} in (0, 1]")
     _positive("data.max_prompt_length", cfg.data.max_prompt_length)
-    if cfg.model.logprob_chunk_size < 0:
-        raise ConfigError(f"model.logprob_chunk_size={cfg.model.logprob_chunk_size!r} must be >= 0 "
-                          "(0: full-vocabulary logits)")
-    coef = cfg.model.router_aux_loss_coef
-    if coef is not None and not (math.isfinite(coef) and coef >= 0):
-        raise ConfigError(f"model.router_aux_loss_coef={coef!r} must be a finite number >= 0 "
-                          "(null: the checkpoint's)")
+    _validate_model(cfg.model)
     _positive("data.prompt_buckets", cfg.data.prompt_buckets)
     _positive("generation.response_buckets", g.response_buckets)
     _validate_optim_train(o, cfg.train)
