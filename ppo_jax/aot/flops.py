@@ -5,7 +5,8 @@ the contracted dimensions; batch dimensions are in the output) and per `ragged_d
 the rows each group really multiplies (an MoE's chosen experts only: model FLOPs of the
 active parameters), each `scan` body `length`
 times, a `cond` by its costliest branch, a `while` body `while_trips` times (the sampler's
-decode loop: `max_new_tokens - 1`; 1 by default). Attention's `q k^T` and `p v` are matmuls and
+decode loop: `max_new_tokens - 1`; 1 by default), a `shard_map` body once per device of its
+manual axes (its shapes are one device's). Attention's `q k^T` and `p v` are matmuls and
 are counted; elementwise work (softmax, norms, Adam) is not. Recomputation under remat is in
 the jaxpr and is counted; trace a program built with `model.remat=none` for model FLOPs
 without it.
@@ -60,6 +61,23 @@ def megablox_flops(eqn) -> int:
     return 2 * math.prod(out) * lhs[1]
 
 
+def shard_map_devices(params: dict) -> int:
+    """How many devices run a `shard_map` body: the product of its manual axes' sizes (its
+    other axes stay global in the body's shapes). Work the body repeats on every device of a
+    manual axis (the MoE router over `tensor`) is counted once per device."""
+    return math.prod(params["mesh"].shape[a] for a in params["newly_manual_axes"])
+
+
+def _repeats(eqn, while_trips: int) -> int:
+    """How many times an equation runs its nested jaxprs (a cond is handled by its caller)."""
+    name = eqn.primitive.name
+    if name == "scan":
+        return eqn.params["length"]
+    if name == "while":
+        return while_trips
+    return shard_map_devices(eqn.params) if name == "shard_map" else 1
+
+
 def _sub_jaxprs(params: dict):
     """Every jaxpr (closed or open) among an equation's params, tuples included."""
     for value in params.values():
@@ -74,7 +92,8 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
     in it, and the number of `while` loops met (each body counted `while_trips` times).
 
     Multipliers: `scan` x `length`; `while` x `while_trips`; `cond`: the largest branch;
-    everything else (pjit, custom_vjp / custom_jvp calls, checkpoint, ...) x 1.
+    `shard_map` x its devices (`shard_map_devices`); everything else (pjit, custom_vjp /
+    custom_jvp calls, checkpoint, ...) x 1.
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     flops, loops = 0, 0
@@ -97,8 +116,7 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
         if name == "cond":
             flops += max(f for f, _ in subs)
         else:
-            mult = eqn.params["length"] if name == "scan" else while_trips if name == "while" else 1
-            flops += sum(f for f, _ in subs) * mult
+            flops += sum(f for f, _ in subs) * _repeats(eqn, while_trips)
     return flops, loops
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from ppo_jax.aot.flops import count_flops, jaxpr_matmul_flops
 
@@ -88,3 +89,16 @@ def test_megablox_kernels_count_their_rows_not_one_tile():
     assert jaxpr_matmul_flops(jax.make_jaxpr(f)(x, w, sizes))[0] == 2 * m * k * n
     grad = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w, sizes)
     assert jaxpr_matmul_flops(grad)[0] == 3 * 2 * m * k * n
+
+
+def test_a_shard_map_body_counts_once_per_device_of_its_manual_axes():
+    """Inside `shard_map` shapes are one device's: the experts' dispatch (`moe_dispatch`) runs
+    a device's rows there, so the body is counted x the manual axes' devices (2 x 3 here; the
+    auto axis "c" stays global in the body) and the count equals the unsplit matmul's."""
+    mesh = jax.sharding.AbstractMesh((2, 3, 5), ("a", "b", "c"))
+    x, w = jax.ShapeDtypeStruct((12, 8), jnp.float32), jax.ShapeDtypeStruct((8, 10), jnp.float32)
+    sharded = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P(("a", "b")), P()),
+                            out_specs=P(("a", "b")), axis_names={"a", "b"})
+    assert jaxpr_matmul_flops(jax.make_jaxpr(sharded)(x, w))[0] == 2 * 12 * 8 * 10
+    grad = jax.make_jaxpr(jax.grad(lambda x, w: sharded(x, w).sum(), argnums=(0, 1)))(x, w)
+    assert jaxpr_matmul_flops(grad)[0] == 3 * 2 * 12 * 8 * 10
