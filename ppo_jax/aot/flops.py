@@ -6,7 +6,8 @@ the rows each group really multiplies (an MoE's chosen experts only: model FLOPs
 active parameters), each `scan` body `length`
 times, a `cond` by its costliest branch, a `while` body `while_trips` times (the sampler's
 decode loop: `max_new_tokens - 1`; 1 by default), a `shard_map` body once per device of its
-manual axes (its shapes are one device's). Attention's `q k^T` and `p v` are matmuls and
+manual axes (its shapes are one device's); of Pallas kernels, megablox's grouped matmuls and
+the ragged paged attention are counted from their operands, any other counts 0. Attention's `q k^T` and `p v` are matmuls and
 are counted; elementwise work (softmax, norms, Adam) is not. Recomputation under remat is in
 the jaxpr and is counted; trace a program built with `model.remat=none` for model FLOPs
 without it.
@@ -61,6 +62,20 @@ def megablox_flops(eqn) -> int:
     return 2 * math.prod(out) * lhs[1]
 
 
+# jax's Pallas ragged paged attention (`models.paged_attention_tpu`, the engine's decode on TPU):
+# counted as the dense attention over each row's page-table width that the reference path runs
+PAGED_ATTENTION_KERNEL = "ragged_paged_attention"
+
+
+def paged_attention_flops(eqn) -> int:
+    """`2 x` the multiply-adds of `ragged_paged_attention(q [T, H, hd], kv_pages, kv_lens,
+    page_indices [S, W], ...)` at its upper bound: every query against its row's whole page
+    table, `q k^T` and `p v`: `4 * T * H * hd * W * page_size` (the kernel reads only `kv_lens`
+    tokens; the sampler is counted at its upper bound likewise)."""
+    q, pages, _, table = (v.aval.shape for v in eqn.invars[:4])
+    return 4 * math.prod(q) * table[1] * pages[1]
+
+
 def shard_map_devices(params: dict) -> int:
     """How many devices run a `shard_map` body: the product of its manual axes' sizes (its
     other axes stay global in the body's shapes). Work the body repeats on every device of a
@@ -108,6 +123,11 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
         if (name in ("jit", "pjit") and eqn.params.get("name") in MEGABLOX_KERNELS
                 and any(len(getattr(v.aval, "shape", ())) == 2 for v in eqn.invars)):
             flops += megablox_flops(eqn)
+            continue
+        if name in ("jit", "pjit") and eqn.params.get("name") == PAGED_ATTENTION_KERNEL:
+            flops += paged_attention_flops(eqn)
+            continue
+        if name == "pallas_call":  # its kernel jaxpr is one grid step's: known kernels are above
             continue
         subs = [jaxpr_matmul_flops(j, while_trips) for j in _sub_jaxprs(eqn.params)]
         if not subs:

@@ -102,3 +102,24 @@ def test_a_shard_map_body_counts_once_per_device_of_its_manual_axes():
     assert jaxpr_matmul_flops(jax.make_jaxpr(sharded)(x, w))[0] == 2 * 12 * 8 * 10
     grad = jax.make_jaxpr(jax.grad(lambda x, w: sharded(x, w).sum(), argnums=(0, 1)))(x, w)
     assert jaxpr_matmul_flops(grad)[0] == 3 * 2 * 12 * 8 * 10
+
+
+def test_the_paged_attention_kernel_counts_the_dense_attention_over_its_page_tables():
+    """The engine's decode attention on TPU (`paged_attention_tpu`, jax's Pallas
+    `ragged_paged_attention`): its kernel jaxpr holds one grid step, so the call is counted as
+    `paged_cache.paged_attention_reference` computes it (every row's query against its whole
+    page table: q k^T and p v), the reference path's own count."""
+    from ppo_jax.models.paged_attention_tpu import pallas_decode_attention
+    from ppo_jax.models.paged_cache import PagedView, paged_attention_reference
+
+    replicas, rows, heads, kv_heads, hd, page, width, pages = 2, 4, 4, 2, 128, 16, 4, 40
+    q = jax.ShapeDtypeStruct((replicas * rows, 1, heads, hd), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((replicas, pages, page, 2 * kv_heads, hd), jnp.bfloat16)
+    view = PagedView(jax.ShapeDtypeStruct((replicas, rows, width), jnp.int32),
+                     jax.ShapeDtypeStruct((replicas * rows, 1), jnp.int32),
+                     jax.ShapeDtypeStruct((replicas * rows, 1), jnp.bool_),
+                     jax.ShapeDtypeStruct((replicas * rows,), jnp.int32))
+    dense = 4 * replicas * rows * heads * hd * width * page
+    kernel = jax.make_jaxpr(lambda q, kv, v: pallas_decode_attention(q, kv, v, None))(q, kv, view)
+    reference = jax.make_jaxpr(lambda q, kv, v: paged_attention_reference(q, kv, v))(q, kv, view)
+    assert jaxpr_matmul_flops(kernel)[0] == dense == jaxpr_matmul_flops(reference)[0]
