@@ -23,11 +23,10 @@ from ppo_jax.models.heads import init_model
 from ppo_jax.models.hf_names import architecture, hf_tensor
 from ppo_jax.models.lora import LoraSettings
 from ppo_jax.parallel.rules import param_spec
-from ppo_jax.rollout.engine import PagedEngine
 from ppo_jax.rollout.forward import policy_logprobs
 from ppo_jax.rollout.static_batch import generate
-from tests.rollout.sampling_settings import engine_settings, sampling_settings
 
+from greedy_parity import assert_paged_equals_static
 from hf_tiny import hf_logits, padded_batch, torch, transformers
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -158,16 +157,7 @@ def test_checkpoints_round_trip_between_ppo_jax_and_transformers(gemma, tmp_path
 def test_paged_engine_greedy_tokens_equal_the_static_sampler(gemma):
     _, _, graphdef, params, cfg = gemma
     ids, mask = padded_batch(seed=3, length=8, pads=(0, 3, 1, 5, 0, 2))
-    kw = dict(max_new_tokens=16, greedy=True, pad_token_id=0)
-    eng = PagedEngine(graphdef, cfg, sampling_settings(**kw),
-                      engine_settings(page_size=4, max_concurrent=2, decode_chunk=5),
-                      batch=ids.shape[0], prompt_width=ids.shape[1])
-    got = [np.asarray(x) for x in eng.generate(params, jnp.asarray(ids), jnp.asarray(mask),
-                                               jax.random.PRNGKey(0))]
-    want = generate(graphdef, params, ids, mask, None, return_logprobs=True, **kw)
-    np.testing.assert_array_equal(got[0], np.asarray(want[0]))
-    np.testing.assert_array_equal(got[1], np.asarray(want[1]))
-    np.testing.assert_allclose(got[2], np.asarray(want[2]), atol=1e-5)
+    assert_paged_equals_static(graphdef, params, cfg, ids, mask, max_new_tokens=16, page_size=4)
 
 
 def test_a_fresh_lora_adapter_gives_the_base_logits_exactly(gemma):

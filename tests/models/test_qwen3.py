@@ -8,7 +8,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from ppo_jax.models import split_model
@@ -17,11 +16,9 @@ from ppo_jax.models.heads import init_model
 from ppo_jax.models.hf_names import architecture, hf_tensor
 from ppo_jax.models.tiny_random import tiny_config
 from ppo_jax.parallel.rules import param_spec
-from ppo_jax.rollout.engine import PagedEngine
-from ppo_jax.rollout.static_batch import generate
-from tests.rollout.sampling_settings import engine_settings, sampling_settings
 
-from hf_tiny import HF_CONFIGS
+from greedy_parity import assert_paged_equals_static
+from hf_tiny import HF_CONFIGS, padded_batch
 
 VOCAB = 96
 
@@ -66,20 +63,7 @@ def test_paged_engine_greedy_tokens_equal_the_static_sampler_on_qwen3():
         pure["backbone"]["layers"]["attn"][name]["scale"] = jnp.asarray(
             1.0 + 0.5 * rng.standard_normal(s.shape), s.dtype)
     nnx.replace_by_pure_dict(params, pure)
-    ids = rng.integers(4, VOCAB, (6, 8)).astype(np.int32)
-    mask = np.ones_like(ids)
-    for r, p in enumerate((0, 3, 1, 5, 0, 2)):
-        mask[r, :p] = 0
-    ids[mask == 0] = 0
-    kw = dict(max_new_tokens=16, greedy=True, pad_token_id=0)
-    settings = sampling_settings(**kw)
-    eng = PagedEngine(graphdef, cfg, settings,
-                      engine_settings(page_size=8, max_concurrent=2, decode_chunk=5),
-                      batch=ids.shape[0], prompt_width=ids.shape[1])
-    got = [np.asarray(x) for x in eng.generate(params, jnp.asarray(ids), jnp.asarray(mask),
-                                               jax.random.PRNGKey(0))]
-    want = generate(graphdef, params, ids, mask, None, return_logprobs=True, **kw)
-    np.testing.assert_array_equal(got[0], np.asarray(want[0]))
-    np.testing.assert_array_equal(got[1], np.asarray(want[1]))
-    np.testing.assert_allclose(got[2], np.asarray(want[2]), atol=1e-5)
-    assert len(set(map(tuple, got[0]))) > 1  # not a degenerate constant output
+    ids, mask = padded_batch(seed=0, length=8, pads=(0, 3, 1, 5, 0, 2), vocab=VOCAB)
+    tokens = assert_paged_equals_static(graphdef, params, cfg, ids, mask, max_new_tokens=16,
+                                        page_size=8)
+    assert len(set(map(tuple, tokens))) > 1  # not a degenerate constant output

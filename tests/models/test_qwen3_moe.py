@@ -22,10 +22,9 @@ from ppo_jax.models.hf_names import architecture
 from ppo_jax.models.moe import load_balancing_loss, route, router_stats
 from ppo_jax.models.peft_io import peft_keys
 from ppo_jax.models.tiny_random import tiny_config
-from ppo_jax.rollout.engine import PagedEngine
 from ppo_jax.rollout.static_batch import generate
-from tests.rollout.sampling_settings import engine_settings, sampling_settings
 
+from greedy_parity import assert_paged_equals_static
 from hf_tiny import HF_CONFIGS, build_hf, hf_logits, padded_batch, torch, transformers
 
 MOE = ("qwen3_moe", "qwen3_moe_mixed", "qwen3_moe_step2")
@@ -304,19 +303,7 @@ def test_lora_adapts_attention_and_dense_mlps_and_refuses_expert_targets():
 
 def test_paged_engine_greedy_tokens_equal_the_static_sampler(mixed):
     cfg, graphdef, params = mixed
-    rng = np.random.default_rng(0)
-    ids = rng.integers(4, VOCAB, (6, 8)).astype(np.int32)
-    mask = np.ones_like(ids)
-    for r, p in enumerate((0, 3, 1, 5, 0, 2)):
-        mask[r, :p] = 0
-    ids[mask == 0] = 0
-    kw = dict(max_new_tokens=12, greedy=True, pad_token_id=0)
-    eng = PagedEngine(graphdef, cfg, sampling_settings(**kw),
-                      engine_settings(page_size=8, max_concurrent=2, decode_chunk=5),
-                      batch=ids.shape[0], prompt_width=ids.shape[1])
-    got = [np.asarray(x) for x in eng.generate(params, jnp.asarray(ids), jnp.asarray(mask),
-                                               jax.random.PRNGKey(0))]
-    want = generate(graphdef, params, ids, mask, None, return_logprobs=True, **kw)
-    np.testing.assert_array_equal(got[0], np.asarray(want[0]))
-    np.testing.assert_allclose(got[2], np.asarray(want[2]), atol=1e-5)
-    assert len(set(map(tuple, got[0]))) > 1
+    ids, mask = padded_batch(seed=0, length=8, pads=(0, 3, 1, 5, 0, 2), vocab=VOCAB)
+    tokens = assert_paged_equals_static(graphdef, params, cfg, ids, mask, max_new_tokens=12,
+                                        page_size=8)
+    assert len(set(map(tuple, tokens))) > 1
