@@ -309,6 +309,7 @@ class RolloutStream:
         self.cache, self.state, self.responses, _ = self.engine._chunk(
             self.model, self.cache, self.state, self.responses, self.scheds, self._ring_keys,
             self.stats.engine)
+        self.stats.engine.preemptions = sum(s.preemptions for s in self.scheds)
         for r, sched in enumerate(self.scheds):
             for slot, seq, old in before[r]:
                 now = seq.length if sched.slots[slot] is seq else sched.final.get(seq.row)
