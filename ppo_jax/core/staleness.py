@@ -4,10 +4,10 @@ With continuous generation (`rollout.stream`) the trainer learns from samples dr
 was updating: each response token records the policy version that drew it, and with partial
 rollouts one response can span several versions. A sample's staleness is the trainer's
 current version minus the OLDEST version among its tokens, so a bound on it bounds every
-token's lag. AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
-System for Language Reasoning", section 5.1, the staleness bound eta) admits a sample only
-while its lag is at most eta; eta = 0 is synchronous RL. Which samples a trainer refuses is
-the trainer's rule; these functions measure.
+token's lag. AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+Learning System for Language Reasoning", arXiv:2505.24298, its staleness bound eta) admits a
+sample only while its lag is at most eta; eta = 0 is synchronous RL. Which samples a trainer
+refuses is the trainer's rule; these functions measure.
 """
 
 from __future__ import annotations

@@ -24,11 +24,12 @@ log-prob). The three ways of taking new weights in, named after Tong, Li and She
 "Partial Rollout vs Consistent Rollout in LLM RL" (2026):
 
 - `partial_rollouts=True, kv_on_switch="recompute"` (partial rollout, as AReaL's
-  interruptible rollout workers: Fu et al. 2025, "AReaL", section 4): at the next chunk
-  boundary every live sequence's prompt and drawn tokens are run again under the new weights
-  into its own pages (`engine_programs.refill_program`, one prefill of the live slots), and
-  decoding goes on; each token after the switch is drawn from the new policy given its whole
-  prefix. Cost: one prefill of every live sequence per switch.
+  interruptible rollout workers, which recompute the KV cache under the new weights: Fu et
+  al. 2025, "AReaL", arXiv:2505.24298): at the next chunk boundary every live sequence's
+  prompt and drawn tokens are run again under the new weights into its own pages
+  (`engine_programs.refill_program`, one prefill of the live slots), and decoding goes on;
+  each token after the switch is drawn from the new policy given its whole prefix. Cost: one
+  prefill of every live sequence per switch.
 - `partial_rollouts=True, kv_on_switch="keep"` (partial rollout with stale KV): the new
   weights decode on top of the keys and values the old ones wrote; no recompute, but the
   tokens after a switch come from neither policy exactly (their recorded log-probs are still

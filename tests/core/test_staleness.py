@@ -52,9 +52,11 @@ def test_a_batch_without_real_tokens_has_no_spread():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: core.sample_staleness(jnp.zeros((2, 3)), MASK[:2, :3], 1), "versions must be an integer"),
+    (lambda: core.sample_staleness(jnp.zeros((2, 3)), MASK[:2, :3], 1),
+     "versions must be an integer"),
     (lambda: core.sample_staleness(VERSIONS, MASK[:, :3], 1), r"mask must have shape \(5, 4\)"),
-    (lambda: core.sample_staleness(VERSIONS, MASK, jnp.ones(2)), "current_version must be a scalar"),
+    (lambda: core.sample_staleness(VERSIONS, MASK, jnp.ones(2)),
+     "current_version must be a scalar"),
     (lambda: core.staleness_metrics(np.zeros(5, np.int32), VERSIONS, MASK, bins=0), "bins must be"),
     (lambda: core.staleness_metrics(np.zeros(4, np.int32), VERSIONS, MASK), "staleness has 4 rows"),
 ])

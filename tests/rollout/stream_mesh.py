@@ -34,7 +34,8 @@ def main() -> None:
     _, new = split_model(init_model(cfg, seed=4))
     mesh, rng = make_mesh(2, 2, 2), np.random.default_rng(0)  # 4 replicas
     put = lambda tree: jax.device_put(tree, tree_shardings(tree, mesh))  # noqa: E731
-    kw = dict(temperature=1.0, pad_token_id=0, stop_token_ids=(5, 7, 9, 11, 13), samples_per_prompt=2)
+    kw = dict(temperature=1.0, pad_token_id=0, stop_token_ids=(5, 7, 9, 11, 13),
+              samples_per_prompt=2)
     eng = PagedEngine(graphdef, cfg, sampling_settings(10, mesh=mesh, **kw),
                       engine_settings(page_size=4, max_concurrent=16, decode_chunk=3,
                                       decode_buckets=1), batch=16, prompt_width=6)
@@ -44,7 +45,8 @@ def main() -> None:
         mask = np.ones_like(ids)
         mask[2 * i:2 * i + 2, :3], ids[2 * i:2 * i + 2, :3] = 0, 0  # a left-padded group
         batches.append((ids, mask, jax.device_put(jax.random.PRNGKey(20 + i), replicated(mesh))))
-    on_mesh = lambda ids, mask: [jax.device_put(x, batch_sharding(mesh)) for x in (ids, mask)]  # noqa: E731
+    def on_mesh(ids, mask):
+        return [jax.device_put(x, batch_sharding(mesh)) for x in (ids, mask)]
 
     stream = eng.stream(put(params), version=0, max_batches_in_flight=2)
     for i, (ids, mask, key) in enumerate(batches):

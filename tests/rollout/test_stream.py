@@ -220,11 +220,10 @@ def test_a_2x2x2_mesh_streams_as_one_engine():
 
 @pytest.mark.slow  # its own engine compiles (~10 s); `make test-slow`
 def test_a_pool_that_preempts_streams_the_same_tokens(setup):
-    """A pool of 7 pages of 4 (the trash page, one full-length row of 17 tokens, one more) for 4
-    slots: growth preempts the
-    youngest rows, which restart from their prompts; the streamed batches still equal
-    `generate`, and after a mid-stream switch (recomputed KV) every version-1 token has the
-    new policy's forward-pass log-prob, restarted rows included."""
+    """A pool of 7 pages of 4 (the trash page, one full-length row of 17 tokens, one more) for
+    4 slots: growth preempts the youngest rows, which restart from their prompts; the streamed
+    batches still equal `generate`, and after a mid-stream switch (recomputed KV) every
+    version-1 token has the new policy's forward-pass log-prob, restarted rows included."""
     _, graphdef, params, new, batches = setup
     cfg = tiny_config(VOCAB)
     engine = PagedEngine(graphdef, cfg, sampling_settings(N, **SAMPLING),
