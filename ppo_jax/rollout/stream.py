@@ -279,7 +279,9 @@ class RolloutStream:
             self.prompt_ids = self._write(self.prompt_ids, block, batch.prompt_ids)
             self.prompt_mask = self._write(self.prompt_mask, block, batch.prompt_mask)
             self._keys[block] = batch.key
-            self._ring_keys = self._stack(*(k if k is not None else batch.key for k in self._keys))
+            # one block: the batch's own key, so the prefill and decode are generate's programs
+            self._ring_keys = batch.key if self.capacity == 1 else self._stack(
+                *(k if k is not None else batch.key for k in self._keys))
             for r, s in enumerate(self.scheds):
                 s.enqueue(block * per, batch.lens[r * per:(r + 1) * per])
             self._blocks[block] = batch

@@ -248,3 +248,21 @@ def test_a_pool_that_preempts_streams_the_same_tokens(setup):
             ref = np.asarray(policy_logprobs(graphdef, weights, ids, mask, tokens, resp_mask))
             at = b.versions == version
             np.testing.assert_allclose(logp[at], ref[at], atol=2e-5, err_msg=f"{tag} v{version}")
+
+
+def test_one_batch_in_flight_without_partial_rollouts_is_the_synchronous_loop(setup):
+    """`max_batches_in_flight=1, partial_rollouts=False` with new weights after each batch:
+    the synchronous PPO loop (max_staleness 0), batch for batch `generate` under that step's
+    weights, through generate's own compiled programs."""
+    engine, _, params, new, batches = setup
+    stream = engine.stream(params, version=0, max_batches_in_flight=1, partial_rollouts=False)
+    weights = [params, new, params]
+    for i, (ids, mask, key) in enumerate(batches):
+        stream.submit(ids, mask, key, tag=i)
+        (b,) = stream.flush()
+        want = host(engine.generate(weights[i], ids, mask, key))
+        for g, w in zip(host(b.generation), want):
+            np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(b.versions, np.where(want[1] > 0, i, -1))
+        stream.set_params(weights[(i + 1) % 3], i + 1)
+    assert stream.stats.mixed_chunks == 0 and stream.stats.drain_chunks == 0
