@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ppo_jax.models import split_model
+from ppo_jax.models.functional import path_str
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.tiny_random import tiny_config
 from ppo_jax.rollout.engine import PagedEngine
@@ -127,8 +128,8 @@ def test_kept_kv_decodes_on_the_old_keys_and_values(setup):
     wrote: equal to a recompute when only the final norm changed (the keys and values are
     the same), off the new policy's forward pass when every weight changed."""
     engine, graphdef, params, new, batches = setup
-    head_only = jax.tree.map(lambda x: x, params)
-    head_only["backbone"]["norm"]["scale"].value = params["backbone"]["norm"]["scale"].value * 1.7
+    head_only = jax.tree_util.tree_map_with_path(  # the final norm feeds the head, no KV
+        lambda path, x: x * 1.7 if path_str(path) == "backbone/norm/scale" else x, params)
     for weights, same in ((head_only, True), (new, False)):
         kept, _ = switch_midway(engine, params, weights, batches[:1], kv_on_switch="keep")
         b = kept[0]
