@@ -4,6 +4,7 @@ both engines: static multi-turn is this engine with one page per row (`static_la
 
     engine = PagedEngine(graphdef, cfg, sampling, EngineSettings(...), batch=256, prompt_width=64)
     out = engine.generate(params, prompt_ids, prompt_mask, key)  # a `draws.Generation`
+    stream = engine.stream(params, version=0)  # batches sharing the slots: `rollout.stream`
 
 A batch of B rows (adjacent groups of n samples of one prompt) is answered by R replicas, one
 per row block of the mesh's batch axes (`data` x `fsdp`; R = 1 on one device): replica r owns
