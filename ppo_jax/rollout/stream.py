@@ -45,6 +45,7 @@ the moment: its versions start again. Multi-turn episodes are not streamed.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -106,6 +107,47 @@ class _Submitted(NamedTuple):
     serial: int  # submission order
 
 
+class _Programs(NamedTuple):
+    """A stream's own jitted programs (the engine's prefill, decode and admissions are
+    shared): the empty ring, a zero prompt ring, a batch's prompts into a block, the stack of
+    the blocks' keys, the recompute, the gather of a finished block."""
+
+    empty: Any
+    zeros: Any
+    write: Any
+    stack: Any
+    refill: Any
+    finalize: Any
+
+
+_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> {C: programs}
+
+
+def _programs(engine, capacity: int) -> _Programs:
+    """The programs of streams of `capacity` blocks over `engine`, built once per engine and
+    capacity, so a new stream compiles nothing its engine has compiled before."""
+    per_engine = _PROGRAMS.setdefault(engine, {})
+    if capacity in per_engine:
+        return per_engine[capacity]
+    e, lay, d = engine, engine.layout, engine.sampling
+    rows, rep = e._sharding(P(BATCH_AXES)), e._sharding(P())
+    ring = capacity * lay.rows
+    out = _Programs(
+        empty=jax.jit(partial(empty_state, lay.replicas, lay.slots, ring, d.max_new_tokens,
+                              d.pad_token_id, e.routes_of), out_shardings=(rows, rows)),
+        zeros=jax.jit(lambda: jnp.zeros((lay.replicas * ring, e.prompt_width), jnp.int32),
+                      out_shardings=rows),
+        write=jax.jit(partial(write_block, replicas=lay.replicas), donate_argnums=0,
+                      out_shardings=rows),
+        stack=jax.jit(lambda *keys: jnp.stack(keys), out_shardings=rep),
+        refill=jax.jit(partial(refill_program, settings=d), donate_argnums=1,
+                       out_shardings=e.cache_sharding()),
+        finalize=jax.jit(partial(finalize_block, pad_token_id=d.pad_token_id),
+                         out_shardings=(rows,) * (3 if e.routes_of is None else 4)))
+    per_engine[capacity] = out
+    return out
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -149,11 +191,11 @@ class RolloutStream:
         self.partial, self.kv_on_switch = bool(partial_rollouts), kv_on_switch
         self.model, self.version = Model(engine.graphdef, params), int(version)
         self.stats = StreamStats()
-        self._build()
+        self.programs = _programs(engine, self.capacity)
         lay, n = engine.layout, engine.sampling.max_new_tokens
-        self.state, self.responses = self._empty()
+        self.state, self.responses = self.programs.empty()
         self.cache = engine._new_cache()
-        self.prompt_ids, self.prompt_mask = self._zeros(), self._zeros()
+        self.prompt_ids, self.prompt_mask = self.programs.zeros(), self.programs.zeros()
         self.scheds = [ReplicaScheduler([], group_size=lay.group_size, slots=lay.slots,
                                         num_pages=lay.pages, page_size=engine.settings.page_size,
                                         max_new_tokens=n, chunk=engine.settings.decode_chunk)
@@ -166,26 +208,6 @@ class RolloutStream:
         self._ring_keys = None
         self._switch: Optional[tuple[Any, int]] = None
         self._serial = 0
-
-    def _build(self) -> None:
-        """The stream's own jitted programs (the engine's prefill, decode and admissions are
-        shared): the empty ring, writing a batch's prompts into a block, the keys of the ring,
-        the recompute, and the gather of a finished block."""
-        e, lay, d = self.engine, self.engine.layout, self.engine.sampling
-        rows, rep = e._sharding(P(BATCH_AXES)), e._sharding(P())
-        ring = self.capacity * lay.rows
-        self._empty = jax.jit(partial(empty_state, lay.replicas, lay.slots, ring,
-                                      d.max_new_tokens, d.pad_token_id, e.routes_of),
-                              out_shardings=(rows, rows))
-        self._zeros = jax.jit(lambda: jnp.zeros((lay.replicas * ring, e.prompt_width), jnp.int32),
-                              out_shardings=rows)
-        self._write = jax.jit(partial(write_block, replicas=lay.replicas), donate_argnums=0,
-                              out_shardings=rows)
-        self._stack = jax.jit(lambda *keys: jnp.stack(keys), out_shardings=rep)
-        self._refill = jax.jit(partial(refill_program, settings=d), donate_argnums=1,
-                               out_shardings=e.cache_sharding())
-        self._finalize = jax.jit(partial(finalize_block, pad_token_id=d.pad_token_id),
-                                 out_shardings=(rows,) * (3 if e.routes_of is None else 4))
 
     # ------------------------------------------------------------------ the caller's side
     def submit(self, prompt_ids, prompt_mask, step_key, tag: Any = None) -> None:
@@ -276,11 +298,11 @@ class RolloutStream:
         per = self.engine.layout.rows
         while self._pending and self._free:
             batch, block = self._pending.popleft(), self._free.popleft()
-            self.prompt_ids = self._write(self.prompt_ids, block, batch.prompt_ids)
-            self.prompt_mask = self._write(self.prompt_mask, block, batch.prompt_mask)
+            self.prompt_ids = self.programs.write(self.prompt_ids, block, batch.prompt_ids)
+            self.prompt_mask = self.programs.write(self.prompt_mask, block, batch.prompt_mask)
             self._keys[block] = batch.key
             # one block: the batch's own key, so the prefill and decode are generate's programs
-            self._ring_keys = batch.key if self.capacity == 1 else self._stack(
+            self._ring_keys = batch.key if self.capacity == 1 else self.programs.stack(
                 *(k if k is not None else batch.key for k in self._keys))
             for r, s in enumerate(self.scheds):
                 s.enqueue(block * per, batch.lens[r * per:(r + 1) * per])
@@ -333,7 +355,7 @@ class RolloutStream:
         table = np.stack([s.page_table(e.widths[-1])[np.minimum(ix, lay.slots - 1)]
                           for s, ix in zip(self.scheds, slots)])
         table[slots >= lay.slots] = TRASH_PAGE
-        self.cache = self._refill(self.model, self.cache, self.state, self.responses,
+        self.cache = self.programs.refill(self.model, self.cache, self.state, self.responses,
                                   self.prompt_ids, self.prompt_mask, e._put(slots), e._put(table))
         self.stats.refills += 1
 
@@ -350,7 +372,7 @@ class RolloutStream:
 
     def _gather(self, block: int, lengths: np.ndarray) -> StreamedBatch:
         e, per = self.engine, self.engine.layout.rows
-        out = self._finalize(self.responses, block, e._put(lengths))
+        out = self.programs.finalize(self.responses, block, e._put(lengths))
         n = self.versions.shape[2]
         versions = self.versions[:, block * per:(block + 1) * per].reshape(-1, n).copy()
         versions[np.arange(n) >= lengths.reshape(-1, 1)] = -1
