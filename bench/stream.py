@@ -56,12 +56,12 @@ def build(args):
 
 
 def run_generate(engine, params, batches):
-    steps, outs = 0, []
+    steps, row_steps, outs = 0, 0, []
     for ids, mask, key in batches:
         outs.append(engine.generate(params, ids, mask, key))
-        steps += engine.last_stats.steps
+        steps, row_steps = steps + engine.last_stats.steps, row_steps + engine.last_stats.row_steps
     jax.block_until_ready(outs)
-    return outs, {"decode_steps": steps}
+    return outs, {"decode_steps": steps, "row_steps": row_steps}
 
 
 def run_stream(engine, params, other, batches, mode, in_flight):
@@ -70,17 +70,18 @@ def run_stream(engine, params, other, batches, mode, in_flight):
                            kv_on_switch="keep" if mode == "keep" else "recompute")
     for i, (ids, mask, key) in enumerate(batches):
         stream.submit(ids, mask, key, tag=i)
-    done = []
+    done, given = [], 0
     while stream.in_flight:
         for b in stream.step():
             done.append(b)
-            if mode != "fixed":
-                stream.set_params(other if stream.version % 2 == 0 else params,
-                                  stream.version + 1)
+            if mode != "fixed":  # a trainer step per returned batch: new weights
+                given += 1
+                stream.set_params(other if given % 2 else params, given)
     jax.block_until_ready([b.generation for b in done])
     s = stream.stats
     spread = max(int(b.versions.max() - b.versions[b.versions >= 0].min()) for b in done)
-    return done, {"decode_steps": s.engine.steps, "chunks": s.engine.chunks,
+    return done, {"decode_steps": s.engine.steps, "row_steps": s.engine.row_steps,
+                  "chunks": s.engine.chunks,
                   "occupancy": round(s.engine.slot_occupancy / max(s.engine.chunks, 1), 3),
                   "mixed_chunks": s.mixed_chunks, "drain_chunks": s.drain_chunks,
                   "refills": s.refills, "switches": s.switches, "max_version_spread": spread}
