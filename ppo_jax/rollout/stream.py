@@ -356,7 +356,8 @@ class RolloutStream:
                           for s, ix in zip(self.scheds, slots)])
         table[slots >= lay.slots] = TRASH_PAGE
         self.cache = self.programs.refill(self.model, self.cache, self.state, self.responses,
-                                  self.prompt_ids, self.prompt_mask, e._put(slots), e._put(table))
+                                          self.prompt_ids, self.prompt_mask, e._put(slots),
+                                          e._put(table))
         self.stats.refills += 1
 
     def _collect(self) -> list[StreamedBatch]:
