@@ -2,11 +2,12 @@
 
 Rewards, KL, GAE, reward shaping, per-token losses (PPO, GSPO; SFT next-token NLL; Bradley-Terry)
 and their one reduction (loss aggregation), DAPO's overlong penalty and dynamic-sampling group
-selection, masked statistics, KL controllers, name registries, and the rollout / trainer
-log-prob mismatch (measured, and corrected by importance weights). Every function works on
-``[B, T]`` response-token arrays with a 0/1 ``mask`` (1 on real tokens up to and including EOS)
-or on their ``[B]`` rows, is NaN-safe on masked slots, and validates shapes and dtypes at trace
-time (``ValueError`` naming the argument). Imports only jax / chex / numpy.
+selection, masked statistics, KL controllers, name registries, the rollout / trainer
+log-prob mismatch (measured, and corrected by importance weights), and the staleness of
+asynchronous rollouts. Every function works on ``[B, T]`` response-token arrays with a 0/1
+``mask`` (1 on real tokens up to and including EOS) or on their ``[B]`` rows, is NaN-safe on
+masked slots, and validates shapes and dtypes at trace time (``ValueError`` naming the
+argument). Imports only jax / chex / numpy.
 """
 
 from ppo_jax.core.actions import action_order, compact_actions, expand_actions
@@ -75,6 +76,7 @@ from ppo_jax.core.rewards import (
     compute_rewards, compute_rewards_from_kl, ended_rows, last_valid_onehot,
 )
 from ppo_jax.core.sequence_losses import gspo_loss, sequence_log_ratio
+from ppo_jax.core.staleness import sample_staleness, staleness_metrics
 from ppo_jax.core.shaping import kl_penalty_shaping
 from ppo_jax.core.dapo import group_rows, informative_groups, overlong_penalty, select_groups
 
@@ -146,9 +148,11 @@ __all__ = [
     "rollout_correction_weights",
     "rollout_mismatch",
     "safe_divide",
+    "sample_staleness",
     "select_groups",
     "sequence_log_ratio",
     "shift_for_next_token",
+    "staleness_metrics",
     "token_mean_stats",
     "unregister",
     "update_kl_controller",

@@ -10,7 +10,10 @@
   engine.py           the engine: KV pages, decode slots refilled as rows finish
                       (`generation.engine: paged`), and the turn loop of multi-turn episodes
                       with either engine (static: one page per row, `static_layout`)
-  engine_programs.py  the engine's jitted prefill / decode-chunk / resume / gather programs
+  stream.py           the engine as a stream: batches sharing the slots (a ring of row
+                      blocks), new weights at chunk boundaries, each token's policy version
+  engine_programs.py  the engine's jitted prefill / decode-chunk / resume / refill / gather
+                      programs
   engine_layout.py    the engine's settings and sizes, what one call did
   scheduler.py        the engine's host scheduler (slots, pages, preemption)
   page_pool.py        a replica's free pages, with reference counts

@@ -4,6 +4,7 @@ both engines: static multi-turn is this engine with one page per row (`static_la
 
     engine = PagedEngine(graphdef, cfg, sampling, EngineSettings(...), batch=256, prompt_width=64)
     out = engine.generate(params, prompt_ids, prompt_mask, key)  # a `draws.Generation`
+    stream = engine.stream(params, version=0)  # batches sharing the slots: `rollout.stream`
 
 A batch of B rows (adjacent groups of n samples of one prompt) is answered by R replicas, one
 per row block of the mesh's batch axes (`data` x `fsdp`; R = 1 on one device): replica r owns
@@ -48,6 +49,7 @@ from ppo_jax.rollout.engine_programs import (
 )
 from ppo_jax.rollout.scheduler import Admitted, ReplicaScheduler, pages_for
 from ppo_jax.rollout.static_batch import is_key
+from ppo_jax.rollout.stream import RolloutStream
 from ppo_jax.rollout.turns import (
     TurnCallback, TurnRecord, answer_turns, checked_settings, episodes_of,
 )
@@ -120,6 +122,7 @@ class PagedEngine:
         self._prompt_lens = jax.jit(lambda m: jnp.sum(m.astype(jnp.int32), axis=1),
                                     out_shardings=rep)
         routes_of = self.cfg if d.record_routes and getattr(self.cfg, "num_moe_layers", 0) else None
+        self.routes_of = routes_of  # the config whose routes are recorded (None: none)
         self._empty = jax.jit(partial(empty_state, lay.replicas, lay.slots, lay.rows,
                                       d.max_new_tokens, d.pad_token_id, routes_of),
                               out_shardings=(rows, rows))
@@ -216,6 +219,20 @@ class PagedEngine:
         if self.turns:
             return self._episodes(record, out)
         return Generation(*out[:3], None, out[3] if len(out) == 4 else None)
+
+    def stream(self, params, version: int = 0, *, max_batches_in_flight: int = 2,
+               partial_rollouts: bool = True, kv_on_switch: str = "recompute") -> RolloutStream:
+        """A `rollout.stream.RolloutStream` over this engine: batches submitted one after
+        another share the slots (up to `max_batches_in_flight` at once), and new weights of a
+        policy `version` reach the live sequences at chunk boundaries (`partial_rollouts`,
+        `kv_on_switch`: see that module). Its programs are its own but the prefill and
+        decode, which it shares with `generate`.
+
+        Raises:
+          ValueError: see `RolloutStream`.
+        """
+        return RolloutStream(self, params, version, max_batches_in_flight=max_batches_in_flight,
+                             partial_rollouts=partial_rollouts, kv_on_switch=kv_on_switch)
 
     def _key(self, step_key):
         """The step's key, checked; None only when greedy (a fixed key, never read)."""

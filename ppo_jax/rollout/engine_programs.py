@@ -6,6 +6,11 @@ slots `[R, S]`, responses `[R, B / R, N]` (replica r answers batch rows r * B / 
 pool `[layers, R, pages, ...]` (`models.paged_cache`). Slot state, pages and responses stay on
 the devices for the whole batch; the host sends page tables and admissions, and reads back
 only the slots' lengths and done flags after each chunk.
+
+A stream of batches (`rollout.stream`) holds a ring of C batches' rows: responses
+`[R, C B / R, N]`, replica r's rows of block c at local rows c B / R ..., and one step key per
+block (`step_key` `[C]`): each row is drawn with its own batch's key and batch row
+(`_row_keys`), so a streamed batch's tokens are those of `generate` under its key.
 """
 
 from __future__ import annotations
@@ -111,6 +116,26 @@ def _global_rows(local_rows: jax.Array, rows_per_replica: int) -> jax.Array:
     return r * rows_per_replica + local_rows
 
 
+def is_key_ring(step_key: jax.Array) -> bool:
+    """Whether `step_key` is a stack of keys `[C]` (one per block of a stream's ring), not one
+    key: a typed key array of rank 1, or raw uint32 keys of rank 2 (static: shapes only)."""
+    typed = jnp.issubdtype(step_key.dtype, jax.dtypes.prng_key)
+    return step_key.ndim == (1 if typed else 2)
+
+
+def _row_keys(step_key: jax.Array, local_rows: jax.Array, rows_per_replica: int) -> jax.Array:
+    """`[R * X]` keys of the samples at local rows `[R, X]`: `fold_in(key, batch row)`
+    (`draws.sample_keys`). With one step key the local rows are one batch's; with a ring of
+    C keys (`is_key_ring`), local row c B / R + i of replica r is row r B / R + i of the batch
+    in block c, drawn with block c's key."""
+    if not is_key_ring(step_key):
+        return sample_keys(step_key, _rows_of(_global_rows(local_rows, rows_per_replica)))
+    per_block = rows_per_replica // step_key.shape[0]
+    batch_rows = _global_rows(local_rows % per_block, per_block)
+    keys = step_key[_rows_of(local_rows // per_block)]
+    return jax.vmap(jax.random.fold_in)(keys, _rows_of(batch_rows).astype(jnp.uint32))
+
+
 def _record(responses: Responses, rows, t, tokens, logprobs, keep) -> Responses:
     """Write `tokens`, `logprobs` at `(replica, rows, t)` (each `[R, X]`) where `keep`."""
     n_rows = responses.tokens.shape[1]
@@ -171,7 +196,7 @@ def prefill_program(model: Model, cache: PagedKVCache, state: SlotState, respons
     cache = _copy_pages(cache, a.copy_src.reshape(replicas, -1), a.copy_dst.reshape(replicas, -1))
     n = a.rows.shape[2]
     sample_logits = jnp.repeat(logits, n, axis=1)  # [R, G * n, V]
-    keys = sample_keys(step_key, _global_rows(a.rows, rows).reshape(-1))
+    keys = _row_keys(step_key, a.rows.reshape(replicas, -1), rows)
     token, logp = _draw(s, _rows_of(sample_logits), keys, 0)
     token, logp = token.reshape(replicas, -1), logp.reshape(replicas, -1)
     valid, sample_rows = a.valid.reshape(replicas, -1), a.rows.reshape(replicas, -1)
@@ -202,7 +227,7 @@ def _decode_step(model, cache, state: SlotState, responses: Responses, page_tabl
     responses = _record_routes(responses, state.row, state.length - 1, routing, active)
     logits = model.lm_head(hidden[:, 0])
     rows_per_replica = responses.tokens.shape[1]
-    keys = sample_keys(step_key, _rows_of(_global_rows(state.row, rows_per_replica)))
+    keys = _row_keys(step_key, state.row, rows_per_replica)
     token, logp = _draw(s, logits, keys, _rows_of(state.length))
     token, logp = token.reshape(replicas, slots), logp.reshape(replicas, slots)
     responses = _record(responses, state.row, state.length, token, logp, active)
@@ -300,7 +325,7 @@ def resume_program(model: Model, cache: PagedKVCache, state: SlotState, response
                                    flat(cols), routing, flat(write))
     last = jnp.take_along_axis(hidden, (_rows_of(counts) - 1)[:, None, None], axis=1)[:, 0]
     column = sub.length + counts - 1  # the observation's m columns, then this draw
-    keys = sample_keys(step_key, _rows_of(_global_rows(sub.row, responses.tokens.shape[1])))
+    keys = _row_keys(step_key, sub.row, responses.tokens.shape[1])
     token, logp = _draw(s, lm.lm_head(last), keys, _rows_of(column))
     token, logp = token.reshape(replicas, k), logp.reshape(replicas, k)
     responses = _record(responses, sub.row, column, token, logp, valid)
@@ -309,6 +334,56 @@ def resume_program(model: Model, cache: PagedKVCache, state: SlotState, response
     sub = SlotState(token, sub.position + counts, sub.row, column + 1, done, column,
                     turn_end & (s.turns is not None))
     return cache, _put_slots(state, jnp.where(valid, z.slots, state.token.shape[1]), sub), responses
+
+
+def refill_program(model: Model, cache: PagedKVCache, state: SlotState, responses: Responses,
+                   prompt_ids, prompt_mask, slots, page_table, *, settings: SamplingSettings):
+    """Recompute the keys and values of the slots `slots [R, K]` (padding: an index past the
+    last slot) under `model`, after a weight switch (`rollout.stream`, partial rollouts with
+    `kv_on_switch="recompute"`): each slot's prompt and every drawn token but the last (the
+    next decode step feeds it) run as one prefill from position 0 into its pages
+    `page_table [R, K, W]` (W pages hold P + N - 1 tokens). The row is laid out left-padded
+    (prompt, then the drawn tokens) so the prefill's whole-page write applies; nothing is
+    drawn, the slot state is unchanged. prompt_ids, prompt_mask: the rows' prompts `[R * rows,
+    P]` in the responses' row order. Returns the cache."""
+    replicas, rows = state.token.shape[0], responses.tokens.shape[1]
+    sub, valid = _take_slots(state, slots), slots < state.token.shape[1]
+    local = lambda x: x.reshape(replicas, rows, *x.shape[1:]).astype(jnp.int32)  # noqa: E731
+    take = jax.vmap(lambda x, i: x[i])
+    drawn = take(responses.tokens, sub.row)[..., :-1]  # [R, K, N - 1]: the last is never fed
+    fed = jnp.arange(drawn.shape[-1], dtype=jnp.int32) < (sub.length - 1)[..., None]
+    ids = jnp.concatenate([take(local(prompt_ids), sub.row), drawn], axis=-1)
+    mask = jnp.concatenate([take(local(prompt_mask), sub.row), fed.astype(jnp.int32)], axis=-1)
+    mask = mask * valid[..., None]
+    width = ids.shape[-1]  # roll each row right past its unfed columns: left-padded
+    shift = jnp.where(valid, drawn.shape[-1] - (sub.length - 1), 0)
+    source = (jnp.arange(width, dtype=jnp.int32) - shift[..., None]) % width
+    ids, mask = (jnp.take_along_axis(x, source, axis=-1) for x in (ids, mask))
+    mask = _rows_of(mask)
+    view = PagedView(page_table, jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0), mask > 0,
+                     mask.sum(axis=1), "reference", settings.mesh, whole_pages=True)
+    _, cache = model.merge().backbone(_rows_of(ids), None, cache=cache, paged=view)
+    return cache
+
+
+def write_block(ring: jax.Array, block, rows: jax.Array, *, replicas: int) -> jax.Array:
+    """A batch's rows `[B, ...]` (replica r's rows r B / R ...) written into block `block`
+    (int32, traced) of a ring `[R * C * B / R, ...]` laid out as a stream's responses: replica
+    r's C blocks of B / R rows each, one after another."""
+    per = rows.shape[0] // replicas
+    shaped = ring.reshape(replicas, -1, per, *ring.shape[1:])  # [R, C, B / R, ...]
+    new = rows.reshape(replicas, 1, per, *rows.shape[1:]).astype(ring.dtype)
+    start = (0, block) + (0,) * (shaped.ndim - 2)
+    return jax.lax.dynamic_update_slice(shaped, new, start).reshape(ring.shape)
+
+
+def finalize_block(responses: Responses, block, lengths, pad_token_id: int):
+    """`finalize` of block `block` (int32, traced) of a ring's responses `[R, C B / R, N]`,
+    given its rows' final lengths `[R, B / R]`: the outputs `[B, N]` of that block's batch."""
+    per = lengths.shape[1]
+    part = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, block * per, per, axis=1),
+                        responses)
+    return finalize(part, lengths, pad_token_id)
 
 
 def finalize(responses: Responses, lengths, pad_token_id: int):

@@ -72,15 +72,25 @@ class ReplicaScheduler:
 
     def __init__(self, prompt_lens: Sequence[int], *, group_size: int, slots: int,
                  num_pages: int, page_size: int, max_new_tokens: int, chunk: int):
-        self.prompt_lens = [int(x) for x in prompt_lens]
         self.n, self.page_size, self.max_new, self.chunk = group_size, page_size, max_new_tokens, chunk
         self.pool = PagePool(num_pages)
         self.slots: list[Optional[LiveSequence]] = [None] * slots
-        rows = len(self.prompt_lens)
-        self.queue = deque(tuple(range(g, g + group_size)) for g in range(0, rows, group_size))
+        self.prompt_lens: dict[int, int] = {}  # row -> prompt length, once queued
+        self.queue: deque[tuple[int, ...]] = deque()
         self.final: dict[int, int] = {}  # row -> response length, once finished
         self.preemptions = 0
         self._age = 0
+        self.enqueue(0, prompt_lens)
+
+    def enqueue(self, first_row: int, prompt_lens: Sequence[int]) -> None:
+        """Queue rows `first_row, first_row + 1, ...` with these prompt lengths, in groups of
+        n, behind the rows already queued (a stream's next batch: `rollout.stream`)."""
+        if len(prompt_lens) % self.n:
+            raise ValueError(f"{len(prompt_lens)} rows are not whole groups of {self.n}")
+        for i, length in enumerate(prompt_lens):
+            self.prompt_lens[first_row + i] = int(length)
+        rows = range(first_row, first_row + len(prompt_lens), self.n)
+        self.queue.extend(tuple(range(g, g + self.n)) for g in rows)
 
     # ------------------------------------------------------------------ page arithmetic
     def need_after_chunk(self, prompt_len: int, length: int) -> int:
