@@ -15,9 +15,11 @@ slot (`decode_program`), finished sequences free their slots and pages, and the 
 until every row is answered. The tokens equal those `rollout.static_batch` draws under the
 same key: both draw token t of row b with the key (step key, b, t), see `rollout.draws`.
 
-With `SamplingSettings.turns` the engine plays multi-turn episodes: a turn that ends waits at
-the chunk boundary for its environment, and its observation is prefilled into its pages
-(`rollout.turns`).
+With `SamplingSettings.turns` the engine plays multi-turn episodes: a turn that ends hands its
+tokens to its environment and waits, holding its slot and pages, while the other slots go on
+decoding; at the first chunk boundary its answer is ready, the observation is prefilled into
+its pages (`rollout.turns`). With several processes each hands over its own rows' turns and
+the answers are exchanged at each boundary, so all run the same programs (`turns.TurnLoop`).
 
 Shapes stay static: the prefill compiles once per admitted-group count bucket (powers of two)
 and the decode chunk once per page-table width bucket (`decode_buckets` widths up to the
