@@ -255,7 +255,7 @@ class PagedEngine:
         if turns.pending:
             before = len(turns.pending)
             resumes = turns.take_answers(scheds)
-            stats.turn_rounds += len(turns.pending) < before
+            stats.turn_rounds += int(len(turns.pending) < before)
             if any(resumes):
                 cache, state, responses = self._resume(model, cache, state, responses,
                                                        self._resumption(resumes), step_key)

@@ -21,6 +21,7 @@ the other processes their records.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 from ppo_jax.trainer.environments import (
@@ -73,8 +74,16 @@ class EpisodeSteps:
         return out
 
     def wait(self, timeout_s: Optional[float]) -> None:
-        if not self.answers:
-            self.pool.wait([call for _, call, _ in self.calls.values()], timeout_s)
+        """Until a call of this batch finishes or `timeout_s` passes; with none in flight
+        (another process's turns pending) a sleep of `timeout_s`, so the engine's idle
+        rounds do not spin."""
+        if self.answers:
+            return
+        calls = [call for _, call, _ in self.calls.values()]
+        if calls:
+            self.pool.wait(calls, timeout_s)
+        elif timeout_s:
+            time.sleep(timeout_s)
 
     # ------------------------------------------------------------------ the batch's end
     def drain(self) -> None:
