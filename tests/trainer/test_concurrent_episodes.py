@@ -170,8 +170,8 @@ class TimedTool(Environment):
         self.started = {}  # (row, turn) -> when its step began
 
     def reset(self, row):
-        if self.count is not None:
-            self.count.call(0.02)
+        if self.count is not None:  # long enough for the next reset to start inside it
+            self.count.call(0.1)
         return (row["i"], 0), row["prompt"]
 
     def step(self, state, text):
