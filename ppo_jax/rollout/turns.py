@@ -230,8 +230,9 @@ class TurnLoop:
 
     def __init__(self, batch: int, rows_per_replica: int, settings: SamplingSettings,
                  service: TurnService, owned: tuple[int, int], exchange, vocab_size: int):
-        self.record, self.rows_per_replica, self.settings = TurnRecord(batch), rows_per_replica, settings
-        self.service, self.owned, self.exchange, self.vocab_size = service, owned, exchange, vocab_size
+        self.record, self.rows_per_replica = TurnRecord(batch), rows_per_replica
+        self.settings, self.service, self.owned = settings, service, owned
+        self.exchange, self.vocab_size = exchange, vocab_size
         self.pending: dict[tuple[int, int], int] = {}
         self.last: dict[int, int] = {}  # owned row -> its pending turn's last token
 

@@ -24,8 +24,9 @@ rollout driver (turn limit, token budgets, masks) is not here: it calls these.
 
 from ppo_jax.trainer.environments.base import (
     ENVIRONMENTS, TRUNCATION_MARKER, Environment, EpisodeFailure, StepResult, build_environment,
-    call_outcome, checked_reset, checked_step, environment_names, episode_prompts, get_environment, register_environment, reset_problem, run_reset,
-    run_resets, run_step, run_steps, step_problem, truncate_observation, truncate_tokens,
+    call_outcome, checked_reset, checked_step, environment_names, episode_prompts,
+    get_environment, register_environment, reset_problem, run_reset, run_resets, run_step,
+    run_steps, step_problem, truncate_observation, truncate_tokens,
 )
 from ppo_jax.trainer.environments.pool import Call, CallPool
 from ppo_jax.trainer.environments.calculator import CalculatorError, CalculatorLimits, calculate
@@ -37,9 +38,9 @@ from ppo_jax.trainer.environments.tool_calls import (
 
 __all__ = [
     "ALL_STOP_STRINGS", "ENVIRONMENTS", "FORMATS", "STOP_STRINGS", "TRUNCATION_MARKER",
-    "Call", "CallPool", "CalculatorEnv", "CalculatorError", "CalculatorLimits", "Environment", "EpisodeFailure",
-    "MalformedCall", "RetryEnv", "StepResult", "ToolCall", "build_environment", "calculate",
-    "call_outcome", "checked_reset", "checked_step", "environment_names",
+    "Call", "CallPool", "CalculatorEnv", "CalculatorError", "CalculatorLimits", "Environment",
+    "EpisodeFailure", "MalformedCall", "RetryEnv", "StepResult", "ToolCall", "build_environment",
+    "calculate", "call_outcome", "checked_reset", "checked_step", "environment_names",
     "episode_prompts", "final_number", "get_environment", "parse_tool_call",
     "register_environment", "reset_problem", "run_reset", "run_resets", "run_step", "run_steps",
     "step_problem", "truncate_observation", "truncate_tokens",
