@@ -103,15 +103,15 @@ def owned_rows(sharding: Optional[Sharding], global_rows: int) -> tuple[int, int
 
 
 def allgather_json(value: Any) -> list:
-    """Every process's `value` (JSON-able: lists, dicts with str keys, str, numbers, None), in
-    process order. With one process `[value]`, as given; with several, each value goes
+    """Every process's `value` (JSON-able: lists, dicts with str keys, str, numbers, None;
+    numpy scalars come back as Python numbers), in process order. With one process `[value]`, as given; with several, each value goes
     through JSON (two `process_allgather` calls: the sizes, then the bytes padded to a power
     of two, so that a few shapes are compiled). A collective: every process must call it,
     in the same order as its other collectives.
     """
     if jax.process_count() == 1:
         return [value]
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    data = np.frombuffer(json.dumps(value, default=_plain).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
     sizes = sizes.reshape(-1)
     width = 1 << max(0, math.ceil(math.log2(max(int(sizes.max()), 1))))
@@ -119,3 +119,10 @@ def allgather_json(value: Any) -> list:
     padded[:data.size] = data
     parts = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), width)
     return [json.loads(parts[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as its Python number, for `json.dumps` (TypeError for anything else)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON-able")
