@@ -261,7 +261,7 @@ def test_two_processes_with_the_paged_engine_equal_one_process(tmp_path, cache):
                     param_atol=PROCESS_TOL)
 
 
-@pytest.mark.slow  # default-run budget; the concurrency: tests/trainer/test_concurrent_episodes.py
+@pytest.mark.slow  # 6.4 min per engine on 2 shared cores; the concurrency: test_concurrent_episodes.py
 @pytest.mark.parametrize("engine", ["static", "paged"])
 def test_two_processes_with_an_environment_equal_one_process(tmp_path, cache, engine):
     """Issue 57: mesh (1, 2, 2) over two processes, each playing the episodes of its own 8
