@@ -7,13 +7,17 @@ addresses. These helpers never call `np.asarray` on an array that spans other pr
     q = put_rows(prompt_ids[lo:hi], rows, (B, P))  # host rows -> global array
     resp_np = local_rows(resp)                      # global array -> this process's rows
     params_np = to_host(params)                     # full values (a collective when sharded)
+    lo, hi = owned_rows(rows, global_batch)         # the rows whose host work is this process's
+    parts = allgather_json(value)                   # every process's `value` (a collective)
 
 With one process, `row_range` is `(0, B)` and these are plain `device_put` / `np.asarray`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+import math
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -71,3 +75,54 @@ def to_host(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(one, tree)
+
+
+def owned_rows(sharding: Optional[Sharding], global_rows: int) -> tuple[int, int]:
+    """`(start, stop)`: the rows of dim 0 whose host-side work (an environment's calls) is this
+    process's: those it holds under `sharding` that no process of a lower index holds too, so
+    a row block that several processes hold (a `tensor` axis across processes) is worked on
+    once. `(0, global_rows)` with one process or no sharding; `(start, start)` for none.
+
+    Raises:
+      ValueError: the owned rows are not one contiguous block (as `row_range`).
+    """
+    if sharding is None or jax.process_count() == 1:
+        return 0, global_rows
+    first: dict[tuple[int, int], int] = {}  # row block -> the lowest process holding it
+    for device, index in sharding.devices_indices_map((global_rows,)).items():
+        block = index[0].indices(global_rows)[:2]
+        first[block] = min(first.get(block, device.process_index), device.process_index)
+    mine = sorted(b for b, p in first.items() if p == jax.process_index())
+    if not mine:
+        start = row_range(sharding, global_rows)[0]
+        return start, start
+    if any(a[1] != b[0] for a, b in zip(mine, mine[1:])):
+        raise ValueError(f"process {jax.process_index()} owns rows {mine} of the batch: not "
+                         "one contiguous block")
+    return mine[0][0], mine[-1][1]
+
+
+def allgather_json(value: Any) -> list:
+    """Every process's `value` (JSON-able: lists, dicts with str keys, str, numbers, None;
+    numpy scalars come back as Python numbers), in process order. With one process `[value]`, as given; with several, each value goes
+    through JSON (two `process_allgather` calls: the sizes, then the bytes padded to a power
+    of two, so that a few shapes are compiled). A collective: every process must call it,
+    in the same order as its other collectives.
+    """
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value, default=_plain).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
+    sizes = sizes.reshape(-1)
+    width = 1 << max(0, math.ceil(math.log2(max(int(sizes.max()), 1))))
+    padded = np.zeros(width, np.uint8)
+    padded[:data.size] = data
+    parts = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), width)
+    return [json.loads(parts[i, :sizes[i]].tobytes()) for i in range(len(sizes))]
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as its Python number, for `json.dumps` (TypeError for anything else)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON-able")

@@ -16,9 +16,11 @@ slot (`decode_program`), finished sequences free their slots and pages, and the 
 until every row is answered. The tokens equal those `rollout.static_batch` draws under the
 same key: both draw token t of row b with the key (step key, b, t), see `rollout.draws`.
 
-With `SamplingSettings.turns` the engine plays multi-turn episodes: a turn that ends waits at
-the chunk boundary for its environment, and its observation is prefilled into its pages
-(`rollout.turns`).
+With `SamplingSettings.turns` the engine plays multi-turn episodes: a turn that ends hands its
+tokens to its environment and waits, holding its slot and pages, while the other slots go on
+decoding; at the first chunk boundary its answer is ready, the observation is prefilled into
+its pages (`rollout.turns`). With several processes each hands over its own rows' turns and
+the answers are exchanged at each boundary, so all run the same programs (`turns.TurnLoop`).
 
 Shapes stay static: the prefill compiles once per admitted-group count bucket (powers of two)
 and the decode chunk once per page-table width bucket (`decode_buckets` widths up to the
@@ -40,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ppo_jax.models.functional import Model
 from ppo_jax.models.paged_cache import TRASH_PAGE, init_paged_cache
+from ppo_jax.parallel.host import allgather_json, local_rows, owned_rows, put_rows, row_range
 from ppo_jax.parallel.mesh import BATCH_AXES, batch_shards
 from ppo_jax.rollout.engine_layout import EngineSettings, EngineStats, engine_layout
 from ppo_jax.rollout.draws import Generation, SamplingSettings
@@ -51,10 +54,21 @@ from ppo_jax.rollout.scheduler import Admitted, ReplicaScheduler, pages_for
 from ppo_jax.rollout.static_batch import is_key
 from ppo_jax.rollout.stream import RolloutStream
 from ppo_jax.rollout.turns import (
-    TurnCallback, TurnRecord, answer_turns, checked_settings, episodes_of,
+    TurnCallback, TurnLoop, TurnRecord, TurnService, checked_settings, episodes_of, turn_service,
 )
 
 STATIC_DECODE_CHUNK = 8  # static multi-turn: tokens decoded between two host rounds
+IDLE_WAIT_S = 1.0  # every live slot waits for its environment: the longest block (one process)
+IDLE_POLL_S = 0.02  # the same with several processes: they exchange answers this often
+
+
+def turn_rows(mesh, batch: int) -> tuple[int, int]:
+    """`(start, stop)`: the rows of a B-row batch whose turns this process hands to its
+    environment in an engine on `mesh` (None: one device): the row blocks of the mesh's batch
+    axes it holds and no lower process holds (`parallel.host.owned_rows`); all B with one
+    process. The episode driver plays the same rows."""
+    sharding = None if mesh is None else NamedSharding(mesh, P(BATCH_AXES))
+    return owned_rows(sharding, batch)
 
 
 def static_layout(batch: int, prompt_width: int, max_new_tokens: int) -> EngineSettings:
@@ -150,7 +164,7 @@ class PagedEngine:
 
     # ------------------------------------------------------------------ one batch
     def generate(self, params, prompt_ids, prompt_mask, step_key,
-                 on_turn_end: Optional[TurnCallback] = None):
+                 on_turn_end: Optional[TurnCallback | TurnService] = None):
         """Answer every row of a batch.
 
         Args:
@@ -159,14 +173,16 @@ class PagedEngine:
             over the batch axes), B and P as given to the constructor; rows in adjacent groups
             of n = `samples_per_prompt` copies of a prompt.
           step_key: the step's PRNG key (replicated); None when greedy.
-          on_turn_end: with turns, the environment, called on the host as
-            `on_turn_end(rows, turn_tokens)` whenever turns end: `rows` the batch rows whose
+          on_turn_end: with turns, the environment: a `turns.TurnService` (asynchronous: its
+            answers are taken in at whichever chunk boundary they are ready), or a callable
+            `on_turn_end(rows, turn_tokens)` answered at once: `rows` the batch rows whose
             turn ended, `turn_tokens` each one's turn as a list of token ids (from its first
-            drawn token to the stop token / the last token of the stop sequence). It returns
-            one answer per row: None ends the episode; a list of token ids (the observation;
-            [] is allowed) is appended and the model's next turn follows it. At a row's
-            `max_turns`-th turn end it is still called (to let the environment score the turn)
-            and the row ends whatever it says. Required with turns, refused without.
+            drawn token to the stop token / the last token of the stop sequence); one answer
+            per row: None ends the episode; a list of token ids (the observation; [] is
+            allowed) is appended and the model's next turn follows it. At a row's
+            `max_turns`-th turn end it is still asked (to let the environment score the turn)
+            and the row ends whatever it says. With several processes each is asked only
+            about the rows `turn_rows` gives it. Required with turns, refused without.
 
         Returns:
           a `draws.Generation` `[B, N]`, with the tokens, mask and log-probs the static batch
@@ -181,9 +197,10 @@ class PagedEngine:
         if tuple(prompt_ids.shape) != (self.batch, self.prompt_width):
             raise ValueError(f"prompts {tuple(prompt_ids.shape)}; this engine was built for "
                              f"{(self.batch, self.prompt_width)}")
-        if self.turns != (on_turn_end is not None) or (self.turns and not callable(on_turn_end)):
+        if self.turns != (on_turn_end is not None):
             raise ValueError(f"on_turn_end={on_turn_end!r}: a multi-turn engine (settings with "
                              "turns) needs a callable, a single-turn one takes none")
+        turns = self._turn_loop(on_turn_end) if self.turns else None
         step_key = self._key(step_key)
         model = Model(self.graphdef, params)
         lens = np.asarray(jax.device_get(self._prompt_lens(prompt_mask)))
@@ -194,7 +211,6 @@ class PagedEngine:
                                    chunk=self.settings.decode_chunk) for r in range(lay.replicas)]
         state, responses = self._empty()
         cache, stats = self._new_cache(), EngineStats()
-        record = TurnRecord(self.batch) if self.turns else None
         while not all(s.finished for s in scheds):
             admitted = [s.admit() for s in scheds]
             if any(admitted):
@@ -202,22 +218,15 @@ class PagedEngine:
                                                         prompt_mask, self._admission(admitted),
                                                         step_key)
                 stats.prefills += 1
-            cache, state, responses, held = self._chunk(model, cache, state, responses, scheds,
-                                                        step_key, stats)
-            if any(held):
-                resumes = answer_turns(held, scheds, np.asarray(jax.device_get(responses.tokens)),
-                                       record, self.sampling, on_turn_end, self.cfg.vocab_size)
-                stats.turn_rounds += 1
-                if any(resumes):
-                    cache, state, responses = self._resume(model, cache, state, responses,
-                                                           self._resumption(resumes), step_key)
+            cache, state, responses = self._round(model, cache, state, responses, scheds,
+                                                  step_key, stats, turns)
         final = np.array([[s.final[i] for i in range(lay.rows)] for s in scheds], np.int32)
         stats.preemptions = sum(s.preemptions for s in scheds)
         stats.slot_occupancy /= max(stats.chunks, 1)
         self.last_stats = stats
         out = self._finalize(responses, self._put(final))
         if self.turns:
-            return self._episodes(record, out)
+            return self._episodes(turns.record, out, final.reshape(-1))
         return Generation(*out[:3], None, out[3] if len(out) == 4 else None)
 
     def stream(self, params, version: int = 0, *, max_batches_in_flight: int = 2,
@@ -234,6 +243,47 @@ class PagedEngine:
         return RolloutStream(self, params, version, max_batches_in_flight=max_batches_in_flight,
                              partial_rollouts=partial_rollouts, kv_on_switch=kv_on_switch)
 
+    def _turn_loop(self, on_turn_end) -> TurnLoop:
+        """The batch's `turns.TurnLoop`: its service, the rows this process owns, the exchange
+        between processes (none with one)."""
+        exchange = allgather_json if jax.process_count() > 1 else (lambda v: [v])
+        return TurnLoop(self.batch, self.layout.rows, self.sampling, turn_service(on_turn_end),
+                        turn_rows(self.mesh, self.batch), exchange, self.cfg.vocab_size)
+
+    def _round(self, model, cache, state, responses, scheds, step_key, stats: EngineStats,
+               turns: Optional[TurnLoop]):
+        """One host round after admission: a decode chunk of the live slots that do not wait
+        for their environment, or, when every live slot waits, a wait for an answer
+        (`TurnService.wait`: `IDLE_POLL_S` with several processes, which then exchange); then
+        the new turn ends handed over and the ready answers taken in (`turns.TurnLoop`), the
+        slots they resume fed their observations."""
+        if turns is None:
+            return self._chunk(model, cache, state, responses, scheds, step_key, stats)[:3]
+        waiting = turns.pending_mask(len(scheds), self.layout.slots)
+        if waiting.any() and not (np.stack([s.live() for s in scheds]) & ~waiting).any():
+            turns.service.wait(IDLE_POLL_S if jax.process_count() > 1 else IDLE_WAIT_S)
+            held = []
+        else:
+            cache, state, responses, held = self._chunk(model, cache, state, responses, scheds,
+                                                        step_key, stats, waiting)
+        if any(held):
+            turns.hand_over(held, scheds, lambda: local_rows(responses.tokens),
+                            self._first_replica())
+        if turns.pending:
+            before = len(turns.pending)
+            resumes = turns.take_answers(scheds)
+            stats.turn_rounds += int(len(turns.pending) < before)
+            if any(resumes):
+                cache, state, responses = self._resume(model, cache, state, responses,
+                                                       self._resumption(resumes), step_key)
+        return cache, state, responses
+
+    def _first_replica(self) -> int:
+        """The first replica whose rows this process holds (0 with one process)."""
+        if jax.process_count() == 1:
+            return 0
+        return row_range(self._sharding(P(BATCH_AXES)), self.layout.replicas)[0]
+
     def _key(self, step_key):
         """The step's key, checked; None only when greedy (a fixed key, never read)."""
         if step_key is None:
@@ -245,12 +295,18 @@ class PagedEngine:
                              f"{type(step_key).__name__} {getattr(step_key, 'shape', '')}")
         return step_key
 
-    def _episodes(self, record: TurnRecord, out) -> Generation:
+    def _episodes(self, record: TurnRecord, out, lengths: np.ndarray) -> Generation:
         """The finished multi-turn batch, observations and action mask written on the host
-        (`turns.episodes_of`), laid out by row."""
-        ids, mask, logp, episodes = episodes_of(record, *jax.device_get(out[:3]))
+        (`turns.episodes_of`) into this process's rows, laid out by row; `lengths [B]` every
+        row's response length."""
         rows = self._sharding(P(BATCH_AXES))
-        put = (lambda x: jax.device_put(x, rows)) if rows is not None else jnp.asarray  # noqa: E731
+        first = row_range(rows, self.batch)[0] if rows is not None else 0
+        ids, mask, logp, episodes = episodes_of(record, *(local_rows(x) for x in out[:3]),
+                                                lengths, first)
+        if rows is None:
+            put = jnp.asarray
+        else:
+            put = lambda x: put_rows(x, rows, (self.batch, *x.shape[1:]))  # noqa: E731
         return Generation(put(ids), put(mask), put(logp),
                           episodes._replace(action_mask=put(episodes.action_mask)),
                           out[3] if len(out) == 4 else None)
@@ -274,9 +330,12 @@ class PagedEngine:
                 tokens[r, i, :len(fed)], table[r, i, :len(held)] = fed, held
         return Resumption(*(self._put(x) for x in (slots, tokens, counts, table)))
 
-    def _chunk(self, model, cache, state, responses, scheds, step_key, stats: EngineStats):
-        """Grow every live sequence's pages, run one decode chunk, retire what finished;
-        returns the state and, per replica, the slots whose turn ended (multi-turn)."""
+    def _chunk(self, model, cache, state, responses, scheds, step_key, stats: EngineStats,
+               waiting: Optional[np.ndarray] = None):
+        """Grow every live sequence's pages, run one decode chunk over the live slots but the
+        `waiting` ones (`[R, S]`: their turns wait for an environment), retire what finished;
+        returns the state and, per replica, the slots whose turn ended or still waits
+        (multi-turn)."""
         for s in scheds:
             if s.grow() and self.turns:
                 raise RuntimeError("the multi-turn engine preempted a sequence: its pool is "
@@ -287,15 +346,16 @@ class PagedEngine:
                                "pool cannot hold the next group (engine_layout's check failed)")
         stats.peak_pages = max(stats.peak_pages, max(s.pool.num_pages - 1 - s.pool.num_free
                                                      for s in scheds))
+        decoding = live if waiting is None else live & ~waiting
         width = pick_width(self.widths, max(s.max_pages() for s in scheds))
-        rows = pick_width(self.slot_buckets, int(live.sum(axis=1).max()))
+        rows = pick_width(self.slot_buckets, int(decoding.sum(axis=1).max()))
         slots = np.full((len(scheds), rows), self.layout.slots, np.int32)  # packed, then padding
         for r, s in enumerate(scheds):
-            used = np.flatnonzero(live[r])
+            used = np.flatnonzero(decoding[r])
             slots[r, :len(used)] = used
         table = np.stack([s.page_table(width)[np.minimum(ix, self.layout.slots - 1)]
                           for s, ix in zip(scheds, slots)])
-        packed = np.take_along_axis(live, np.minimum(slots, self.layout.slots - 1), axis=1)
+        packed = np.take_along_axis(decoding, np.minimum(slots, self.layout.slots - 1), axis=1)
         packed &= slots < self.layout.slots
         cache, state, responses, lengths, done, waiting, steps = self._decode(
             model, cache, state, responses, self._put(slots), self._put(table), self._put(packed),

@@ -261,6 +261,31 @@ def test_two_processes_with_the_paged_engine_equal_one_process(tmp_path, cache):
                     param_atol=PROCESS_TOL)
 
 
+@pytest.mark.slow  # 6.4 min per engine on 2 shared cores; the concurrency: test_concurrent_episodes.py
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_two_processes_with_an_environment_equal_one_process(tmp_path, cache, engine):
+    """Issue 57: mesh (1, 2, 2) over two processes, each playing the episodes of its own 8
+    rows (a scripted tool environment, its calls in the process's own pool) and exchanging the
+    answers at each chunk boundary: two steps of `train()`, the held-out evaluation played as
+    episodes too, equal one process on one device."""
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    coordinator = f"localhost:{free_port()}"
+    extra = ENV + (("--set", "generation.engine=paged", "--set", "generation.page_size=8",
+                    "--set", "generation.decode_chunk=4") if engine == "paged" else ())
+    procs = [launch(multi, [(1, 2, 2)], devices=2, steps=2, loop="train", cache=cache,
+                    process=(coordinator, 2, i), extra=extra) for i in range(2)]
+    ref = launch(single, [(1, 1, 1)], devices=1, steps=2, loop="train", cache=cache, extra=extra)
+    for p in (*procs, ref):
+        finish(p)
+    got, want = load(multi, (1, 2, 2)), load(single, (1, 1, 1))
+    assert got[0]["processes"] == 2
+    assert_same_run(got, want, f"two processes with an environment, {engine}",
+                    skip=ENGINE_FIGURES, param_atol=PROCESS_TOL)
+    first = want[0]["metrics"][0]
+    assert first["env/tool_call"] > 0 and first["action_length"] < first["response_length"]
+    assert any("eval/reward_mean" in m for m in want[0]["metrics"])
+
+
 @pytest.mark.slow  # default-run budget (25 s on 2 cores); `make test-slow`
 def test_sft_and_reward_model_steps_on_a_mesh_of_8_equal_one_device(tmp_path):
     """Stages 1 and 2: two steps (micro-batched, with a held-out evaluation) on a 2x2x2 mesh

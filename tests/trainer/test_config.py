@@ -95,6 +95,13 @@ def test_missing_config_file():
     (["model.shared_critic=true", "optim.value_head_lr=0"], "optim.value_head_lr=0.0 must be > 0"),
     (["stage=reward_model", "model.reward_model=m", "reward_model.data=x.jsonl",
       "reward_model.backbone_lr_scale=-1"], "reward_model.backbone_lr_scale=-1.0"),
+    (["env.name=calculator", "env.concurrency=0"],
+     "env.concurrency=0 must be an int >= 1 (environment calls a process runs at once)"),
+    (["env.name=calculator", "env.concurrency=-3"], "env.concurrency=-3 must be an int >= 1"),
+    (["env.name=calculator", "env.concurrency=1.5"],
+     "config key 'env.concurrency': Value '1.5' of type 'float' could not be converted"),
+    (["env.name=calculator", "env.concurrency=true"],
+     "config key 'env.concurrency': Value 'True' of type 'bool' could not be converted"),
 ])
 def test_inconsistent_fields_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

@@ -79,6 +79,7 @@ VALUES = {
     "env.max_turns": ["env.max_turns=2"],
     "env.max_observation_tokens": ["env.max_observation_tokens=8"],
     "env.timeout_s": ["env.timeout_s=5"],
+    "env.concurrency": ["env.concurrency=4"],
     "env.max_failed_steps": ["env.max_failed_steps=2"],
     "env.stop_strings": ["env.stop_strings=[</tool>]"],
     "env.observation_role": ["env.observation_role=tool"],

@@ -151,6 +151,9 @@ def _validate_env(cfg: Config) -> None:
             e.max_failed_steps < 1:
         raise ConfigError(f"env.max_failed_steps={e.max_failed_steps!r} must be an int >= 1 "
                           "(steps in a row whose every episode failed before the run stops)")
+    if isinstance(e.concurrency, bool) or not isinstance(e.concurrency, int) or e.concurrency < 1:
+        raise ConfigError(f"env.concurrency={e.concurrency!r} must be an int >= 1 (environment "
+                          "calls a process runs at once)")
     if e.stop_strings is not None and not all(isinstance(x, str) and x for x in e.stop_strings):
         raise ConfigError(f"env.stop_strings={e.stop_strings!r} must be non-empty strings")
     if e.name is None or cfg.stage != "ppo":

@@ -24,10 +24,13 @@ class EnvConfig:
     max_turns: int = opt(4, "assistant turns per episode at most; the last one is scored "
                          "whatever it holds")
     max_observation_tokens: int = opt(64, "an observation is cut to this many tokens")
-    timeout_s: float = opt(10.0, "seconds one environment step or reset may take (a batch's "
-                           "calls run at once, one deadline); past it, or on an exception, the "
-                           "episode fails: reward 0, counted in env/failures; at load, a reset "
-                           "past it is an error naming the record")
+    timeout_s: float = opt(10.0, "seconds one environment step or reset may take, from its own "
+                           "start; past it, or on an exception, only that episode fails: reward "
+                           "0, counted in env/failures (the other rows keep decoding); at load, "
+                           "a reset past it is an error naming the record")
+    concurrency: int = opt(32, "environment calls one process runs at once (its rows' steps "
+                           "and resets, in daemon threads); more wait their turn; a call past "
+                           "env.timeout_s gives its place up")
     max_failed_steps: int = opt(3, "steps in a row whose every episode failed before the run "
                                 "stops (exit 1, one error line; earlier checkpoints kept)")
     stop_strings: Optional[list[str]] = opt(None, "text that ends an assistant turn besides the "

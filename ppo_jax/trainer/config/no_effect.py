@@ -207,6 +207,7 @@ NO_EFFECT: tuple[NoEffect, ...] = (
         ("kwargs", "the environment's factory arguments"), ("max_turns", "turns per episode"),
         ("max_observation_tokens", "the length of an observation"),
         ("timeout_s", "the time an environment step may take"),
+        ("concurrency", "the environment calls run at once"),
         ("max_failed_steps", "failed steps before the run stops"),
         ("stop_strings", "the text that ends a turn"),
         ("observation_role", "the chat role of an observation"))),

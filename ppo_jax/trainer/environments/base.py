@@ -9,9 +9,10 @@ An episode is a conversation between the policy and an environment:
         if isinstance(result, EpisodeFailure) or result.done: break
         state = result.state                        # result.observation: the next user turn
 
-A batch's episodes go through `run_resets` / `run_steps`: every row's call in its own thread,
-all waited for with one shared deadline, so a batch whose calls all hang costs one `timeout_s`,
-not one per row.
+A batch's calls go through `run_resets` / `run_steps`: every row's call in its own thread,
+each under `timeout_s` from its own start (`pool.CallPool`), so a batch whose calls all hang
+costs one `timeout_s`, not one per row. The episode driver (`stages.ppo.episode_steps`) keeps
+one `CallPool` of `env.concurrency` places and hands it each turn as it ends.
 
 The shape follows verl's agent loop (`ToolAgentLoop`) and OpenRLHF's `MultiTurnExecutor`
 driving an `AgentInstanceBase`, after Gym's `reset` / `step`; the code is this project's own.
@@ -38,12 +39,11 @@ from __future__ import annotations
 
 import inspect
 import numbers
-import threading
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ppo_jax.core.registry import Registry
+from ppo_jax.trainer.environments.pool import EXPIRED, HUNG_PER_PLACE, REFUSED, Call, CallPool
 from ppo_jax.trainer.rewards.deadline import Expired, call_with_deadline
 
 TRUNCATION_MARKER = "...[truncated]"
@@ -176,32 +176,16 @@ def _env_name(env) -> str:
     return str(getattr(env, "name", None) or type(env).__name__)
 
 
-def _timed_calls(calls: Sequence[tuple[Callable, tuple]], timeout_s: Optional[float]
-                 ) -> list[Future]:
-    """Each `fn(*args)` of `calls` in a new daemon thread, all started at once and waited for
-    with one shared deadline. Returns the futures, each done unless `timeout_s` passed first.
-
-    Daemon threads, not a pool's: Python cannot stop a thread, and a call that never returns must
-    neither hold a pool's worker nor keep the process alive at exit. Its late result is dropped.
-    """
-    futures = [_start(fn, args) for fn, args in calls]
-    wait(futures, timeout=timeout_s)
-    return futures
-
-
-def _start(fn: Callable, args: tuple) -> Future:
-    future: Future = Future()
-
-    def work():
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - reported, never raised
-            future.set_exception(e)
-
-    threading.Thread(target=work, name="environment-call", daemon=True).start()
-    return future
+def _timed_calls(calls: Sequence[tuple[Callable, tuple]], timeout_s: Optional[float],
+                 concurrency: Optional[int] = None) -> list[Call]:
+    """Each `fn(*args)` of `calls` in a `CallPool` of `concurrency` places (None: all at
+    once), each call under `timeout_s` from its own start; returns when every call has
+    finished or expired. With every call started at once, B calls that all hang cost one
+    `timeout_s`. An expired call's thread is left to finish (a daemon), its result dropped."""
+    pool = CallPool(concurrency or max(len(calls), 1), timeout_s)
+    handles = [pool.submit(fn, *args) for fn, args in calls]
+    pool.wait(handles, every=True)
+    return handles
 
 
 def _check_timeout(timeout_s: Optional[float]) -> None:
@@ -210,16 +194,21 @@ def _check_timeout(timeout_s: Optional[float]) -> None:
                          f"{timeout_s!r}")
 
 
-def _outcome(future: Future, name: str, what: str, timeout_s) -> Union[Any, EpisodeFailure]:
-    """The future's result, or the EpisodeFailure of its exception or of its not being done."""
-    if not future.done():
+def call_outcome(call: Call, name: str, what: str, timeout_s) -> Union[Any, EpisodeFailure]:
+    """A finished pool call's value, or the EpisodeFailure of its exception, of its expiry
+    (`"environment 'x': step took longer than 10 s"`) or of its refusal (too many hung calls,
+    `pool.CallPool`)."""
+    if call.status == EXPIRED or not call.finished:
         return EpisodeFailure(name, f"environment {name!r}: {what} took longer than "
                                     f"{timeout_s:g} s")
-    error = future.exception()
-    if error is not None:
+    if call.status == REFUSED:
+        return EpisodeFailure(name, f"environment {name!r}: {what} not started: calls past "
+                                    f"their timeout are still running (at the cap of "
+                                    f"{HUNG_PER_PLACE} per place of env.concurrency)")
+    if call.error is not None:
         return EpisodeFailure(name, f"environment {name!r}: {what} raised "
-                                    f"{type(error).__name__}: {error}")
-    return future.result()
+                                    f"{type(call.error).__name__}: {call.error}")
+    return call.value
 
 
 def step_problem(result: Any) -> Optional[str]:
@@ -276,11 +265,12 @@ def run_step(env: Environment, state: Any, text: str, *, timeout_s: Optional[flo
 
 
 def run_steps(env: Environment, states: Sequence[Any], texts: Sequence[str], *,
-              timeout_s: Optional[float]) -> list[Union[StepResult, EpisodeFailure]]:
+              timeout_s: Optional[float], concurrency: Optional[int] = None
+              ) -> list[Union[StepResult, EpisodeFailure]]:
     """`run_step` for a batch of episodes at once: `env.step(states[i], texts[i])` for every i in
-    parallel threads sharing the environment object, with one deadline `timeout_s` after they
-    start, so B hanging steps cost one `timeout_s`. Returns `[B]` results in the order of
-    `states`.
+    parallel threads sharing the environment object, at most `concurrency` at once (None: all),
+    each under `timeout_s` from its own start, so B hanging steps started together cost one
+    `timeout_s`. Returns `[B]` results in the order of `states`.
 
     Raises:
       ValueError: `timeout_s` not positive, or `states` and `texts` of different lengths.
@@ -289,11 +279,14 @@ def run_steps(env: Environment, states: Sequence[Any], texts: Sequence[str], *,
     if len(states) != len(texts):
         raise ValueError(f"run_steps: {len(states)} states but {len(texts)} texts")
     name = _env_name(env)
-    futures = _timed_calls([(env.step, (s, t)) for s, t in zip(states, texts)], timeout_s)
-    return [_checked_step(_outcome(f, name, "step", timeout_s), name) for f in futures]
+    calls = _timed_calls([(env.step, (s, t)) for s, t in zip(states, texts)], timeout_s,
+                         concurrency)
+    return [checked_step(call_outcome(c, name, "step", timeout_s), name) for c in calls]
 
 
-def _checked_step(out: Any, name: str) -> Union[StepResult, EpisodeFailure]:
+def checked_step(out: Any, name: str) -> Union[StepResult, EpisodeFailure]:
+    """A step's outcome (`call_outcome`) checked: an `EpisodeFailure` as it is, a malformed
+    return (`step_problem`) as one naming the problem, a `StepResult` with float rewards."""
     if isinstance(out, EpisodeFailure):
         return out
     problem = step_problem(out)
@@ -331,21 +324,27 @@ def run_reset(env: Environment, row: dict, *, timeout_s: Optional[float]
     return run_resets(env, [row], timeout_s=timeout_s)[0]
 
 
-def run_resets(env: Environment, rows: Sequence[dict], *, timeout_s: Optional[float]
-               ) -> list[Union[tuple[Any, str], EpisodeFailure]]:
-    """`run_reset` for a batch of rows at once, in parallel threads with one shared deadline, as
-    `run_steps`. Returns `[B]` results in the order of `rows`.
+def run_resets(env: Environment, rows: Sequence[dict], *, timeout_s: Optional[float],
+               concurrency: Optional[int] = None) -> list[Union[tuple[Any, str], EpisodeFailure]]:
+    """`run_reset` for a batch of rows at once, in parallel threads as `run_steps`. Returns `[B]`
+    results in the order of `rows`.
 
     Raises:
       ValueError: `timeout_s` not positive.
     """
     _check_timeout(timeout_s)
     name = _env_name(env)
-    outs = [_outcome(f, name, "reset", timeout_s)
-            for f in _timed_calls([(env.reset, (row,)) for row in rows], timeout_s)]
-    problems = [None if isinstance(o, EpisodeFailure) else reset_problem(o) for o in outs]
-    return [o if p is None else EpisodeFailure(name, f"environment {name!r}: {p}")
-            for o, p in zip(outs, problems)]
+    calls = _timed_calls([(env.reset, (row,)) for row in rows], timeout_s, concurrency)
+    return [checked_reset(call_outcome(c, name, "reset", timeout_s), name) for c in calls]
+
+
+def checked_reset(out: Any, name: str) -> Union[tuple[Any, str], EpisodeFailure]:
+    """A reset's outcome (`call_outcome`) checked: an `EpisodeFailure` as it is, a return that
+    `reset_problem` refuses as one naming the problem, else `(state, prompt)`."""
+    if isinstance(out, EpisodeFailure):
+        return out
+    problem = reset_problem(out)
+    return out if problem is None else EpisodeFailure(name, f"environment {name!r}: {problem}")
 
 
 def truncate_observation(text: str, max_chars: int) -> str:
@@ -381,16 +380,17 @@ def truncate_tokens(ids: Sequence[int], max_tokens: int, marker_ids: Sequence[in
 
 
 def episode_prompts(env: Environment, texts: list[str], rows: Optional[list[dict]], key: str,
-                    *, timeout_s: Optional[float]) -> tuple[list[str], list[dict]]:
+                    *, timeout_s: Optional[float], concurrency: Optional[int] = None
+                    ) -> tuple[list[str], list[dict]]:
     """The first observation of each prompt record's episode, called when the prompts load.
 
     Returns `(prompts, rows)`: prompt i is the text of `env.reset({**rows[i], "prompt":
     texts[i]})`, the record's prompt with the environment's instruction; row i keeps the record's
     own prompt under `prompt`, so that a later `reset(row)` starts the same episode.
 
-    Resets run `LOAD_CHUNK` records at a time with one `timeout_s` deadline per chunk, and the
-    first chunk holding a failure stops the load, so a `reset` that hangs on every record costs
-    one `timeout_s`, not one per record.
+    Resets run in chunks of `LOAD_CHUNK` records (at most `concurrency`, `env.concurrency`),
+    all of a chunk at once, each under `timeout_s`, and the first chunk holding a failure stops
+    the load, so a `reset` that hangs on every record costs one `timeout_s`, not one per record.
 
     Raises:
       ValueError: naming `key`, the record (from 0) and the environment, for the first record
@@ -399,9 +399,9 @@ def episode_prompts(env: Environment, texts: list[str], rows: Optional[list[dict
     """
     given = rows or [{}] * len(texts)
     rows = [{**(given[i] or {}), "prompt": text} for i, text in enumerate(texts)]
-    prompts = []
-    for start in range(0, len(rows), LOAD_CHUNK):
-        outs = run_resets(env, rows[start:start + LOAD_CHUNK], timeout_s=timeout_s)
+    prompts, chunk = [], min(LOAD_CHUNK, concurrency or LOAD_CHUNK)
+    for start in range(0, len(rows), chunk):
+        outs = run_resets(env, rows[start:start + chunk], timeout_s=timeout_s)
         for i, out in enumerate(outs, start):
             if isinstance(out, EpisodeFailure):
                 raise ValueError(f"{key}: record {i}: {out.error}")

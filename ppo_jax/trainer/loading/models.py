@@ -358,7 +358,8 @@ def build_prompts(cfg: Config, tokenizer, model_cfg, *, path: str | None = None,
     texts, rows = prompt_records(cfg, d.prompts if path is None else path, key)
     if cfg.env.name:  # the first observation of each episode: the prompt and its instruction
         env = build_environment(cfg.env.name, cfg.env.kwargs, timeout_s=cfg.env.timeout_s)
-        texts, rows = episode_prompts(env, texts, rows, key, timeout_s=cfg.env.timeout_s)
+        texts, rows = episode_prompts(env, texts, rows, key, timeout_s=cfg.env.timeout_s,
+                                      concurrency=cfg.env.concurrency)
     prompts = tokenize_prompts(texts, tokenizer, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, use_chat_template=d.use_chat_template,
                                system_prompt=d.system_prompt, pad_token_id=pad_token_id(tokenizer),

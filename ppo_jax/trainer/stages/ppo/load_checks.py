@@ -206,7 +206,8 @@ def check_prompt_files(cfg: Config) -> None:
         texts, rows = prompt_records(cfg, source, key)
         if env is not None:  # every record starts an episode (`reset`)
             try:
-                episode_prompts(env, texts, rows, key, timeout_s=cfg.env.timeout_s)
+                episode_prompts(env, texts, rows, key, timeout_s=cfg.env.timeout_s,
+                                concurrency=cfg.env.concurrency)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         elif cfg.reward.kind == "function":
@@ -277,18 +278,15 @@ def probe_reward(cfg: Config, reward_fn: RewardFunction, texts: list[str], rows:
 
 
 def check_placement(cfg: Config, place) -> None:
-    """`ppo.batch_size` on the mesh of `place` (`Placement.check_batch`), the paged engine's
-    sizes on its data replicas (`check_engine`), and multi-turn episodes on one process (the
-    episode driver reads the whole batch on the host).
+    """`ppo.batch_size` on the mesh of `place` (`Placement.check_batch`) and the paged engine's
+    sizes on its data replicas (`check_engine`). Episodes run on any number of processes:
+    each plays its own rows (`stages.ppo.episodes`).
 
     Raises:
       ConfigError: naming the key and what to set.
     """
     place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
     check_engine(cfg, place.batch_shards)
-    if cfg.env.name and jax.process_count() > 1:
-        raise ConfigError(f"env.name={cfg.env.name!r} runs on one process for now "
-                          f"({jax.process_count()} are running)")
 
 
 def check_kernel(cfg: Config, model_cfg, mesh) -> None:

@@ -122,8 +122,8 @@ class PPOTrainer(StageTrainer):
             decode=self.decode, sampler=self.jit.sampler) if eval_enabled(cfg.eval) else None)
         if self.episodes is not None and self.evaluator is not None:  # eval prompts as episodes
             self.evaluator = episodes.EpisodeEvaluator.of(
-                cfg, self.evaluator.batch, self.settings.eval.sampling, self.tokenizer,
-                self.jit.sampler)
+                cfg, self.evaluator, self.settings.eval.sampling, self.tokenizer,
+                self.jit.sampler, pool=self.episodes.pool)
         self._eval_samples: list[dict] = []
         self._last_rollout: Optional[LastRollout] = None
 
