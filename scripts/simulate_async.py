@@ -49,9 +49,11 @@ from ppo_jax.aot.topology import CHIPS  # noqa: E402
 TENSOR = 8  # chips per engine replica (mesh.tensor of the reports)
 RLVR = [ROOT / "results/rlvr/make_rlvr_seed0.metrics.jsonl",
         ROOT / "results/rlvr/make_rlvr_seed1.metrics.jsonl"]
-SCHEDULES = {"synchronous": SYNCHRONOUS,
-             "staleness 1": Schedule(1), "staleness 1, partial": Schedule(1, True),
-             "staleness 2": Schedule(2), "staleness 2, partial": Schedule(2, True)}
+# name: (schedule, in-flight KV recomputed under new weights, as AReaL does)
+SCHEDULES = {"synchronous": (SYNCHRONOUS, False),
+             "staleness 1": (Schedule(1), False), "staleness 1, partial": (Schedule(1, True), False),
+             "staleness 2": (Schedule(2), False), "staleness 2, partial": (Schedule(2, True), False),
+             "staleness 2, partial, KV recomputed": (Schedule(2, True), True)}
 
 
 def read_reports(paths) -> dict:
@@ -89,17 +91,22 @@ def engine_points(reports, shape) -> list:
     return sorted(points)
 
 
-def rollout_cost(reports, shape, chips: int, decode_fixed: float, k: int) -> RolloutCost:
-    """The engine on `chips` chips: the batch's slots, whole groups per replica."""
+def rollout_cost(reports, shape, chips: int, decode_fixed: float, k: int,
+                 recompute: bool = False) -> RolloutCost:
+    """The engine on `chips` chips: the batch's slots, whole groups per replica. With
+    `recompute`, a weight swap re-prefills every in-flight token at the prefill's cost per
+    prompt token (linear in the context: attention's quadratic share is left out)."""
     replicas = chips // TENSOR
     per_replica = shape.groups * shape.group_size // replicas // shape.group_size * shape.group_size
     xs, decode, prefill = zip(*engine_points(reports, shape))
     chunk = float(np.interp(per_replica, xs, decode))
     call = float(np.interp(per_replica, xs, prefill))  # admits per_replica / n groups a replica
-    return RolloutCost(chips=chips, slots=per_replica * replicas, decode_chunk=k,
+    slots = per_replica * replicas
+    return RolloutCost(chips=chips, slots=slots, decode_chunk=k,
                        decode_seconds=((0.0, decode_fixed * chunk), (1.0, chunk)),
-                       prefill_seconds_per_group=call / (per_replica * replicas
-                                                         / shape.group_size))
+                       prefill_seconds_per_group=call / (slots / shape.group_size),
+                       recompute_seconds_per_token=(call / (slots * shape.prompt_width)
+                                                    if recompute else 0.0))
 
 
 def _trainer_seconds(reports, chips: int, name: str) -> float:
@@ -167,11 +174,11 @@ def cases(reports, shape, lengths, args):
     total = max(reports)
     flops = flop_model(reports[total], shape, args.decode_chunk)
     out = []
-    for name, schedule in SCHEDULES.items():
+    for name, (schedule, recompute) in SCHEDULES.items():
         splits = [(total, total)] if schedule.colocated else [
             (r, total - r) for r in range(TENSOR, total, TENSOR)]
         for r, t in splits:
-            roll = rollout_cost(reports, shape, r, args.decode_fixed, args.decode_chunk)
+            roll = rollout_cost(reports, shape, r, args.decode_fixed, args.decode_chunk, recompute)
             train = trainer_cost(reports, t, 0 if schedule.colocated else r)
             res = simulate(roll, train, schedule, shape, lengths, updates=args.updates,
                            warmup=args.warmup, seed=args.seed, flops=flops)

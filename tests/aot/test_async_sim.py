@@ -54,15 +54,17 @@ def test_staleness_one_overlaps_sampling_with_the_update():
         assert out.trainer_busy == pytest.approx(3 / 3.5)
 
 
-def _long_short(schedule):
+def _long_short(schedule, recompute=0.0):
     # 2 slots, one-sample groups, one group per update; lengths 4, 2, 4, 2, ...; chunk 1 s,
     # free prefill, update 1 s, weights at once
     shape = BatchShape(groups=1, group_size=1, prompt_width=1, max_new_tokens=4,
                        response_buckets=1)
     trainer = TrainerCost(chips=1, experience_seconds=0.0, update_seconds=1.0,
                           weight_sync_seconds=0.0)
-    return simulate(_two_slots(prefill=0.0), trainer, schedule, shape, fixed_lengths([4, 2]),
-                    updates=6, warmup=2)
+    rollout = RolloutCost(chips=1, slots=2, decode_chunk=1, decode_seconds=((1.0, 1.0),),
+                          prefill_seconds_per_group=0.0, recompute_seconds_per_token=recompute)
+    return simulate(rollout, trainer, schedule, shape, fixed_lengths([4, 2]), updates=6,
+                    warmup=2)
 
 
 def test_partial_rollouts_take_weights_at_the_next_chunk():
@@ -75,6 +77,15 @@ def test_partial_rollouts_take_weights_at_the_next_chunk():
     assert out.update_ends == pytest.approx([2.0, 4.0, 6.0, 7.0, 9.0, 11.0])
     assert out.max_span == 1  # g2: started under v1, ended under v2
     assert out.refused_fraction > 0
+
+
+def test_recomputing_the_kv_at_a_swap_costs_the_in_flight_context():
+    # as above, but a swap re-prefills each in-flight sequence (prompt 1 + 3 tokens at 0.5 s):
+    # v1 at 2 finds g0 in flight -> 2 s, g2 starts at 4, g0 ends at 5 -> update 1 [5, 6]; v2
+    # at 6 finds g2 with 3 tokens -> 2 s, g3 starts at 8, both end at 9 -> updates [9, 10],
+    # [10, 11]
+    out = _long_short(Schedule(1, partial_rollouts=True), recompute=0.5)
+    assert out.update_ends[:4] == pytest.approx([2.0, 6.0, 10.0, 11.0])
 
 
 def test_without_partial_rollouts_the_engine_drains_before_new_weights():
