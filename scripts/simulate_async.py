@@ -133,6 +133,20 @@ def trainer_cost(reports, chips: int, rollout_chips: int) -> TrainerCost:
                        weight_sync_seconds=sync)
 
 
+def fits(reports, rollout_chips: int, trainer_chips: int) -> bool:
+    """Whether each side's programs fit its chips: the engine's without the train state a
+    rollout group does not hold (peak less the other resident arrays), the trainer's as
+    compiled (24 chips: as the 16-chip report's, which holds more per chip)."""
+    def report(chips):
+        return reports.get(chips) or reports[max(c for c in reports if c < chips)]
+
+    engine = report(rollout_chips)
+    rollout_ok = all(engine["programs"][n]["peak_bytes"] - engine["programs"][n]["resident_bytes"]
+                     <= engine["hbm_bytes_per_chip"] for n in ("engine_prefill", "engine_decode"))
+    trainer = report(trainer_chips)["programs"]
+    return rollout_ok and all(trainer[n]["fits"] for n in ("experience", "update", "rollout_copy"))
+
+
 def flop_model(report, shape, k: int) -> FlopModel:
     """Model FLOPs per unit of work from one report (global counts: the same on any slice)."""
     rows = shape.groups * shape.group_size
@@ -176,7 +190,7 @@ def cases(reports, shape, lengths, args):
     out = []
     for name, (schedule, recompute) in SCHEDULES.items():
         splits = [(total, total)] if schedule.colocated else [
-            (r, total - r) for r in range(TENSOR, total, TENSOR)]
+            (r, total - r) for r in range(TENSOR, total, TENSOR) if fits(reports, r, total - r)]
         for r, t in splits:
             roll = rollout_cost(reports, shape, r, args.decode_fixed, args.decode_chunk, recompute)
             train = trainer_cost(reports, t, 0 if schedule.colocated else r)
@@ -205,6 +219,20 @@ def table(rows_by_dist: dict) -> str:
     return "\n".join(lines)
 
 
+def splits_table(rows_by_dist: dict) -> str:
+    """Step seconds of every split (rollout : trainer chips) per schedule."""
+    splits = sorted({(r, t) for rows in rows_by_dist.values() for n, r, t, _ in rows
+                     if n != "synchronous"})
+    lines = ["| lengths | schedule | " + " | ".join(f"{r} : {t}" for r, t in splits) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in splits) + " |"]
+    for dist, rows in rows_by_dist.items():
+        for name in list(SCHEDULES)[1:]:
+            step = {(r, t): res.step_seconds for n, r, t, res in rows if n == name}
+            lines.append(f"| {dist} | {name} | " + " | ".join(
+                f"{step[sp]:.1f}" if sp in step else "-" for sp in splits) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("reports", nargs="+", help="--compile-for --json reports, one per chip count")
@@ -225,6 +253,8 @@ def main(argv=None) -> int:
     dists = distributions(args.rlvr, args.rlvr_budget, shape.max_new_tokens)
     rows = {name: cases(reports, shape, lengths, args) for name, lengths in dists.items()}
     print(table(rows))
+    print()
+    print(splits_table(rows))
     if args.json:
         doc = [{"lengths": d, "schedule": n, "rollout_chips": r, "trainer_chips": t,
                 **{k: v for k, v in vars(res).items() if k != "update_ends"}}
