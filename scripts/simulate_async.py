@@ -51,8 +51,10 @@ RLVR = [ROOT / "results/rlvr/make_rlvr_seed0.metrics.jsonl",
         ROOT / "results/rlvr/make_rlvr_seed1.metrics.jsonl"]
 # name: (schedule, in-flight KV recomputed under new weights, as AReaL does)
 SCHEDULES = {"synchronous": (SYNCHRONOUS, False),
-             "staleness 1": (Schedule(1), False), "staleness 1, partial": (Schedule(1, True), False),
-             "staleness 2": (Schedule(2), False), "staleness 2, partial": (Schedule(2, True), False),
+             "staleness 1": (Schedule(1), False),
+             "staleness 1, partial": (Schedule(1, True), False),
+             "staleness 2": (Schedule(2), False),
+             "staleness 2, partial": (Schedule(2, True), False),
              "staleness 2, partial, KV recomputed": (Schedule(2, True), True)}
 
 

@@ -17,7 +17,8 @@ the compiled chunk's seconds at the live-slot bucket the engine would pick. The 
 a batch as soon as `groups` whole groups are finished, oldest policy version first, and
 refuses a group more than `max_staleness` versions behind the update it would enter. The
 rollout admits a group only while the groups admitted (less those refused) stay within
-`(version + max_staleness + 1) x groups` (AReaL's staleness control, Fu et al. 2025, sec. 5.1).
+`(version + max_staleness + 1) x groups` (AReaL's staleness control: Fu et al. 2025, AReaL,
+arXiv 2505.24298).
 With `max_staleness=0` and the same chips for both, this is the synchronous step.
 
 Pure Python and numpy: costs come from `train.py --compile-for` reports (built by
