@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.parallel.sharded_run import run_name
 from tests.xla_env import xla_flags
 
 HERE = Path(__file__).resolve().parent
@@ -53,7 +54,7 @@ def finish(proc: subprocess.Popen, timeout: int = 600) -> None:
 
 
 def load(out: Path, mesh):
-    name = "x".join(map(str, mesh))
+    name = run_name(mesh)
     return json.loads((out / f"{name}.json").read_text()), dict(np.load(out / f"{name}.npz"))
 
 

@@ -306,11 +306,11 @@ class EpisodeEvaluator:
         rows = list(batch.rows or [{"prompt": t} for t in batch.texts])
         self.rows = rows + [rows[0]] * (len(batch.ids) - len(rows))
 
-    def __call__(self, models, num_samples: int = 0):
+    def __call__(self, models, num_samples: int = 0, sampling_actor=None):
         t0 = time.perf_counter()
         real = len(self.batch.texts)
-        out, episodes = self.runner.play(self.sampler, models.actor, self.batch.ids,
-                                         self.batch.mask, self.rows, self.key)
+        out, episodes = self.runner.play(self.sampler, sampling_actor or models.actor,
+                                         self.batch.ids, self.batch.mask, self.rows, self.key)
         eps, scores = episodes[:real], episode_scores(episodes)
         stats = episode_stats(eps, out.episodes.turns)
         metrics = {f"eval/{k[len('env/'):]}": v for k, v in stats.items()}

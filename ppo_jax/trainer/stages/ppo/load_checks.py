@@ -276,16 +276,24 @@ def probe_reward(cfg: Config, reward_fn: RewardFunction, texts: list[str], rows:
                           "docs/forks.md, \"Reward functions\"") from None
 
 
-def check_placement(cfg: Config, place) -> None:
-    """`ppo.batch_size` on the mesh of `place` (`Placement.check_batch`), the paged engine's
-    sizes on its data replicas (`check_engine`), and multi-turn episodes on one process (the
-    episode driver reads the whole batch on the host).
+def check_placement(cfg: Config, place, rollout_place=None) -> None:
+    """`ppo.batch_size` on the mesh of `place` and of the rollout group's `rollout_place`
+    (`generation.placement: split`; None: colocated) (`Placement.check_batch`), the paged
+    engine's sizes on the sampler's data replicas (`check_engine`), and multi-turn episodes on
+    one process (the episode driver reads the whole batch on the host).
 
     Raises:
       ConfigError: naming the key and what to set.
     """
     place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
-    check_engine(cfg, place.batch_shards)
+    sampler = place if rollout_place is None else rollout_place
+    if rollout_place is not None:
+        try:
+            rollout_place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
+        except ConfigError as err:
+            raise ConfigError(f"the rollout group (generation.rollout_devices="
+                              f"{cfg.generation.rollout_devices}): {err}") from None
+    check_engine(cfg, sampler.batch_shards, trainer_shards=place.batch_shards)
     if cfg.env.name and jax.process_count() > 1:
         raise ConfigError(f"env.name={cfg.env.name!r} runs on one process for now "
                           f"({jax.process_count()} are running)")
@@ -323,13 +331,14 @@ def check_router_replay(cfg: Config, model_cfg) -> None:
                           "model.router_replay=none")
 
 
-def check_engine(cfg: Config, replicas: int) -> None:
+def check_engine(cfg: Config, replicas: int, trainer_shards: int = 1) -> None:
     """With `generation.engine: paged`, check the engine's settings against the run's widest
     batches on `replicas` data replicas, before any model is loaded. One is the training batch,
     with prompts `data.max_prompt_length` wide. The other is the held-out evaluation's, which
     samples on the same engine: at most `eval.num_prompts` x `eval.samples_per_prompt` rows,
     `eval.max_new_tokens` long. With `env.name`, the pool must hold every slot's longest
-    episode.
+    episode. The eval rows are padded to a multiple of `replicas` and of the trainer's
+    `trainer_shards` too (they differ with `generation.placement: split`).
 
     Raises:
       ConfigError: naming the `generation.*` key and its value.
@@ -349,8 +358,8 @@ def check_engine(cfg: Config, replicas: int) -> None:
         raise ConfigError(str(err)) from None
     if not eval_enabled(e):
         return
-    multiple = math.lcm(eval_rows_multiple(replicas, cfg.ppo.micro_batch_size),
-                        e.samples_per_prompt)
+    multiple = math.lcm(eval_rows_multiple(math.lcm(replicas, trainer_shards),
+                                           cfg.ppo.micro_batch_size), e.samples_per_prompt)
     rows = -(-e.num_prompts * e.samples_per_prompt // multiple) * multiple
     try:
         engine_layout(settings, batch=rows, prompt_width=width,
