@@ -140,7 +140,7 @@ def transfer(tree: Any, shardings: Any) -> Any:
         for _, pieces in per_device:
             parts = [next(moved) for _ in pieces]
             arrays.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
-        out.append(jax.make_array_from_single_device_arrays(x.shape, s, arrays))
+        out.append(jax.make_array_from_single_device_arrays(x.shape, s, arrays, dtype=x.dtype))
     return jax.tree.unflatten(treedef, out)
 
 
