@@ -49,10 +49,12 @@ class StepPrograms:
     Attributes:
       split_keys: `split_keys`, replicated out.
       rollout_copy: actor params -> their rollout copy (`rollout.weights.rollout_copy_fn`), or
-        None when the sampler takes the trained params as they are.
-      sampler: the run's `rollout.sampler.Sampler`, `(actor Model, prompt_ids [B, P],
-        prompt_mask [B, P], key, SamplingSettings) -> Generation` (training, ReMax's greedy
-        baseline, dynamic sampling, episodes and the evaluation alike).
+        None when the sampler takes the trained params as they are, or with
+        `generation.placement: split` (the `rollout_group.RolloutWeights` sync instead).
+      sampler: the run's `rollout.sampler.Sampler` (split: a `rollout_group.GroupSampler`),
+        `(actor Model, prompt_ids [B, P], prompt_mask [B, P], key, SamplingSettings) ->
+        Generation` (training, ReMax's greedy baseline, dynamic sampling, episodes and the
+        evaluation alike).
       reward_model_scores: `rollout.forward.rollout_scores`, `(reward Model, Rollout) -> [B]`.
       experience: `experience.experience_step`.
       update: `update.ppo_update`, the train states donated.
