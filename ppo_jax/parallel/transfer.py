@@ -44,7 +44,8 @@ def _cover(dst: Box, sources: list[tuple[Box, Any]]) -> Optional[list[tuple[Any,
     dims; None when `sources` do not cover `dst`. `sources` on the destination's own device
     are listed first by the caller, so a shard already in place is taken as it is."""
     def inside(box, dims):
-        return all(lo <= d_lo and d_hi <= hi for (lo, hi), (d_lo, d_hi) in zip(box[dims], dst[dims]))
+        return all(lo <= d_lo and d_hi <= hi
+                   for (lo, hi), (d_lo, d_hi) in zip(box[dims], dst[dims]))
 
     def relative(box, part):
         return tuple((a - lo, b - lo) for (lo, _), (a, b) in zip(box, part))

@@ -71,7 +71,8 @@ def main() -> None:
         tm, rm = make_mesh(1, 2, 2, trainer), make_mesh(2, 1, 2, rollout)
         weight_src = NamedSharding(tm, P(None, "tensor"))  # the trainer's copy, rollout layout
         weight_dst = NamedSharding(rm, P(None, "tensor"))
-        rows_src, rows_dst = NamedSharding(tm, P(("data", "fsdp"))), NamedSharding(rm, P(("data", "fsdp")))
+        rows_src = NamedSharding(tm, P(("data", "fsdp")))
+        rows_dst = NamedSharding(rm, P(("data", "fsdp")))
         w = jax.jit(lambda: jnp.ones((8, 8)), out_shardings=weight_src)()
         x = jax.jit(lambda: jnp.arange(16.0), out_shardings=rows_src)()
         print(f"process {jax.process_index()}: layout {layout}: trainer devices "
