@@ -41,6 +41,7 @@ from ppo_jax.core import (
     needs_greedy_baseline,
     needs_groups,
 )
+from ppo_jax.parallel.transfer import uncovered
 from ppo_jax.rollout.engine_layout import check_page_size, engine_layout
 from ppo_jax.trainer.config import Config, ConfigError, eval_enabled
 from ppo_jax.trainer.data.prompts import prompt_records
@@ -288,12 +289,28 @@ def check_placement(cfg: Config, place, rollout_place=None) -> None:
     place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
     sampler = place if rollout_place is None else rollout_place
     if rollout_place is not None:
-        try:
-            rollout_place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
-        except ConfigError as err:
-            raise ConfigError(f"the rollout group (generation.rollout_devices="
-                              f"{cfg.generation.rollout_devices}): {err}") from None
+        check_split_rows(cfg, place, rollout_place)
     check_engine(cfg, sampler.batch_shards, trainer_shards=place.batch_shards)
+
+
+def check_split_rows(cfg: Config, place, rollout_place) -> None:
+    """With `generation.placement: split`: `ppo.batch_size` on the rollout mesh, and each
+    process holding the same rows of a batch in both groups, so prompts and responses cross
+    inside each process (`parallel.transfer.uncovered`).
+
+    Raises:
+      ConfigError: naming `generation.rollout_devices` and why.
+    """
+    size, key = cfg.ppo.batch_size, f"generation.rollout_devices={cfg.generation.rollout_devices}"
+    try:
+        rollout_place.check_batch("ppo.batch_size", size)
+    except ConfigError as err:
+        raise ConfigError(f"the rollout group ({key}): {err}") from None
+    for src, dst in ((place, rollout_place), (rollout_place, place)):
+        why = uncovered(src.by_row, dst.by_row, (size,))
+        if why is not None:
+            raise ConfigError(f"{key}: a batch cannot cross between the groups inside each "
+                              f"process: {why}")
     if cfg.env.name and jax.process_count() > 1:
         raise ConfigError(f"env.name={cfg.env.name!r} runs on one process for now "
                           f"({jax.process_count()} are running)")
