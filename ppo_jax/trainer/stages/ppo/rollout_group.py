@@ -123,7 +123,6 @@ class RolloutWeights:
     def __init__(self, graphdef, trained: Any, frozen: Any, *, trainer: Placement,
                  rollout: Placement, param_dtype: Optional[str]):
         self.graphdef, self.param_dtype = graphdef, param_dtype
-        self.trainer_mesh = trainer.mesh
         self.shardings = {k: tree_shardings(t, rollout.mesh, ROLLOUT_RULES)
                           for k, t in (("trained", trained), ("frozen", frozen))}
         # the trainer's layout of the copy (None: the training params are laid out so already)
@@ -157,10 +156,13 @@ class RolloutWeights:
     def sync(self, trained: Any, frozen: Any, version: int) -> Synced:
         """Send the actor's weights (`trained`; `frozen` with the first sync only) to the rollout
         group: the trainer's copy, then one transfer, blocked on. Returns the `Synced` figures."""
-        t0, moved = time.perf_counter(), {}
+        t0 = time.perf_counter()
         parts = {"trained": trained} if self.params else {"trained": trained, "frozen": frozen}
-        for key, tree in parts.items():
-            moved[key] = transfer(self._laid_out(key, tree), self.shardings[key])
+        # staleness 0: nothing samples during a sync, so the old copy goes before the new one
+        # comes (one copy at a time on the rollout group)
+        self.params.pop("trained", None)
+        moved = transfer({k: self._laid_out(k, t) for k, t in parts.items()},
+                         {k: self.shardings[k] for k in parts})
         moved = jax.block_until_ready(moved)
         self.params = {**self.params, **moved}
         self.version = version
