@@ -83,3 +83,21 @@ def test_the_report_has_the_transfer_row_and_counts_it_in_the_step(tmp_path):
     assert programs["sampler"]["chips"] == programs["update"]["chips"] == 2
     assert programs["sampler"]["resident_bytes"] < programs["experience"]["resident_bytes"]
     assert "weight_sync" in proc.stdout and "estimate" in proc.stdout
+
+
+def test_a_multi_host_slice_gives_each_host_chips_of_both_groups(tmp_path):
+    """v5p-64 (32 chips, 8 hosts of 4), 16 rollout chips: every host gives 2 chips to each
+    group; the trainer's mesh 4x2x2 and the rollout mesh 8x1x2 lay out their own chips (jax
+    builds no torus mesh for part of a slice: `parallel.make_mesh` keeps the given order), and
+    each host's rows and weight shards are its own in both (checked at build)."""
+    cfg = load_config(ROOT / "configs/tiny.yaml", [
+        f"train.output_dir={tmp_path / 'run'}", "generation.placement=split",
+        "generation.rollout_devices=16", "mesh.data=4", "mesh.fsdp=2", "mesh.tensor=2",
+        "ppo.batch_size=16", "ppo.mini_batch_size=8", "ppo.micro_batch_size=2"])
+    trainer = PPOTrainer.abstract(cfg, slice_devices(resolve_slice("v5p-64")))
+    for place in (trainer.place, trainer.rollout_place):
+        hosts = [d.process_index for d in place.mesh.devices.flat]
+        assert sorted(hosts) == sorted(list(range(8)) * 2), hosts
+    assert dict(trainer.rollout_place.mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 2}
+    assert not ({d.id for d in trainer.place.mesh.devices.flat}
+                & {d.id for d in trainer.rollout_place.mesh.devices.flat})

@@ -84,13 +84,15 @@ from ppo_jax.parallel import make_mesh
 from ppo_jax.parallel.transfer import transfer, tree_bytes
 
 d = jax.devices()
-six, two = make_mesh(3, 1, 2, d[:6]), make_mesh(1, 1, 2, d[6:])
+six, two, halves = make_mesh(3, 1, 2, d[:6]), make_mesh(1, 1, 2, d[6:]), make_mesh(2, 1, 1, d[6:])
 four_a, four_b = make_mesh(2, 1, 2, d[:4]), make_mesh(2, 1, 2, d[4:])
 rows = lambda m: NamedSharding(m, P(("data", "fsdp")))
 x = jnp.arange(24 * 4, dtype=jnp.float32).reshape(24, 4)
-cases = [  # (source, destination): row blocks 3 -> 1, 1 -> 3, 2 -> 2, tensor columns kept,
-           # rows and columns -> columns only (the rollout layout of a weight)
-    (rows(six), rows(two)), (rows(two), rows(six)), (rows(four_a), rows(four_b)),
+cases = [  # (source, destination): row blocks 3 -> 1, 1 -> 3, 3 -> 2 (a block from parts of
+           # two), 2 -> 2, tensor columns kept, rows and columns -> columns only (the rollout
+           # layout of a weight)
+    (rows(six), rows(two)), (rows(two), rows(six)), (rows(six), rows(halves)),
+    (rows(four_a), rows(four_b)),
     (NamedSharding(four_a, P(None, "tensor")), NamedSharding(four_b, P(None, "tensor"))),
     (NamedSharding(four_a, P("data", "tensor")), NamedSharding(four_b, P(None, "tensor")))]
 placed = [jax.device_put(x, src) for src, _ in cases]
@@ -120,7 +122,7 @@ print("ok")
 
 
 def test_transfer_moves_shards_device_to_device_between_groups():
-    """Row blocks regrouped (3 -> 1, 1 -> 3, 2 -> 2) and weights into the rollout layout land on
+    """Row blocks regrouped (3 -> 1, 1 -> 3, 3 -> 2, 2 -> 2) and weights into the rollout layout land on
     the destination devices with the same values, and no array is read to host on the way
     (jax's own `device_put` of the 3 -> 1 case is, which shows the guard is live)."""
     env = dict(os.environ, XLA_FLAGS=xla_flags(8), PYTHONPATH=str(ROOT))
