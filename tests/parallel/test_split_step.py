@@ -25,15 +25,16 @@ def cache(tmp_path_factory):
 
 @pytest.mark.slow  # two runs of 3 steps with evaluations, checkpoints and the HF export
 def test_three_split_steps_with_evaluations_equal_the_colocated_run(tmp_path, cache):
-    """The acceptance test: 3 steps of `train()` (the held-out evaluation at start and after
-    every step, sampled on the rollout group) split 4 + 4 give the metrics and params of the
-    same run colocated on all 8 devices."""
+    """The acceptance test: 3 steps of `train()` (the held-out evaluation after every step,
+    sampled on the rollout group) split 4 + 4 give the metrics and params of the same run
+    colocated on all 8 devices."""
     out = tmp_path / "runs"
     finish(launch(out, [COLOCATED, SPLIT], devices=8, steps=3, loop="train", cache=cache))
     want = load(out, COLOCATED)
     got = without_sync(load(out, SPLIT), want[1])
     assert_same_run(got, want, "split 4 + 4, 3 steps")
-    assert len(want[0]["metrics"]) == 4 and "eval/reward_mean" in want[0]["metrics"][3]
+    assert len(want[0]["metrics"]) == 3
+    assert all("eval/reward_mean" in m for m in want[0]["metrics"])  # compared above
     assert (out / f"run_{run_name(SPLIT)}" / "actor_hf").is_dir()
 
 
