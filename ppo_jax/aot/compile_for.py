@@ -19,6 +19,11 @@ exactly as a run would call it. Per program:
 - the step: programs weighted by their calls per step; its model FLOPs are the matmul FLOPs of
   the same programs traced with `model.remat=none` (`aot.flops`), and the implied MFU is
   model FLOPs / (chips x peak x estimated seconds).
+- transfers between device groups (`generation.placement: split`: the weights sent to the
+  rollout group after each update) are not XLA programs: each is estimated as the bytes the
+  most loaded receiving chip takes over the chip's ICI bandwidth, added to the step's seconds
+  with no overlap (staleness 0), and labelled an estimate. With a split, each program's memory
+  and FLOPs are those of the chips of its own group (the sampler's on the rollout group).
 
 Every figure is an estimate of a program that did not run: "compiled for <slice> with libtpu
 <version>, not run" (or with the CUDA PJRT plugin, for a GPU node; its compiler gives no
@@ -54,23 +59,43 @@ LOWER_IT = {  # per stage: the config keys that lower a program's per-chip memor
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
-def per_chip_bytes(tree) -> float:
+def per_chip_bytes(tree, devices=None) -> float:
     """Bytes one chip holds of every array (or `ShapeDtypeStruct`) of `tree` in device memory
-    (leaves placed in host memory are not counted)."""
+    (leaves placed in host memory are not counted); with `devices` (a set), only the arrays
+    placed on them (a split placement's group)."""
     total = 0.0
     for x in jax.tree.leaves(tree):
         sharding = getattr(x, "sharding", None)
         if sharding is None or getattr(sharding, "memory_kind", None) not in (None, "device"):
             continue
+        if devices is not None and not sharding.device_set & devices:
+            continue
         total += math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
     return total
 
 
+def devices_of(tree) -> frozenset:
+    """The devices the arrays of `tree` are placed on (a program's group)."""
+    out = set()
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            out |= sharding.device_set
+    return frozenset(out)
+
+
+def device_groups(resident: dict) -> set[frozenset]:
+    """The device sets the resident arrays live on (one, or a split's two groups)."""
+    return {frozenset(x.sharding.device_set) for x in jax.tree.leaves(resident)
+            if getattr(x, "sharding", None) is not None}
+
+
 def other_resident_bytes(resident: dict, args: tuple) -> float:
-    """Per-chip bytes of the resident arrays that are not among `args` (by identity)."""
+    """Per-chip bytes of the resident arrays that are not among `args` (by identity), on the
+    chips of the program's arguments."""
     taken = {id(x) for x in jax.tree.leaves(args)}
     rest = [x for x in jax.tree.leaves(resident) if id(x) not in taken]
-    return per_chip_bytes(rest)
+    return per_chip_bytes(rest, devices_of(args) or None)
 
 
 def _oom_bytes(message: str) -> float | None:
@@ -92,7 +117,8 @@ def compile_program(program, s: Slice, resident: dict) -> dict:
     """Compile one `trainer.programs.Program` for slice `s`; its row of the report."""
     chip, t0 = s.chip, time.perf_counter()
     other = other_resident_bytes(resident, program.args)
-    row = {"calls_per_step": program.per_step, "note": program.note, "resident_bytes": other}
+    row = {"calls_per_step": program.per_step, "note": program.note, "resident_bytes": other,
+           "chips": len(devices_of(program.args)) or s.chips}
     try:
         compiled = program.lower().compile()
     except Exception as e:  # noqa: BLE001 - libtpu reports out-of-memory as a runtime error
@@ -136,13 +162,28 @@ def model_flops(trainer_cls, cfg, devices) -> dict[str, float]:
             for p in trainer.programs()}
 
 
-def step_figures(programs: dict, flops: dict, s: Slice) -> dict:
-    """The steady-state step: programs weighted by calls per step (no time, MFU or per-chip
-    FLOPs when a program did not compile)."""
+def transfer_rows(transfers: list[dict], s: Slice) -> dict:
+    """`{name: row}` of the transfers between device groups (`trainer.transfers()`): bytes
+    (one copy), the most a receiving chip takes, calls per step, and `seconds_estimate` =
+    receiving chip's bytes / the chip's ICI bandwidth (None where it is not known)."""
+    ici = s.chip.ici_bandwidth
+    return {t["name"]: {"bytes": t["bytes"], "receiver_bytes": t["receiver_bytes"],
+                        "calls_per_step": t["per_step"], "note": t["note"],
+                        "seconds_estimate": t["receiver_bytes"] / ici if ici else None,
+                        "label": "estimate: bytes a receiving chip takes / ICI bandwidth, "
+                                 "not compiled"}
+            for t in transfers}
+
+
+def step_figures(programs: dict, flops: dict, s: Slice, transfers: dict | None = None) -> dict:
+    """The steady-state step: programs and transfers weighted by calls per step, one after
+    the other (no time, MFU or per-chip FLOPs when a program did not compile or a transfer
+    has no estimate)."""
     total = sum(r["calls_per_step"] * flops.get(name, 0.0) for name, r in programs.items())
-    if any(r.get("seconds_estimate") is None for r in programs.values()):
+    rows = [*programs.values(), *(transfers or {}).values()]
+    if any(r.get("seconds_estimate") is None for r in rows):
         return {"seconds_estimate": None, "model_flops": total, "mfu_estimate": None}
-    seconds = sum(r["calls_per_step"] * r["seconds_estimate"] for r in programs.values())
+    seconds = sum(r["calls_per_step"] * r["seconds_estimate"] for r in rows)
     mfu = total / (s.chips * s.chip.peak_bf16_flops * seconds) if seconds > 0 else None
     return {"seconds_estimate": seconds, "model_flops": total, "mfu_estimate": mfu,
             "flops_per_chip": sum(r["calls_per_step"] * r["flops"] for r in programs.values())}
@@ -169,8 +210,10 @@ def compile_for(trainer_cls, cfg, s: Slice, *, log=print) -> dict:
     for name, row in programs.items():
         row["model_flops"] = flops.get(name)
         if row.get("matmul_flops") and row["model_flops"]:  # > 1: recomputed or repeated work
-            row["flops_vs_model"] = row["matmul_flops"] * s.chips / row["model_flops"]
+            row["flops_vs_model"] = row["matmul_flops"] * row["chips"] / row["model_flops"]
+    transfers = transfer_rows(getattr(trainer, "transfers", list)(), s)
     mesh = dict(trainer.place.mesh.shape)
+    rollout = getattr(trainer, "rollout_place", trainer.place)
     return {
         "topology": s.name, "topology_desc": s.topology, "chips": s.chips,
         "hosts": len({d.process_index for d in devices}), "chip_kind": s.chip.kind,
@@ -180,8 +223,11 @@ def compile_for(trainer_cls, cfg, s: Slice, *, log=print) -> dict:
         "libtpu_version": version if compiler == "libtpu" else None,
         "compiler": f"{compiler} {version}",
         "jax_version": jax.__version__, "stage": cfg.stage, "mesh": mesh,
-        "resident_bytes": per_chip_bytes(resident), "programs": programs,
-        "step": step_figures(programs, flops, s),
+        "rollout_mesh": None if rollout is trainer.place else dict(rollout.mesh.shape),
+        "resident_bytes": max((per_chip_bytes(resident, g) for g in device_groups(resident)),
+                              default=0.0),
+        "programs": programs, "transfers": transfers,
+        "step": step_figures(programs, flops, s, transfers),
         "label": f"compiled for {s.name} ({s.topology}) with {compiler} {version}, not run",
     }
 
@@ -218,8 +264,11 @@ def _collectives_text(row: dict) -> str:
 def format_report(report: dict) -> str:
     """The table `train.py --compile-for` prints: per chip, per call (bytes), per step
     (FLOPs and seconds are one call's; `calls` says how many a step makes)."""
+    rollout = (f", rollout mesh {report['rollout_mesh']}" if report.get("rollout_mesh")
+               else "")
     lines = [f"{report['label']}: {report['chips']} chips on {report['hosts']} host(s), mesh "
-             f"{report['mesh']}, {_gib(report['hbm_bytes_per_chip'])} GiB HBM usable per chip",
+             f"{report['mesh']}{rollout}, {_gib(report['hbm_bytes_per_chip'])} GiB HBM usable "
+             "per chip",
              f"{'program':<19}{'calls':>6}{'args':>8}{'out':>8}{'temp':>8}{'other':>8}"
              f"{'peak':>8}  fits{'FLOP/chip':>11}{'xmodel':>7}{'est. s':>10}  collectives "
              "(count x bytes)"]
@@ -231,6 +280,11 @@ def format_report(report: dict) -> str:
             f"{'yes' if r['fits'] else 'NO':<4}{_num(r.get('flops')):>11.3g}"
             f"{_num(r.get('flops_vs_model')):>7.2f}"
             f"{_num(r.get('seconds_estimate')):>10.4g}  {_collectives_text(r)}")
+    for name, t in report.get("transfers", {}).items():
+        seconds = "-" if t["seconds_estimate"] is None else f"{t['seconds_estimate']:.4g}"
+        lines.append(f"{name:<19}{t['calls_per_step']:>6.2f}  {_size(t['bytes'])} to the rollout "
+                     f"group ({_size(t['receiver_bytes'])} per receiving chip), {seconds} s "
+                     f"({t['label']})")
     st = report["step"]
     if st["seconds_estimate"] is not None:
         lines.append(f"step (calls-weighted): {st['seconds_estimate']:.4g} s; model FLOPs "

@@ -19,6 +19,7 @@ import math
 from typing import Optional, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
@@ -63,7 +64,9 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
     axes the sizes do not divide whole, such as tensor=4 on v6e-64's 8x8, a physical axis is
     split between mesh axes instead of failing, with `allow_split_physical_axes=True`. The axes
     are `AxisType.Auto`: shardings are propagated by the SPMD partitioner from the in/out
-    shardings of `jax.jit` and the constraints below.
+    shardings of `jax.jit` and the constraints below. Part of a TPU slice (a group of the split
+    placement, `trainer.split`) is no torus jax can lay out: its devices keep the order given
+    (process-major, each host's chips together, so `tensor` stays inside a host).
 
     Raises:
       ValueError: see `resolve_axis_sizes`.
@@ -78,6 +81,8 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
 
         grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
         return Mesh(grid, AXES, axis_types=types)
+    except AssertionError:  # jax 0.10.2 asserts that TPU devices fill their torus (a subset)
+        return Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES, axis_types=types)
 
 
 def batch_shards(mesh: Optional[Mesh]) -> int:

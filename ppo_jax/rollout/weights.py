@@ -23,6 +23,8 @@ from ppo_jax.parallel.rules import ROLLOUT_RULES, RULES, tree_shardings
 
 ROLLOUT_LAYOUTS = ("auto", "tensor", "train")
 RolloutLayout = Literal[ROLLOUT_LAYOUTS]  # generation.rollout_layout
+PLACEMENTS = ("colocated", "split")  # where the rollout copy lives: docs/async_rl.md
+RolloutPlacement = Literal[PLACEMENTS]  # generation.placement
 
 
 def resolve_layout(layout: str, engine: str) -> str:

@@ -87,7 +87,7 @@ class StageTrainer:
             self._lock = RunLock(self.out)
         try:
             try:
-                self.place = Placement.from_config(cfg.mesh, devices)
+                self.place = self._make_placement(devices, abstract=False)
             except ValueError as e:
                 raise ConfigError(f"mesh: {e}") from None
             self.step_count = 0
@@ -114,11 +114,17 @@ class StageTrainer:
         self.process_index, self.step_count, self._lock = 0, 0, None
         self._check_config()
         try:
-            self.place = Placement.from_config(cfg.mesh, devices, abstract=True)
+            self.place = self._make_placement(devices, abstract=True)
         except ValueError as e:
             raise ConfigError(f"mesh: {e}") from None
         self._build()
         return self
+
+    def _make_placement(self, devices, abstract: bool) -> Placement:
+        """The placement of the train states: `cfg.mesh` over `devices` (None: all). A stage
+        that keeps other devices for other work (PPO's `generation.placement: split`)
+        overrides it. Raises ValueError (the loop names `mesh`) or ConfigError."""
+        return Placement.from_config(self.cfg.mesh, devices, abstract)
 
     # --- the four steps of a stage --------------------------------------------------------
     def _check_inputs(self) -> None:

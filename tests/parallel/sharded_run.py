@@ -8,7 +8,9 @@ Run in a fresh process (the device count is fixed when jax starts), e.g.
 Each mesh `d,f,t` uses the first d*f*t devices; it writes `DIR/<d>x<f>x<t>.npz` (final actor
 and critic params, flattened by path) and `DIR/<d>x<f>x<t>.json` (per-step metrics and the
 sharding of a few arrays). With `--num-processes N --process-id I --coordinator HOST:PORT` it
-joins a multi-process run through `distributed.initialize`; only process 0 writes.
+joins a multi-process run through `distributed.initialize`; only process 0 writes. A fourth
+number, `d,f,t,n`, adds a rollout group of n devices (`generation.placement: split`; the mesh
+lays out the trainer's d*f*t, the run takes d*f*t + n devices), named `<d>x<f>x<t>+<n>`.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ WATCH = ("params/backbone/layers/attn/q_proj/kernel", "params/backbone/layers/at
 
 
 def overrides(args, mesh, out_dir) -> list[str]:
-    d, f, t = mesh
-    return [f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}", f"mesh.data={d}",
+    d, f, t, *split = mesh
+    split = (["generation.placement=split", f"generation.rollout_devices={split[0]}"]
+             if split else [])
+    return [*split, f"data.prompts={ROOT / 'configs/prompts/reviews.jsonl'}", f"mesh.data={d}",
             f"mesh.fsdp={f}", f"mesh.tensor={t}", f"train.output_dir={out_dir}",
             f"train.steps={args.steps}", "train.progress=false", "train.tensorboard=false",
             f"train.export_hf={str(args.loop == 'train').lower()}",
@@ -60,6 +64,11 @@ def layouts(state) -> dict:
     return out
 
 
+def run_name(mesh) -> str:
+    """`<d>x<f>x<t>`, and `+<n>` with a rollout group of n devices."""
+    return "x".join(map(str, mesh[:3])) + "".join(f"+{n}" for n in mesh[3:])
+
+
 def run(args, mesh) -> None:
     import jax
     import numpy as np
@@ -68,10 +77,10 @@ def run(args, mesh) -> None:
     from ppo_jax.trainer.config import load_config
     from ppo_jax.trainer.stages.ppo.trainer import PPOTrainer
 
-    name = "x".join(map(str, mesh))
+    name = run_name(mesh)
     out = Path(args.out)
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides(args, mesh, out / f"run_{name}"))
-    size = mesh[0] * mesh[1] * mesh[2]
+    size = mesh[0] * mesh[1] * mesh[2] + sum(mesh[3:])
     devices = jax.devices()[:size] if jax.process_count() == 1 else None
     trainer = PPOTrainer(cfg, devices=devices)
     before = layouts(trainer.state["actor"])
@@ -96,7 +105,8 @@ def run(args, mesh) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mesh", action="append", required=True, help="data,fsdp,tensor")
+    parser.add_argument("--mesh", action="append", required=True,
+                        help="data,fsdp,tensor[,rollout devices]")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--loop", choices=("step", "train"), default="step")
     parser.add_argument("--set", action="append", default=[], help="extra config override")

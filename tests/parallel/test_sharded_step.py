@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.parallel.sharded_run import run_name
 from tests.xla_env import xla_flags
 
 HERE = Path(__file__).resolve().parent
@@ -53,7 +54,7 @@ def finish(proc: subprocess.Popen, timeout: int = 600) -> None:
 
 
 def load(out: Path, mesh):
-    name = "x".join(map(str, mesh))
+    name = run_name(mesh)
     return json.loads((out / f"{name}.json").read_text()), dict(np.load(out / f"{name}.npz"))
 
 
@@ -100,19 +101,43 @@ MESHES_FAST = [(2, 2, 2)]
 MESHES_SLOW = [(8, 1, 1), (2, 4, 1), (1, 8, 1)]
 
 
-def run_meshes(tmp_path, cache, meshes):
+def run_meshes(tmp_path, cache, meshes, splits=()):
+    """Each mesh, and each split `(d, f, t, rollout devices)`, equals one device."""
     out = tmp_path / "runs"
-    finish(launch(out, [(1, 1, 1), *meshes], devices=8, cache=cache))
+    finish(launch(out, [(1, 1, 1), *meshes, *splits], devices=8, cache=cache))
     want = load(out, (1, 1, 1))
     for mesh in meshes:
         got = load(out, mesh)
         assert got[0]["devices"] == int(np.prod(mesh))
         assert_sharded(got[0], mesh)
         assert_same_run(got, want, f"mesh {mesh}")
+    for split in splits:
+        got = load(out, split)
+        assert got[0]["devices"] == int(np.prod(split[:3])) + split[3]
+        assert_sharded(got[0], split[:3])
+        assert_same_run(without_sync(got, want[1]), want, f"split {split}")
 
 
-def test_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
-    run_meshes(tmp_path, cache, MESHES_FAST)
+def actor_bytes(params: dict, itemsize: int = 4) -> int:
+    """Bytes of the actor's params in a saved run (`sharded_run.py`), `itemsize` a value."""
+    return sum(v.size * itemsize for k, v in params.items() if k.startswith("actor/"))
+
+
+def without_sync(run, params: dict, itemsize: int = 4):
+    """A split run's record without its weight-sync figures, after checking them: every
+    step moved the actor's params once (`weights/sync_bytes`, `itemsize` a value)."""
+    record, got_params = run
+    metrics = [dict(m) for m in record["metrics"]]
+    for m in metrics:
+        assert m.pop("weights/sync_bytes") == actor_bytes(params, itemsize)
+    return {**record, "metrics": metrics}, got_params
+
+
+def test_ppo_step_on_2x2x2_mesh_and_on_a_4_plus_4_split_equals_one_device(tmp_path, cache):
+    """Colocated on a 2x2x2 mesh, and split (issue 57): the trainer on a 1x2x2 mesh, the
+    sampler on a rollout group of 4 devices (mesh 2x1x2), the weights sent there after the
+    update; both give the single-device step."""
+    run_meshes(tmp_path, cache, MESHES_FAST, splits=[(1, 2, 2, 4)])
 
 
 @pytest.mark.slow

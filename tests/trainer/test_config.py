@@ -145,7 +145,7 @@ def _code_accepts():
     from ppo_jax.rollout.engine_layout import ATTENTION_KERNELS, ENGINES, engine_layout
     from tests.rollout.sampling_settings import engine_settings
     from ppo_jax.rollout.observations import OBSERVATION_ROLES, observation_frame
-    from ppo_jax.rollout.weights import ROLLOUT_LAYOUTS, resolve_layout
+    from ppo_jax.rollout.weights import PLACEMENTS, ROLLOUT_LAYOUTS, resolve_layout
     from ppo_jax.trainer.data.prompts import TRUNCATIONS, tokenize_prompts
     from ppo_jax.trainer.optim import SCHEDULES, make_schedule
     from ppo_jax.trainer.rewards.functions import REWARD_KINDS
@@ -178,6 +178,7 @@ def _code_accepts():
             engine_settings(attention=v), batch=2, prompt_width=8, max_new_tokens=8,
             group_size=1, replicas=1)),
         "generation.rollout_layout": (ROLLOUT_LAYOUTS, lambda v: resolve_layout(v, "paged")),
+        "generation.placement": (PLACEMENTS, None),
     }
 
 
@@ -199,6 +200,7 @@ def test_every_enumerated_choice_is_accepted_by_config_exactly_when_the_code_acc
              "stage=sft": ["sft.data=x.jsonl"], "reward.kind=model": ["model.reward_model=rm"],
              # keys read only under another setting (config.no_effect): that setting too
              "generation.attention=pallas": ["generation.engine=paged"],
+             "generation.placement=split": ["generation.rollout_devices=2"],
              **{f"ppo.kl_loss_estimator={n}": ["ppo.kl_loss_coef=0.1"] for n in KL_ESTIMATORS},
              "env.observation_role=tool": ["env.name=calculator"]}
     for key, (names, use) in accepts.items():

@@ -134,3 +134,16 @@ def test_a_cpu_run_prints_no_libtpu_start_up_errors():
         pytest.skip("a TPU host: libtpu starts for real")
     assert "TPU_WORKER_HOSTNAMES" in _probe_stderr(quiet=False)  # what a newcomer saw
     assert _probe_stderr(quiet=True).strip() == ""
+
+
+@pytest.mark.parametrize("sets, named", [
+    (["generation.placement=split"], "generation.rollout_devices=0"),
+    # the test process has one device: a rollout group of 1 leaves the trainer none
+    (["generation.placement=split", "generation.rollout_devices=1"],
+     "generation.rollout_devices=1 must leave the trainer"),
+    (["generation.rollout_devices=2"], "generation.rollout_devices=2 has no effect"),
+])
+def test_a_split_placement_that_cannot_run_is_refused_naming_the_key(sets, named, no_model_loads,
+                                                                    tmp_path, capsys):
+    err = refused(tmp_path, capsys, "--set", PROMPTS, *sum((["--set", s] for s in sets), []))
+    assert named in err, err

@@ -82,6 +82,10 @@ def validate(cfg: Config) -> None:
     _validate_model(cfg.model)
     _positive("data.prompt_buckets", cfg.data.prompt_buckets)
     _positive("generation.response_buckets", g.response_buckets)
+    if g.placement == "split" and g.rollout_devices < 1:
+        raise ConfigError(f"generation.rollout_devices={g.rollout_devices!r}: "
+                          "generation.placement=split needs a rollout group of at least one "
+                          "device (e.g. --set generation.rollout_devices=4)")
     _validate_optim_train(o, cfg.train)
     _validate_reward(cfg)
     if p.critic_warmup_steps < 0:

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ppo_jax.models.config import Dtype
 from ppo_jax.rollout.engine_layout import AttentionKernel, RolloutEngine
-from ppo_jax.rollout.weights import RolloutLayout
+from ppo_jax.rollout.weights import RolloutLayout, RolloutPlacement
 from ppo_jax.trainer.config.fields import opt
 
 
@@ -58,3 +58,12 @@ class GenerationConfig:
                                         "no weight gathers while decoding), train (the "
                                         "training layout, gathered at every decode step) or "
                                         "auto (tensor for the paged engine, train for static)")
+    placement: RolloutPlacement = opt(
+        "colocated", "colocated: the sampler runs on the trainer's devices and mesh; split: "
+        "generation.rollout_devices devices (the last ones of each process) form a rollout "
+        "group with its own mesh (data = rollout_devices / mesh.tensor, tensor = mesh.tensor) "
+        "that holds the sampler and the rollout copy of the actor's weights, sent there once per "
+        "update; the trainer's mesh (mesh.*) takes the other devices (docs/async_rl.md)")
+    rollout_devices: int = opt(0, "split: the rollout group's devices, over all processes (a "
+                               "multiple of mesh.tensor and of the process count, fewer than "
+                               "all devices)")

@@ -138,6 +138,13 @@ STATIC_ENGINE = Condition("generation.engine=static", ("generation.engine",),
                           _ppo(lambda cfg: cfg.generation.engine == "static"),
                           "samples with the static batch sampler",
                           "set generation.engine=paged")
+COLOCATED = Condition("generation.placement=colocated", ("generation.placement",),
+                      _ppo(lambda cfg: cfg.generation.placement == "colocated"),
+                      "samples on the trainer's own devices", "set generation.placement=split")
+SPLIT = Condition("generation.placement=split", ("generation.placement",),
+                  _ppo(lambda cfg: cfg.generation.placement == "split"),
+                  "lays the rollout copy out over the rollout mesh's tensor axis (it has no "
+                  "fsdp axis)", "set generation.placement=colocated")
 NO_ENV = Condition("env.name=null", ("env.name",), _ppo(lambda cfg: cfg.env.name is None),
                    "runs no environment: one response per prompt, scored by reward.*",
                    "set env.name")
@@ -211,6 +218,9 @@ NO_EFFECT: tuple[NoEffect, ...] = (
         ("max_failed_steps", "failed steps before the run stops"),
         ("stop_strings", "the text that ends a turn"),
         ("observation_role", "the chat role of an observation"))),
+    NoEffect("generation.rollout_devices", COLOCATED, "the size of a separate rollout group"),
+    NoEffect("generation.rollout_layout", SPLIT,
+             "it picks between the training layout and one without fsdp on the trainer's mesh"),
     NoEffect("reward.function", REWARD_MODEL, "no reward function is built"),
     NoEffect("reward.function_kwargs", REWARD_MODEL, "no reward function is built"),
     NoEffect("reward.timeout_s", REWARD_MODEL, "no reward function is called"),

@@ -7,6 +7,7 @@ prompts (`build_evaluator`). The step's jitted programs are `step_programs`'.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Optional
@@ -102,12 +103,13 @@ def join_models(models, frozen: dict, actor_params, critic_params=None, ref_para
 
 def build_evaluator(cfg: Config, place, tokenizer, model_cfg, settings: EvalSettings,
                     shardings: PPOModels, *, abstract: bool, reward_fn: Optional[Callable],
-                    decode: Callable, sampler: Sampler) -> Evaluator:
+                    decode: Callable, sampler: Sampler, rollout_shards: int = 1) -> Evaluator:
     """The held-out evaluation (`eval.*`): the eval prompts tokenised like the training
     prompts (`loading.models.prompt_set`; shapes only when `abstract`), sampled with the eval
     `settings`, scored by the run's reward (`reward_fn`, or the reward model), its models laid
     out as `shardings` (the critic left out), sampled by the run's `sampler` (laid out for
-    the trained params); with `eval.plain_instruction`, its `plain`
+    the trained params; its rows a multiple of the rollout group's `rollout_shards` too
+    with `generation.placement: split`); with `eval.plain_instruction`, its `plain`
     evaluator of the same problems asked plainly (`data.prompts.plain_instruction_config`),
     decoded without `data.response_prefix`.
 
@@ -122,13 +124,14 @@ def build_evaluator(cfg: Config, place, tokenizer, model_cfg, settings: EvalSett
                                 tokenizer, model_cfg, settings, shardings, abstract=abstract,
                                 reward_fn=reward_fn,
                                 decode=partial(rewards.decode_responses, tokenizer, ""),
-                                sampler=sampler)
+                                sampler=sampler, rollout_shards=rollout_shards)
     prompts = prompt_set(cfg, tokenizer, model_cfg, e.prompts, "eval.prompts", abstract=abstract,
                          new_tokens=settings.sampling.max_new_tokens, rows=e.num_prompts,
                          new_tokens_key=("eval.max_new_tokens" if e.max_new_tokens
                                          else "generation.max_new_tokens"))
     batch = eval_batch(prompts, e.num_prompts,
-                       eval_rows_multiple(place.batch_shards, cfg.ppo.micro_batch_size),
+                       eval_rows_multiple(math.lcm(place.batch_shards, rollout_shards),
+                                          cfg.ppo.micro_batch_size),
                        e.samples_per_prompt)
     return Evaluator(batch, settings, place, replace(shardings, critic=None), seed=e.seed,
                      reward_fn=reward_fn, decode=decode, plain=plain,

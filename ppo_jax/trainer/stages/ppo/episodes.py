@@ -361,11 +361,11 @@ class EpisodeEvaluator:
         rows = rows + [rows[0]] * (len(self.batch.ids) - len(rows))
         self.rows = rows[self.lo:self.hi]
 
-    def __call__(self, models, num_samples: int = 0):
+    def __call__(self, models, num_samples: int = 0, sampling_actor=None):
         t0 = time.perf_counter()
         real = len(self.batch.texts)
-        out, episodes = self.runner.play(self.sampler, models.actor, self.q, self.qm, self.rows,
-                                         self.key, first_row=self.lo)
+        out, episodes = self.runner.play(self.sampler, sampling_actor or models.actor, self.q,
+                                         self.qm, self.rows, self.key, first_row=self.lo)
         eps, scores = episodes[:real], episode_scores(episodes)
         stats = episode_stats(eps, out.episodes.turns)
         metrics = {f"eval/{k[len('env/'):]}": v for k, v in stats.items()}

@@ -201,27 +201,31 @@ class Evaluator:
         """The eval prompts, validity mask and key this evaluator holds on the devices."""
         return self.q, self.qm, self.valid, self.key
 
-    def programs(self, models: PPOModels, *, per_step: float) -> list:
+    def programs(self, models: PPOModels, *, per_step: float, sampling_actor=None) -> list:
         """Its jitted calls with abstract arguments (`trainer.programs.Program`): the eval
-        sampler's (`Sampler.programs`, prefixed `eval_`) and the forward passes, responses
-        `settings.sampling.max_new_tokens` long; with `plain`, its own as well (`eval_plain_`)."""
+        sampler's (`Sampler.programs`, prefixed `eval_`, sampling `sampling_actor` or
+        `models.actor`) and the forward passes, responses `settings.sampling.max_new_tokens`
+        long; with `plain`, its own as well (`eval_plain_`)."""
         size, new = self.batch.ids.shape[0], self.settings.sampling.max_new_tokens
         resp = batch_shape(self.place, (size, new), jnp.int32)
         scores = None if self.reward_fn is None else batch_shape(self.place, (size,), jnp.float32)
         note = f"every {round(1 / per_step)} steps" if per_step else ""
         out = [Program(p["name"], p["fn"], p["args"], p["per_step"] * per_step, note,
                        while_trips=p["while_trips"])
-               for p in self.sampler.programs(models.actor, self.q, self.qm, self.key,
-                                              self.settings.sampling, prefix="eval_")]
+               for p in self.sampler.programs(sampling_actor or models.actor, self.q, self.qm,
+                                              self.key, self.settings.sampling, prefix="eval_")]
         out.append(Program("eval_forward", self._stats, (models, self.q, self.qm, resp, resp,
                                                          scores, self.valid), per_step, note))
         if self.plain is not None:  # eval_plain_sampler, eval_plain_forward
             out += [replace(p, name=p.name.replace("eval_", "eval_plain_"))
-                    for p in self.plain.programs(models, per_step=per_step)]
+                    for p in self.plain.programs(models, per_step=per_step,
+                                                 sampling_actor=sampling_actor)]
         return out
 
-    def __call__(self, models: PPOModels, num_samples: int = 0):
+    def __call__(self, models: PPOModels, num_samples: int = 0, sampling_actor=None):
         """Evaluate the actor (a CausalLM's params in `models.actor`) against the reference.
+        The responses are sampled from `sampling_actor` when given (`generation.placement:
+        split`: the rollout group's copy of the same weights), else from `models.actor`.
 
         Returns:
           `(metrics, samples)`: `{"eval/reward_mean", "eval/reward_std", "eval/kl",
@@ -236,8 +240,8 @@ class Evaluator:
             (`rewards.calls.call_reward_function`; the trainer names it and the step).
         """
         t0 = time.perf_counter()
-        resp, resp_mask = self.sampler(models.actor, self.q, self.qm, self.key,
-                                       self.settings.sampling)[:2]
+        resp, resp_mask = self.sampler(sampling_actor or models.actor, self.q, self.qm,
+                                       self.key, self.settings.sampling)[:2]
         texts, scores = None, None
         parts = {}
         if self.reward_fn is not None:
@@ -251,13 +255,13 @@ class Evaluator:
         metrics = {f"eval/{k}": float(v) for k, v in jax.device_get({**stats, **parts}).items()}
         samples = self._samples(num_samples, resp, resp_mask, scores, texts)
         if self.plain is not None:
-            metrics["eval/accuracy_plain"] = self._plain_accuracy(models)
+            metrics["eval/accuracy_plain"] = self._plain_accuracy(models, sampling_actor)
         metrics["time/eval"] = time.perf_counter() - t0
         return metrics, samples
 
-    def _plain_accuracy(self, models: PPOModels) -> float:
+    def _plain_accuracy(self, models: PPOModels, sampling_actor=None) -> float:
         """The plain evaluator's format-free accuracy (its `eval/accuracy_format_free`)."""
-        figures, _ = self.plain(models)
+        figures, _ = self.plain(models, sampling_actor=sampling_actor)
         if "eval/accuracy_format_free" not in figures:
             raise ValueError("eval.plain_instruction scores the plain answers with the reward "
                              "function's accuracy_format_free part; this reward function "

@@ -41,6 +41,7 @@ from ppo_jax.core import (
     needs_greedy_baseline,
     needs_groups,
 )
+from ppo_jax.parallel.transfer import uncovered
 from ppo_jax.rollout.engine_layout import check_page_size, engine_layout
 from ppo_jax.trainer.config import Config, ConfigError, eval_enabled
 from ppo_jax.trainer.data.prompts import prompt_records
@@ -277,16 +278,40 @@ def probe_reward(cfg: Config, reward_fn: RewardFunction, texts: list[str], rows:
                           "docs/forks.md, \"Reward functions\"") from None
 
 
-def check_placement(cfg: Config, place) -> None:
-    """`ppo.batch_size` on the mesh of `place` (`Placement.check_batch`) and the paged engine's
-    sizes on its data replicas (`check_engine`). Episodes run on any number of processes:
-    each plays its own rows (`stages.ppo.episodes`).
+def check_placement(cfg: Config, place, rollout_place=None) -> None:
+    """`ppo.batch_size` on the mesh of `place` and of the rollout group's `rollout_place`
+    (`generation.placement: split`; None: colocated) (`Placement.check_batch`), and the paged
+    engine's sizes on the sampler's data replicas (`check_engine`). Episodes run on any number
+    of processes: each plays its own rows (`stages.ppo.episodes`).
 
     Raises:
       ConfigError: naming the key and what to set.
     """
     place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
-    check_engine(cfg, place.batch_shards)
+    sampler = place if rollout_place is None else rollout_place
+    if rollout_place is not None:
+        check_split_rows(cfg, place, rollout_place)
+    check_engine(cfg, sampler.batch_shards, trainer_shards=place.batch_shards)
+
+
+def check_split_rows(cfg: Config, place, rollout_place) -> None:
+    """With `generation.placement: split`: `ppo.batch_size` on the rollout mesh, and each
+    process holding the same rows of a batch in both groups, so prompts and responses cross
+    inside each process (`parallel.transfer.uncovered`).
+
+    Raises:
+      ConfigError: naming `generation.rollout_devices` and why.
+    """
+    size, key = cfg.ppo.batch_size, f"generation.rollout_devices={cfg.generation.rollout_devices}"
+    try:
+        rollout_place.check_batch("ppo.batch_size", size)
+    except ConfigError as err:
+        raise ConfigError(f"the rollout group ({key}): {err}") from None
+    for src, dst in ((place, rollout_place), (rollout_place, place)):
+        why = uncovered(src.by_row, dst.by_row, (size,))
+        if why is not None:
+            raise ConfigError(f"{key}: a batch cannot cross between the groups inside each "
+                              f"process: {why}")
 
 
 def check_kernel(cfg: Config, model_cfg, mesh) -> None:
@@ -321,13 +346,14 @@ def check_router_replay(cfg: Config, model_cfg) -> None:
                           "model.router_replay=none")
 
 
-def check_engine(cfg: Config, replicas: int) -> None:
+def check_engine(cfg: Config, replicas: int, trainer_shards: int = 1) -> None:
     """With `generation.engine: paged`, check the engine's settings against the run's widest
     batches on `replicas` data replicas, before any model is loaded. One is the training batch,
     with prompts `data.max_prompt_length` wide. The other is the held-out evaluation's, which
     samples on the same engine: at most `eval.num_prompts` x `eval.samples_per_prompt` rows,
     `eval.max_new_tokens` long. With `env.name`, the pool must hold every slot's longest
-    episode.
+    episode. The eval rows are padded to a multiple of `replicas` and of the trainer's
+    `trainer_shards` too (they differ with `generation.placement: split`).
 
     Raises:
       ConfigError: naming the `generation.*` key and its value.
@@ -347,8 +373,8 @@ def check_engine(cfg: Config, replicas: int) -> None:
         raise ConfigError(str(err)) from None
     if not eval_enabled(e):
         return
-    multiple = math.lcm(eval_rows_multiple(replicas, cfg.ppo.micro_batch_size),
-                        e.samples_per_prompt)
+    multiple = math.lcm(eval_rows_multiple(math.lcm(replicas, trainer_shards),
+                                           cfg.ppo.micro_batch_size), e.samples_per_prompt)
     rows = -(-e.num_prompts * e.samples_per_prompt // multiple) * multiple
     try:
         engine_layout(settings, batch=rows, prompt_width=width,

@@ -112,7 +112,7 @@ def engine_settings(cfg: Config) -> Optional[EngineSettings]:
                           decode_buckets=g.decode_buckets, attention=g.attention)
 
 
-def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
+def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None, rollout_mesh=None,
                  score_normalizer: Optional[tuple[float, float]] = None,
                  reward_eos_id: Optional[int] = None, stop_token_ids: tuple[int, ...] = (),
                  pad_token_id: int = 0, router_aux_loss_coef: float = 0.0) -> PPOSettings:
@@ -121,6 +121,8 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
     Args:
       shared_critic: the value head sits on the actor (`model.shared_critic`).
       mesh: the mesh of in-jit sharding constraints, None on one device.
+      rollout_mesh: the sampler's mesh with `generation.placement: split` (the rollout
+        group's); None: `mesh`.
       score_normalizer: the reward model's `(mean, std)` when `reward.normalize`, else None.
       reward_eos_id: with `reward.eos_at_end`, the EOS id the reward model reads at, else None.
       stop_token_ids, pad_token_id: from the tokenizer and the model config;
@@ -131,7 +133,7 @@ def settings_for(cfg: Config, *, shared_critic: bool = False, mesh=None,
     forward = forward_settings(cfg, mesh=mesh, score_normalizer=score_normalizer,
                                reward_eos_id=reward_eos_id)
     sampling = sampling_settings(cfg, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id,
-                                 mesh=mesh)
+                                 mesh=mesh if rollout_mesh is None else rollout_mesh)
     eval_sampling = dataclasses.replace(  # eval.samples_per_prompt answers share a prefill too
         sampling, max_new_tokens=e.max_new_tokens or cfg.generation.max_new_tokens,
         temperature=e.temperature, greedy=e.greedy,

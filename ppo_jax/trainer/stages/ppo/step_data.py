@@ -272,10 +272,12 @@ class LastRollout:
 
 
 def step_metrics(t0: float, sampled: Sampled, scored: Scored, learned: Learned,
-                 data_position: int) -> dict:
+                 data_position: int, synced=None) -> dict:
     """The step's metrics (floats) from its three parts: the experience stats, the update's
     means (`_mean_stats`), phase times (`time/generation`, `time/experience`, `time/update`,
-    `time/step`, seconds from `t0`), token rates, the data position and the column widths."""
+    `time/step`, seconds from `t0`), token rates, the data position and the column widths.
+    With `synced` (`rollout_group.Synced`, `generation.placement: split`), the weight sync
+    after the update: `weights/sync_bytes`, `time/weight_sync` (seconds), inside `time/step`."""
     t_gen, t_score, t_update = sampled.end, scored.end, learned.end
     gen_tokens = float(scored.tokens["response"])
     total_tokens = float(scored.tokens["prompt"]) + gen_tokens
@@ -291,4 +293,8 @@ def step_metrics(t0: float, sampled: Sampled, scored: Scored, learned: Learned,
         "prompt_width": float(sampled.prompt_width),
         "response_width": float(sampled.response_width),
     })
+    if synced is not None:
+        metrics.update({"weights/sync_bytes": float(synced.bytes),
+                        "time/weight_sync": synced.seconds,
+                        "time/step": t_update - t0 + synced.seconds})
     return metrics

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ppo_jax.core import informative_groups
 from ppo_jax.models.functional import Model
-from ppo_jax.parallel.rules import tree_shardings
+from ppo_jax.parallel.rules import ROLLOUT_RULES, tree_shardings
 from ppo_jax.rollout.draws import ROUTE_DTYPE, SamplingSettings, TurnSettings
 from ppo_jax.rollout.forward import Rollout, rollout_scores
 from ppo_jax.rollout.sampler import Sampler
@@ -33,6 +33,7 @@ from ppo_jax.trainer.stages.ppo import dynamic
 from ppo_jax.trainer.stages.ppo.experience import (
     ExperienceOut, PPOModels, RolloutBatch, experience_step,
 )
+from ppo_jax.trainer.stages.ppo.rollout_group import GroupSampler
 from ppo_jax.trainer.stages.ppo.update import ppo_update
 
 
@@ -48,10 +49,12 @@ class StepPrograms:
     Attributes:
       split_keys: `split_keys`, replicated out.
       rollout_copy: actor params -> their rollout copy (`rollout.weights.rollout_copy_fn`), or
-        None when the sampler takes the trained params as they are.
-      sampler: the run's `rollout.sampler.Sampler`, `(actor Model, prompt_ids [B, P],
-        prompt_mask [B, P], key, SamplingSettings) -> Generation` (training, ReMax's greedy
-        baseline, dynamic sampling, episodes and the evaluation alike).
+        None when the sampler takes the trained params as they are, or with
+        `generation.placement: split` (the `rollout_group.RolloutWeights` sync instead).
+      sampler: the run's `rollout.sampler.Sampler` (split: a `rollout_group.GroupSampler`),
+        `(actor Model, prompt_ids [B, P], prompt_mask [B, P], key, SamplingSettings) ->
+        Generation` (training, ReMax's greedy baseline, dynamic sampling, episodes and the
+        evaluation alike).
       reward_model_scores: `rollout.forward.rollout_scores`, `(reward Model, Rollout) -> [B]`.
       experience: `experience.experience_step`.
       update: `update.ppo_update`, the train states donated.
@@ -82,22 +85,41 @@ def rollout_shardings(actor: Model, actor_sh: Model, place, layout: str, copied:
                                                    rollout_rules(layout)))
 
 
+def build_sampler(cfg: Config, st, place, m, *, actor, models_sh, rollout_layout: str,
+                  rollout_place=None):
+    """`(sampler, rollout copy)`: the run's sampler and the trainer's `params -> rollout copy`
+    program (None: the sampler reads the trained params). Colocated, the sampler reads the
+    rollout copy of the actor (cast to generation.param_dtype, laid out by
+    generation.rollout_layout) on the trainer's mesh, or the trained params when no copy is
+    needed. Split (`rollout_place` given), a `rollout_group.GroupSampler` on the rollout mesh
+    reads the copy `rollout_group.RolloutWeights` keeps there."""
+    if rollout_place is not None:
+        sh = replace(models_sh.actor, params=tree_shardings(actor.params, rollout_place.mesh,
+                                                            ROLLOUT_RULES))
+        inner = Sampler(st.engine, m.actor.cfg, by_row=rollout_place.by_row,
+                        replicated=rollout_place.replicated, actor_shardings=sh)
+        return GroupSampler(inner, rollout=rollout_place, trainer=place), None
+    copy = rollout_copy_fn(actor.params, place.constraint_mesh, rollout_layout,
+                           cfg.generation.param_dtype)
+    sampler = Sampler(st.engine, m.actor.cfg, by_row=place.by_row, replicated=place.replicated,
+                      actor_shardings=rollout_shardings(actor, models_sh.actor, place,
+                                                        rollout_layout, copy is not None))
+    return sampler, copy
+
+
 def build_programs(cfg: Config, st, place, m, *, actor, models_sh, state: dict, frozen: dict,
-                   stop_ids, rollout_layout: str, actor_tx, critic_tx) -> StepPrograms:
+                   stop_ids, rollout_layout: str, actor_tx, critic_tx,
+                   rollout_place=None) -> StepPrograms:
     """The step's programs, built once per run: each bound to the run's settings `st`
     (`PPOSettings`), graphs (`m`, the loaded models) and optimisers, and jitted with explicit
     layouts: params by the partition rules (`models_sh`, a `PPOModels` of shardings), the
     train states and the `frozen` LoRA base by `place`, batches by row, the rest replicated.
-    `actor` is the actor as the sampler sees it (LoRA: base and adapters joined). The
+    `actor` is the actor as the sampler sees it (LoRA: base and adapters joined); the sampler
+    is `build_sampler`'s (on `rollout_place` with `generation.placement: split`). The
     experience pass and the update compile once per (prompt, response) bucket width."""
     by_row, rep = place.by_row, place.replicated
-    # the sampler reads the rollout copy of the actor (cast to generation.param_dtype, laid out
-    # by generation.rollout_layout), or the trained params when no copy is needed
-    copy = rollout_copy_fn(actor.params, place.constraint_mesh, rollout_layout,
-                           cfg.generation.param_dtype)
-    sampler = Sampler(st.engine, m.actor.cfg, by_row=by_row, replicated=rep,
-                      actor_shardings=rollout_shardings(actor, models_sh.actor, place,
-                                                        rollout_layout, copy is not None))
+    sampler, copy = build_sampler(cfg, st, place, m, actor=actor, models_sh=models_sh,
+                                  rollout_layout=rollout_layout, rollout_place=rollout_place)
     rollout_sh = Rollout(by_row, by_row, by_row, by_row)
     state_sh = (place.shardings(state["actor"]), place.shardings(state["critic"]))
     frozen_sh = place.shardings(frozen)
@@ -131,7 +153,7 @@ def build_programs(cfg: Config, st, place, m, *, actor, models_sh, state: dict, 
 
 def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dict, *, cfg: Config,
                   settings, place, prompt_width: int, scored_on_host: bool, model_shardings: PPOModels,
-                  rollout_layout: str, evaluator=None) -> list[Program]:
+                  rollout_layout: str, evaluator=None, weights=None) -> list[Program]:
     """The jitted programs of one PPO step (`trainer.programs`) with the arguments of the
     widest batch: prompts `prompt_width` (`data.max_prompt_length`) wide, responses
     `max_new_tokens` long; the ReMax greedy pass when `settings.greedy_baseline` is set, the
@@ -150,6 +172,8 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
       model_shardings: the training shardings of `models`; rollout_layout: the rollout copy's
         layout (`generation.rollout_layout`, resolved).
       evaluator: the `Evaluator` of `eval.*`, or None.
+      weights: with `generation.placement: split`, the `rollout_group.RolloutWeights` (placed
+        abstractly): the sampler runs on its copy, and the trainer's copy programs are listed.
     """
     size, new = cfg.ppo.batch_size, cfg.generation.max_new_tokens
     ids = lambda *shape: batch_shape(place, shape, jnp.int32)  # noqa: E731
@@ -171,8 +195,11 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
     if episode is not None:
         exp_args = (models, state["kl"], replace(exp_args[2], **episode))
     exp = out_shapes(lambda *a: jit.experience(*a).experience, exp_args, place.by_row)
-    out, rollout_actor = _rollout_programs(jit.rollout_copy, models.actor, model_shardings.actor,
-                                           place, rollout_layout)
+    if weights is None:
+        out, rollout_actor = _rollout_programs(jit.rollout_copy, models.actor,
+                                               model_shardings.actor, place, rollout_layout)
+    else:
+        out, rollout_actor = weights.programs(state["actor"].params, frozen["actor"]), weights.actor
     sample_args = (rollout_actor, q, qm, gen_key)
     out += sampler_programs(jit.sampler, sample_args, sampling, "")
     if remax:
@@ -188,7 +215,8 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
                            (actor, critic, frozen, exp, upd_key), per_step=0.0,
                            note=f"steps 1-{cfg.ppo.critic_warmup_steps}, in place of update"))
     if evaluator is not None:
-        out += evaluator.programs(replace(models, critic=None), per_step=1.0 / cfg.eval.every)
+        out += evaluator.programs(replace(models, critic=None), per_step=1.0 / cfg.eval.every,
+                                  sampling_actor=None if weights is None else rollout_actor)
     return out
 
 

@@ -35,7 +35,10 @@ from ppo_jax.trainer.stages.ppo import (
 from ppo_jax.trainer.stages.ppo.step_data import (
     LastRollout, Learned, PromptBatch, PromptColumns, ResponseColumns, Sampled, Scored,
 )
+from ppo_jax.trainer.stages.ppo.rollout_group import RolloutWeights, Synced
 from ppo_jax.trainer.stages.ppo.settings import settings_for
+from ppo_jax.trainer.placement import Placement
+from ppo_jax.trainer.split import split_placement
 from ppo_jax.trainer.state import full_params
 
 
@@ -50,7 +53,9 @@ class PPOTrainer(StageTrainer):
     of all processes. Params and optimiser states are sharded by the named rules of
     `ppo_jax.parallel.rules`, batches are split over the "data" and "fsdp" axes, and the KL
     controller and RNG are replicated. Each process feeds and reads only its own rows of every
-    batch.
+    batch. With `generation.placement: split` the sampler and the rollout copy of the actor
+    live on a rollout group of `generation.rollout_devices` of those devices instead, with its
+    own mesh (`trainer.split`, `rollout_group`); `cfg.mesh` lays out the others.
 
     Attributes (besides `StageTrainer`'s), all set in `_build`:
       models, tokenizer: the loaded `loading.models.Models`, whose trained params move into
@@ -63,6 +68,8 @@ class PPOTrainer(StageTrainer):
       actor_tx, critic_tx, state, frozen, ref_params, reward_params, shared_base: as
         `build.PPOParams` says; `state` is `{"actor", "critic", "kl", "rng"}`.
       rollout_layout: the resolved `generation.rollout_layout`.
+      rollout_place: the rollout group's `Placement` (split), else `place` itself.
+      rollout_weights: the split placement's `rollout_group.RolloutWeights`, else None.
       response_columns: the response buckets.
       jit: the step's jitted programs, a `step_programs.StepPrograms`.
       evaluator: the `Evaluator` of `eval.*`, an `episodes.EpisodeEvaluator` with `env.name`,
@@ -75,6 +82,22 @@ class PPOTrainer(StageTrainer):
     name = "ppo"
     finite_keys = ("kl",)
 
+    def _make_placement(self, devices, abstract: bool) -> Placement:
+        """The trainer's placement; with `generation.placement: split` the devices are divided
+        first (`trainer.split`) and the rollout group's placement is kept as `rollout_place`."""
+        g = self.cfg.generation
+        if g.placement != "split":
+            self.rollout_place = super()._make_placement(devices, abstract)
+            return self.rollout_place
+        place, self.rollout_place = split_placement(self.cfg.mesh, g.rollout_devices, devices,
+                                                    abstract)
+        return place
+
+    @property
+    def split(self) -> bool:
+        """Whether the sampler runs on its own rollout group (`generation.placement: split`)."""
+        return self.rollout_place is not self.place
+
     def _check_config(self) -> None:
         load_checks.check_names(self.cfg)
 
@@ -84,10 +107,11 @@ class PPOTrainer(StageTrainer):
 
     def _build(self) -> None:
         cfg, place = self.cfg, self.place
-        load_checks.check_placement(cfg, place)
+        rollout = self.rollout_place
+        load_checks.check_placement(cfg, place, rollout if self.split else None)
         load = abstract_models if self.is_abstract else build_models
         models = load(cfg, sharding_fn=place.sharding_fn)
-        load_checks.check_kernel(cfg, models.actor.cfg, place.mesh)
+        load_checks.check_kernel(cfg, models.actor.cfg, rollout.mesh)
         load_checks.check_router_replay(cfg, models.actor.cfg)
         self.models, self.tokenizer = models, models.tokenizer
         self.prompts = prompt_set(cfg, self.tokenizer, models.actor.cfg, cfg.data.prompts,
@@ -97,6 +121,7 @@ class PPOTrainer(StageTrainer):
         self.reward_fn = load_checks.reward_function(cfg) if cfg.reward.kind == "function" else None
         self.settings = settings_for(
             cfg, shared_critic=cfg.model.shared_critic, mesh=place.constraint_mesh,
+            rollout_mesh=rollout.mesh if self.split else None,
             score_normalizer=models.score_normalizer if cfg.reward.normalize else None,
             reward_eos_id=rewards.reward_eos_id(cfg.reward.eos_at_end, self.tokenizer,
                                                 self.stop_ids),
@@ -111,7 +136,9 @@ class PPOTrainer(StageTrainer):
         self.frozen, self.shared_base = params.frozen, params.shared_base
         self.ref_params, self.reward_params = params.ref_params, params.reward_params
         self.prompt_order = DataOrder(len(self.prompts), cfg.train.seed, cfg.data.shuffle)
-        self.rollout_layout = resolve_layout(cfg.generation.rollout_layout, cfg.generation.engine)
+        self.rollout_layout = ("tensor" if self.split else
+                               resolve_layout(cfg.generation.rollout_layout, cfg.generation.engine))
+        self.rollout_weights = self._rollout_weights() if self.split else None
         self.response_columns = ResponseColumns(cfg.generation.max_new_tokens,
                                                 cfg.generation.response_buckets, place.by_row,
                                                 place.replicated)
@@ -119,7 +146,8 @@ class PPOTrainer(StageTrainer):
         self.evaluator = (build.build_evaluator(
             cfg, place, self.tokenizer, models.actor.cfg, self.settings.eval,
             self._model_shardings(), abstract=self.is_abstract, reward_fn=self.reward_fn,
-            decode=self.decode, sampler=self.jit.sampler) if eval_enabled(cfg.eval) else None)
+            decode=self.decode, sampler=self.jit.sampler, rollout_shards=rollout.batch_shards)
+            if eval_enabled(cfg.eval) else None)
         if self.episodes is not None and self.evaluator is not None:  # eval prompts as episodes
             self.evaluator = episodes.EpisodeEvaluator.of(
                 cfg, self.evaluator, self.settings.eval.sampling, self.tokenizer,
@@ -147,11 +175,35 @@ class PPOTrainer(StageTrainer):
             actor=self.ppo_models(self.state["actor"].params).actor,  # LoRA: base and adapters
             models_sh=self._model_shardings(), state=self.state, frozen=self.frozen,
             stop_ids=self.stop_ids, rollout_layout=self.rollout_layout, actor_tx=self.actor_tx,
-            critic_tx=self.critic_tx)
+            critic_tx=self.critic_tx, rollout_place=self.rollout_place if self.split else None)
+
+    def _rollout_weights(self) -> RolloutWeights:
+        """The split placement's copy of the actor on the rollout group (placed abstractly in
+        an abstract build; synced before the first sampling otherwise)."""
+        trained, frozen = self.state["actor"].params, self.frozen["actor"]
+        weights = RolloutWeights(self.models.actor.graphdef, trained, frozen, trainer=self.place,
+                                 rollout=self.rollout_place,
+                                 param_dtype=self.cfg.generation.param_dtype)
+        if self.is_abstract:
+            weights.place_abstract(trained, frozen)
+        return weights
+
+    def sync_weights(self) -> Synced:
+        """Send the current actor to the rollout group (`RolloutWeights.sync`, split placement):
+        after every update, and before the first sampling of a run or a resumed run."""
+        return self.rollout_weights.sync(self.state["actor"].params, self.frozen["actor"],
+                                         version=self.step_count)
 
     def rollout_actor(self) -> Model:
-        """The actor the sampler runs: the trained params, or their rollout copy, made once
-        per step, cast to `generation.param_dtype` and laid out by `generation.rollout_layout`."""
+        """The actor the sampler runs. Colocated: the trained params, or their rollout copy,
+        made once per step, cast to `generation.param_dtype` and laid out by
+        `generation.rollout_layout`. Split: the copy on the rollout group, synced first when it
+        does not hold this step's weights (the first step; after a resume)."""
+        if self.split:
+            weights = self.rollout_weights
+            if not self.is_abstract and weights.version != self.step_count:
+                self.sync_weights()
+            return weights.actor
         actor = self.ppo_models(self.state["actor"].params).actor
         if self.jit.rollout_copy is None:
             return actor
@@ -165,8 +217,10 @@ class PPOTrainer(StageTrainer):
             return {}
         ref, reward = self.place.onload(self.ref_params), self.place.onload(self.reward_params)
         models = self.ppo_models(self.state["actor"].params, None, ref, reward)
+        sampling = self.rollout_actor() if self.split else None  # the rollout group's copy
         with self._reward_faults(f"the evaluation at step {self.step_count}"):
-            metrics, self._eval_samples = self.evaluator(models, self.cfg.eval.num_samples)
+            metrics, self._eval_samples = self.evaluator(models, self.cfg.eval.num_samples,
+                                                         sampling_actor=sampling)
         del ref, reward, models
         release_host_memory()
         return metrics
@@ -203,10 +257,12 @@ class PPOTrainer(StageTrainer):
         self.state = {"actor": learned.actor, "critic": learned.critic, "kl": scored.kl_state,
                       "rng": sampled.rng}
         self.step_count += 1
+        synced = self.sync_weights() if self.split else None  # staleness 0: every update
         self._last_rollout = LastRollout(prompts=sampled.prompts, responses=scored.responses,
                                          rollout=sampled.rollout,
                                          scores=scored.experience.scores)
-        return step_data.step_metrics(t0, sampled, scored, learned, self.prompt_order.position)
+        return step_data.step_metrics(t0, sampled, scored, learned, self.prompt_order.position,
+                                      synced)
 
     def sample_rollout(self) -> Sampled:
         """The next batch of prompts and the actor's responses (and ReMax's greedy baseline).
@@ -363,12 +419,21 @@ class PPOTrainer(StageTrainer):
             place=place,
             prompt_width=self.prompt_columns.full, scored_on_host=self.reward_fn is not None,
             model_shardings=self._model_shardings(), rollout_layout=self.rollout_layout,
-            evaluator=self.evaluator)
+            evaluator=self.evaluator, weights=self.rollout_weights)
 
     def resident(self) -> dict:
-        """What stays in device memory between a step's programs (`step_programs.resident`)."""
-        return step_programs.resident(self.state, self.frozen, self.ref_params, self.reward_params,
-                                 shared_base=self.shared_base, evaluator=self.evaluator)
+        """What stays in device memory between a step's programs (`step_programs.resident`;
+        split: the rollout group's copy of the actor too)."""
+        out = step_programs.resident(self.state, self.frozen, self.ref_params, self.reward_params,
+                                     shared_base=self.shared_base, evaluator=self.evaluator)
+        if self.split:
+            out["rollout_weights"] = self.rollout_weights.params
+        return out
+
+    def transfers(self) -> list[dict]:
+        """The step's transfers between device groups (`RolloutWeights.transfers`; none
+        colocated), for `--compile-for`'s estimate."""
+        return self.rollout_weights.transfers() if self.split else []
 
     # ----------------------------------------------------------------------------------------
     def export_actor(self, out_dir: Path | None = None) -> Path:
