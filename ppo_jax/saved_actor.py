@@ -41,7 +41,6 @@ from ppo_jax.trainer.lifecycle.checkpoint import (
 from ppo_jax.trainer.config import Config, ConfigError, load_config
 from ppo_jax.trainer.loading.lora import LoadedModel, adapters_from, base_dtype, lora_settings
 from ppo_jax.trainer.loading.models import actor_kind, load_split, resolve_model_path
-from ppo_jax.trainer.placement import Placement
 from ppo_jax.trainer.lifecycle.run_dir import config_of_step
 from ppo_jax.trainer.state import full_params
 
@@ -254,7 +253,7 @@ def build_trainer(cfg: Config, devices=None):
     trainer.process_index, trainer.step_count, trainer._lock = jax.process_index(), 0, None
     trainer._check_inputs()
     try:
-        trainer.place = Placement.from_config(cfg.mesh, devices)
+        trainer.place = trainer._make_placement(devices, abstract=False)
     except ValueError as e:
         raise ConfigError(f"mesh: {e} (on this host: --set mesh.data=-1 --set mesh.fsdp=1 "
                           "--set mesh.tensor=1)") from None

@@ -163,7 +163,7 @@ def model_flops(trainer_cls, cfg, devices) -> dict[str, float]:
 
 
 def transfer_rows(transfers: list[dict], s: Slice) -> dict:
-    """`{name: row}` of the transfers between device groups (`trainer.transfers()`): bytes
+    """`{name: row}` of the transfers between device groups (`PPOTrainer.transfers`): bytes
     (one copy), the most a receiving chip takes, calls per step, and `seconds_estimate` =
     receiving chip's bytes / the chip's ICI bandwidth (None where it is not known)."""
     ici = s.chip.ici_bandwidth

@@ -68,6 +68,7 @@ def switch_midway(engine, params, new, batches, rounds=2, **options):
     return {b.tag: b for b in done}, stream
 
 
+@pytest.mark.slow  # ~30 s of compiles; the one-block and partial-rollout tests stay
 def test_streamed_batches_equal_generate_and_share_the_slots(setup):
     engine, _, params, _, batches = setup
     want = [host(engine.generate(params, ids, mask, key)) for ids, mask, key in batches]
