@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ppo_jax.aot.async_sim import (  # noqa: E402
-    SYNCHRONOUS, BatchShape, FlopModel, RolloutCost, Schedule, TrainerCost, lognormal_lengths,
-    simulate, step_mixture_lengths,
+    SYNCHRONOUS, BatchShape, FlopModel, RolloutCost, Schedule, TrainerCost, simulate,
 )
+from ppo_jax.aot.response_lengths import lognormal_lengths, step_mixture_lengths  # noqa: E402
 from ppo_jax.aot.topology import CHIPS  # noqa: E402
 
 TENSOR = 8  # chips per engine replica (mesh.tensor of the reports)

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from ppo_jax.aot.async_sim import (
-    SYNCHRONOUS, BatchShape, FlopModel, RolloutCost, Schedule, TrainerCost, fixed_lengths,
-    lognormal_lengths, simulate, step_mixture_lengths, truncated_exponential_rate,
+    SYNCHRONOUS, BatchShape, FlopModel, RolloutCost, Schedule, TrainerCost, simulate,
+)
+from ppo_jax.aot.response_lengths import (
+    fixed_lengths, lognormal_lengths, step_mixture_lengths, truncated_exponential_rate,
 )
 
 
