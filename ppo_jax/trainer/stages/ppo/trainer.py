@@ -3,9 +3,11 @@
 `step()` reads top to bottom: sample, score, learn. `sample_rollout` samples; DAPO's rounds
 are in `dynamic_rollout` and multi-turn episodes in `episode_rollout`. `score_rollout` computes
 the reward, then runs one jitted experience pass. `learn` runs every PPO epoch and minibatch in
-one jitted call. Each part returns a named value of `step_data`. What is built once, before
-the first step, lives in `build`; the jitted programs the step calls live in `step_programs`,
-and `--compile-for` compiles the same objects.
+one jitted call. With `ppo.max_staleness` > 0 `async_step` runs instead: the same parts on a
+batch the rollout group streamed ahead (`async_rollout`, docs/async_rl.md), the update
+overlapping the next batch's generation. Each part returns a named value of `step_data`. What
+is built once, before the first step, lives in `build`; the jitted programs the step calls live
+in `step_programs`, and `--compile-for` compiles the same objects.
 """
 
 from __future__ import annotations
