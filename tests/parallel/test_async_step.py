@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from ppo_jax.trainer.lifecycle.checkpoint import finished_steps
-from tests.parallel.test_sharded_step import PAGED, finish, launch, load
+from tests.parallel.test_sharded_step import (
+    PAGED, PROCESS_TOL, assert_same_run, finish, free_port, launch, load,
+)
 from tests.xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +82,26 @@ def test_staleness_1_and_2_stay_within_their_bound_and_start_as_the_synchronous_
     assert [m["rollout/weight_switches"] for m in two] == [0, 0, 1, 1]
     assert any(m["rollout/mixed_version_frac"] > 0 for m in two)
     assert sum(m["rollout/kv_refills"] for m in two) > 0
+
+
+@pytest.mark.slow  # a 4-step run on two processes and on one
+def test_two_processes_take_the_same_decisions_as_one(tmp_path, cache):
+    """Staleness 2 on two processes of 4 devices (each 2 trainer + 2 rollout devices) equals
+    the same meshes in one process, the stream's figures (weight switches, KV recomputes,
+    mixed versions) included: the loop's decisions depend on the stream's state alone, so
+    every process submits and switches weights at the same rounds."""
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    extra = (*PAGED, *COMMON, "--set", "ppo.max_staleness=2")
+    coordinator = f"localhost:{free_port()}"
+    procs = [launch(multi, [SPLIT], devices=4, steps=4, cache=cache, extra=extra,
+                    process=(coordinator, 2, i)) for i in range(2)]
+    for p in procs:
+        finish(p)
+    finish(launch(single, [SPLIT], devices=8, steps=4, cache=cache, extra=extra))
+    got, want = load(multi, SPLIT), load(single, SPLIT)
+    assert got[0]["processes"] == 2
+    assert_same_run(got, want, "two processes, staleness 2", param_atol=PROCESS_TOL)
+    assert want[0]["metrics"][3]["rollout/mixed_version_frac"] > 0  # a partial rollout
 
 
 # --- stop and resume: train.py on 2 CPU devices, the trainer's 1 + the rollout group's 1 ---
