@@ -49,7 +49,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,7 @@ from ppo_jax.rollout.engine_programs import (
 from ppo_jax.rollout.scheduler import ReplicaScheduler
 
 KV_ON_SWITCH = ("recompute", "keep")
+KvOnSwitch = Literal[KV_ON_SWITCH]  # generation.kv_on_switch
 
 
 class StreamedBatch(NamedTuple):

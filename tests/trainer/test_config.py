@@ -145,6 +145,7 @@ def _code_accepts():
     from ppo_jax.rollout.engine_layout import ATTENTION_KERNELS, ENGINES, engine_layout
     from tests.rollout.sampling_settings import engine_settings
     from ppo_jax.rollout.observations import OBSERVATION_ROLES, observation_frame
+    from ppo_jax.rollout.stream import KV_ON_SWITCH
     from ppo_jax.rollout.weights import PLACEMENTS, ROLLOUT_LAYOUTS, resolve_layout
     from ppo_jax.trainer.data.prompts import TRUNCATIONS, tokenize_prompts
     from ppo_jax.trainer.optim import SCHEDULES, make_schedule
@@ -179,6 +180,7 @@ def _code_accepts():
             group_size=1, replicas=1)),
         "generation.rollout_layout": (ROLLOUT_LAYOUTS, lambda v: resolve_layout(v, "paged")),
         "generation.placement": (PLACEMENTS, None),
+        "generation.kv_on_switch": (KV_ON_SWITCH, None),
     }
 
 
@@ -201,6 +203,10 @@ def test_every_enumerated_choice_is_accepted_by_config_exactly_when_the_code_acc
              # keys read only under another setting (config.no_effect): that setting too
              "generation.attention=pallas": ["generation.engine=paged"],
              "generation.placement=split": ["generation.rollout_devices=2"],
+             "generation.kv_on_switch=keep": [
+                 "ppo.max_staleness=1", "generation.placement=split",
+                 "generation.rollout_devices=2", "generation.engine=paged",
+                 "ppo.rollout_correction=tis"],
              **{f"ppo.kl_loss_estimator={n}": ["ppo.kl_loss_coef=0.1"] for n in KL_ESTIMATORS},
              "env.observation_role=tool": ["env.name=calculator"]}
     for key, (names, use) in accepts.items():

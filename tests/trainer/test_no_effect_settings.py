@@ -18,6 +18,8 @@ from ppo_jax.trainer.config import no_effect as ne
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/tiny.yaml"  # gae, separate critic, adaptive KL, static engine, no env
 GROUPS = ["ppo.advantage_estimator=grpo", "generation.samples_per_prompt=2"]
+ASYNC = ["ppo.max_staleness=1", "generation.placement=split", "generation.rollout_devices=1",
+         "generation.engine=paged", "ppo.rollout_correction=tis"]
 
 
 def _when(key: str) -> ne.Condition:
@@ -39,6 +41,8 @@ CONDITIONS = {
     ne.STATIC_ENGINE.name: ([], ["generation.engine=paged"]),
     ne.COLOCATED.name: ([], ["generation.placement=split"]),
     ne.SPLIT.name: (["generation.placement=split", "generation.rollout_devices=4"], []),
+    ne.SYNCHRONOUS.name: ([], ASYNC),
+    ne.CONSISTENT.name: (ASYNC + ["generation.partial_rollouts=false"], ASYNC),
     ne.NO_ENV.name: ([], ["env.name=calculator"]),
     ne.REWARD_MODEL.name: (["reward.kind=model", "model.reward_model=rm"], []),
     ne.NO_TASK.name: ([], ["data.task.name=chain_sum", "data.prompts=task"]),
@@ -79,6 +83,8 @@ VALUES = {
     "generation.attention": ["generation.attention=pallas"],
     "generation.rollout_devices": ["generation.rollout_devices=4"],
     "generation.rollout_layout": ["generation.rollout_layout=tensor"],
+    "generation.partial_rollouts": ["generation.partial_rollouts=false"],
+    "generation.kv_on_switch": ["generation.kv_on_switch=keep"],
     "env.kwargs": ["env.kwargs.tool_call_cost=0.1"],
     "env.max_turns": ["env.max_turns=2"],
     "env.max_observation_tokens": ["env.max_observation_tokens=8"],

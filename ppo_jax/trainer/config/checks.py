@@ -11,7 +11,9 @@ import os
 import typing
 from typing import Literal
 
+from ppo_jax.core.estimators import needs_greedy_baseline
 from ppo_jax.core.gae import GAE_METHODS
+from ppo_jax.core.registry import get_advantage_estimator
 from ppo_jax.core.rollout_correction import check_rollout_correction
 from ppo_jax.models.config import LORA_TARGETS
 from ppo_jax.trainer.config.help import leaves
@@ -112,6 +114,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")
     _validate_env(cfg)
+    _validate_async(cfg)
     _validate_stage(cfg)
     _validate_lora(cfg)
     _validate_eval(cfg.eval)
@@ -168,6 +171,53 @@ def _validate_env(cfg: Config) -> None:
     if cfg.reward.kind != "function":
         raise ConfigError(f"env.name={e.name!r}: the environment gives the reward; "
                           f"reward.kind={cfg.reward.kind!r} must stay 'function'")
+
+
+def _async_refusal(cfg: Config) -> str | None:
+    """Why `ppo.max_staleness` > 0 cannot run with `cfg` (None: it can)."""
+    g, p = cfg.generation, cfg.ppo
+    if g.placement != "split" or g.engine != "paged":
+        return (f"generation.placement={g.placement!r} and generation.engine={g.engine!r}: the "
+                "rollouts stream on a rollout group of their own (set generation.placement=split "
+                "and generation.engine=paged, the engine that keeps its slots full across "
+                "batches)")
+    if p.rollout_correction == "none":
+        return ("ppo.rollout_correction='none': a stale sample was drawn by an older policy "
+                "than PPO's pi_old; set tis or mis, the decoupled PPO objective's weight "
+                "pi_old / pi_rollout over the recorded log-probs (docs/async_rl.md)")
+    if cfg.env.name is not None:
+        return (f"env.name={cfg.env.name!r}: a multi-turn episode waits for its environment "
+                "between turns; the stream generates single-turn responses only")
+    if p.dynamic_sampling:
+        return ("ppo.dynamic_sampling=true draws and scores rounds until a step's batch is "
+                "full: the number of batches a step takes is not known when they are submitted")
+    try:
+        fn = get_advantage_estimator(p.advantage_estimator)
+    except ValueError:  # an unknown name: `stages.ppo.load_checks` names it
+        fn = None
+    if fn is not None and needs_greedy_baseline(fn):
+        return (f"ppo.advantage_estimator={p.advantage_estimator!r} needs ReMax's greedy "
+                "response to each prompt under the weights that drew the batch, a second "
+                "generation the stream does not run")
+    if cfg.model.router_replay == "rollout" and g.partial_rollouts and \
+            g.kv_on_switch == "recompute":
+        return ("model.router_replay='rollout' with generation.partial_rollouts=true and "
+                "generation.kv_on_switch='recompute': the recompute would route the fed tokens "
+                "again while the recorded routes stay the old ones; set kv_on_switch=keep or "
+                "partial_rollouts=false")
+    return None
+
+
+def _validate_async(cfg: Config) -> None:
+    """`ppo.max_staleness`: an int >= 0; > 0 only where the asynchronous step can run
+    (`_async_refusal`)."""
+    s = cfg.ppo.max_staleness
+    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        raise ConfigError(f"ppo.max_staleness={s!r} must be an int >= 0 (0: the synchronous "
+                          "step)")
+    why = _async_refusal(cfg) if s and cfg.stage == "ppo" else None
+    if why is not None:
+        raise ConfigError(f"ppo.max_staleness={s} (asynchronous rollouts) cannot run with {why}")
 
 
 def _validate_ppo(p: PPOConfig) -> None:

@@ -8,6 +8,7 @@ from typing import Optional
 
 from ppo_jax.models.config import Dtype
 from ppo_jax.rollout.engine_layout import AttentionKernel, RolloutEngine
+from ppo_jax.rollout.stream import KvOnSwitch
 from ppo_jax.rollout.weights import RolloutLayout, RolloutPlacement
 from ppo_jax.trainer.config.fields import opt
 
@@ -67,3 +68,13 @@ class GenerationConfig:
     rollout_devices: int = opt(0, "split: the rollout group's devices, over all processes (a "
                                "multiple of mesh.tensor and of the process count, fewer than "
                                "all devices)")
+    partial_rollouts: bool = opt(True, "with ppo.max_staleness > 0: the weights of each update "
+                                 "reach the responses already decoding at the paged engine's "
+                                 "next chunk boundary, so a response may span policy versions "
+                                 "(AReaL, slime); false: the live responses finish under the "
+                                 "old weights first, no admission meanwhile (rollout.stream, "
+                                 "docs/async_rl.md)")
+    kv_on_switch: KvOnSwitch = opt("recompute", "with partial_rollouts: at a weight switch, "
+                                   "recompute the live responses' KV cache under the new "
+                                   "weights (one prefill of the live slots; AReaL) or keep the "
+                                   "old weights' keys and values")

@@ -145,6 +145,14 @@ SPLIT = Condition("generation.placement=split", ("generation.placement",),
                   _ppo(lambda cfg: cfg.generation.placement == "split"),
                   "lays the rollout copy out over the rollout mesh's tensor axis (it has no "
                   "fsdp axis)", "set generation.placement=colocated")
+SYNCHRONOUS = Condition("ppo.max_staleness=0", ("ppo.max_staleness",),
+                        _ppo(lambda cfg: cfg.ppo.max_staleness == 0),
+                        "samples each batch under the weights of the step that takes it",
+                        "set ppo.max_staleness > 0 (docs/async_rl.md)")
+CONSISTENT = Condition("generation.partial_rollouts=false", ("generation.partial_rollouts",),
+                       _ppo(lambda cfg: cfg.generation.partial_rollouts is False),
+                       "lets the live responses finish under the old weights before a switch",
+                       "set generation.partial_rollouts=true")
 NO_ENV = Condition("env.name=null", ("env.name",), _ppo(lambda cfg: cfg.env.name is None),
                    "runs no environment: one response per prompt, scored by reward.*",
                    "set env.name")
@@ -221,6 +229,11 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect("generation.rollout_devices", COLOCATED, "the size of a separate rollout group"),
     NoEffect("generation.rollout_layout", SPLIT,
              "it picks between the training layout and one without fsdp on the trainer's mesh"),
+    NoEffect("generation.partial_rollouts", SYNCHRONOUS,
+             "it says when new weights reach responses already decoding"),
+    NoEffect("generation.kv_on_switch", SYNCHRONOUS, "what a weight switch does to the KV cache"),
+    NoEffect("generation.kv_on_switch", CONSISTENT,
+             "no response is decoding when new weights come in"),
     NoEffect("reward.function", REWARD_MODEL, "no reward function is built"),
     NoEffect("reward.function_kwargs", REWARD_MODEL, "no reward function is built"),
     NoEffect("reward.timeout_s", REWARD_MODEL, "no reward function is called"),

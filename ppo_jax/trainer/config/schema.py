@@ -230,6 +230,13 @@ class PPOConfig:
         "(token min(ratio, cap); Yao et al. 2025), mis (sequence ratio, 0 above cap; Liu, Li "
         "et al. 2025)")
     rollout_correction_cap: float = opt(2.0, "tis / mis cap C on pi_old / pi_rollout, >= 1")
+    max_staleness: int = opt(0, "asynchronous RL (docs/async_rl.md): the rollout group keeps "
+                             "up to max_staleness + 1 batches generating while the trainer "
+                             "updates, and a sample whose oldest token is more than this many "
+                             "policy versions behind the trainer's is refused (left out of the "
+                             "loss); 0 = the synchronous step. > 0 needs generation.placement="
+                             "split, generation.engine=paged and ppo.rollout_correction tis or "
+                             "mis (the decoupled PPO objective)")
     reward_shaping_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of reward_shaping "
                                                 "(scalars or strings)", factory=dict)
     advantage_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of the estimator, e.g. "

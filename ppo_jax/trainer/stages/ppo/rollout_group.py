@@ -61,7 +61,9 @@ class GroupSampler:
         evaluation too), so there is one layout."""
         return self
 
-    def _to_rollout(self, ids, mask, key):
+    def to_rollout(self, ids, mask, key):
+        """`(prompt_ids [B, P], prompt_mask [B, P], key)` on the rollout mesh: the prompts by
+        row, the key replicated (host values as they are)."""
         rows, rep = self.rollout.by_row, self.rollout.replicated
         moved = [transfer(x, s) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else x
                  for x, s in ((ids, rows), (mask, rows), (key, rep))]
@@ -82,14 +84,14 @@ class GroupSampler:
                  on_turn_end=None) -> Generation:
         """Generate on the rollout group, then move the outputs to the trainer (class doc).
         Raises what `Sampler.__call__` raises."""
-        ids, mask, key = self._to_rollout(prompt_ids, prompt_mask, key)
+        ids, mask, key = self.to_rollout(prompt_ids, prompt_mask, key)
         out = self.sampler(actor, ids, mask, key, settings, on_turn_end)
         return self.to_trainer(out)
 
     def programs(self, actor: Model, prompt_ids, prompt_mask, key, settings: SamplingSettings,
                  prefix: str = "") -> list[dict]:
         """`Sampler.programs` with the abstract prompts and key on the rollout mesh."""
-        ids, mask, key = self._to_rollout(prompt_ids, prompt_mask, key)
+        ids, mask, key = self.to_rollout(prompt_ids, prompt_mask, key)
         return self.sampler.programs(actor, ids, mask, key, settings, prefix=prefix)
 
 
@@ -158,8 +160,9 @@ class RolloutWeights:
         group: the trainer's copy, then one transfer, blocked on. Returns the `Synced` figures."""
         t0 = time.perf_counter()
         parts = {"trained": trained} if self.params else {"trained": trained, "frozen": frozen}
-        # staleness 0: nothing samples during a sync, so the old copy goes before the new one
-        # comes (one copy at a time on the rollout group)
+        # nothing samples during a sync, so the old copy goes before the new one comes (one
+        # copy at a time on the rollout group); with ppo.max_staleness > 0 the stream holds the
+        # old one until it takes the new one in, at its next round
         self.params.pop("trained", None)
         moved = transfer({k: self._laid_out(k, t) for k, t in parts.items()},
                          {k: self.shardings[k] for k in parts})

@@ -3,13 +3,16 @@
 `step()` reads top to bottom: sample, score, learn. `sample_rollout` samples; DAPO's rounds
 are in `dynamic_rollout` and multi-turn episodes in `episode_rollout`. `score_rollout` computes
 the reward, then runs one jitted experience pass. `learn` runs every PPO epoch and minibatch in
-one jitted call. Each part returns a named value of `step_data`. What is built once, before
-the first step, lives in `build`; the jitted programs the step calls live in `step_programs`,
-and `--compile-for` compiles the same objects.
+one jitted call. With `ppo.max_staleness` > 0 `async_step` runs instead: the same parts on a
+batch the rollout group streamed ahead (`async_rollout`, docs/async_rl.md), the update
+overlapping the next batch's generation. Each part returns a named value of `step_data`. What
+is built once, before the first step, lives in `build`; the jitted programs the step calls live
+in `step_programs`, and `--compile-for` compiles the same objects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from pathlib import Path
@@ -32,6 +35,7 @@ from ppo_jax.trainer.loop import StageTrainer
 from ppo_jax.trainer.stages.ppo import (
     build, dynamic, episodes, load_checks, rewards, step_data, step_programs,
 )
+from ppo_jax.trainer.stages.ppo.async_rollout import AsyncRollout, staleness_figures
 from ppo_jax.trainer.stages.ppo.step_data import (
     LastRollout, Learned, PromptBatch, PromptColumns, ResponseColumns, Sampled, Scored,
 )
@@ -75,6 +79,8 @@ class PPOTrainer(StageTrainer):
       evaluator: the `Evaluator` of `eval.*`, an `episodes.EpisodeEvaluator` with `env.name`,
         or None.
       episodes: the `episodes.EpisodeRunner` of `env.*`, or None.
+      driver: the `async_rollout.AsyncRollout` of `ppo.max_staleness` > 0, started by the
+        first step (of a run or a resumed run); None before, and with staleness 0.
       _eval_samples: the evaluator's last decoded samples, until `after_log` writes them.
       _last_rollout: the last step's `step_data.LastRollout`, None before the first.
     """
@@ -154,6 +160,7 @@ class PPOTrainer(StageTrainer):
                 self.jit.sampler, pool=self.episodes.pool)
         self._eval_samples: list[dict] = []
         self._last_rollout: Optional[LastRollout] = None
+        self.driver: Optional[AsyncRollout] = None
 
     def ppo_models(self, actor_params, critic_params=None, ref_params=None,
                    reward_params=None) -> PPOModels:
@@ -248,6 +255,8 @@ class PPOTrainer(StageTrainer):
         the scores go back in (`jax.make_array_from_process_local_data` with several
         processes). Everything else stays on the devices until the step's scalars are read.
         """
+        if self.cfg.ppo.max_staleness:
+            return self.async_step()
         t0 = time.perf_counter()
         sampled = (self.episode_rollout() if self.episodes is not None
                    else self.dynamic_rollout() if self.cfg.ppo.dynamic_sampling
@@ -325,10 +334,94 @@ class PPOTrainer(StageTrainer):
             drawn, rng, update_key, select=jit.select, response_columns=self.response_columns,
             prompts=self.prompts, place=self.place, n=n, prompt_width=self.prompt_columns.full)
 
-    def score_rollout(self, sampled: Sampled) -> Scored:
+    # --- the asynchronous step (ppo.max_staleness > 0, docs/async_rl.md) ---------------------
+    def async_step(self) -> dict:
+        """One step of asynchronous RL (`async_rollout`): take the next finished batch the
+        rollout group streamed (waiting for it if need be), score it, refuse its too-stale
+        samples, and dispatch the update; while the trainer's devices run it, the stream runs
+        until the next step's batch is finished; then the new weights go to the rollout group
+        and the next batch is submitted. Metrics: the synchronous step's, plus the staleness
+        figures (`async_rollout.staleness_figures`), the stream's (`rollout/*`) and
+        `time/rollout_wait`, the seconds spent waiting for the batch."""
+        t0 = time.perf_counter()
+        sampled, taken, figures = self.stream_rollout()
+        scored = self.score_rollout(sampled, read_stats=False)
+        if figures["rollout/refused"]:
+            scored.experience = scored.experience.replace(action_mask=self.driver.refuse(
+                scored.experience.action_mask, taken.staleness))
+        learned = self.learn(scored, sampled.update_key, meanwhile=self.driver.pump)
+        scored = dataclasses.replace(scored, stats=jax.device_get(scored.stats))
+        self.state = {"actor": learned.actor, "critic": learned.critic, "kl": scored.kl_state,
+                      "rng": sampled.rng}
+        self.step_count += 1
+        synced = self.sync_weights()
+        self.driver.set_params(self.rollout_weights.actor.params, self.step_count)
+        self.driver.fill()
+        self._last_rollout = LastRollout(prompts=sampled.prompts, responses=scored.responses,
+                                         rollout=sampled.rollout,
+                                         scores=scored.experience.scores)
+        metrics = step_data.step_metrics(t0, sampled, scored, learned, self.prompt_order.position,
+                                         synced)
+        return {**metrics, **figures, "time/rollout_wait": taken.wait_s}
+
+    def stream_rollout(self):
+        """`(Sampled, Taken, figures)`: the next batch from the stream on the trainer's rows,
+        cut to its response bucket; the prompt order and the run's key as of this batch (what a
+        checkpoint after this step holds); its staleness figures
+        (`async_rollout.staleness_figures`), the stream's figures among them. The `Taken`
+        carries `staleness`, `[B]` on the trainer's rows."""
+        if self.driver is None:
+            self.driver = self._start_driver()
+        taken = self.driver.take(self.step_count + 1)
+        sub, gen = taken.submitted, self.jit.sampler.to_trainer(taken.batch.generation)
+        self.prompt_order.position = sub.position
+        resp, resp_mask, width = self.response_columns(gen.response_ids, gen.response_mask)
+        staleness, figures = staleness_figures(taken.batch.versions, width, self.step_count,
+                                               self.cfg.ppo.max_staleness)
+        lo, hi = self.place.row_range(self.cfg.ppo.batch_size)
+        taken = dataclasses.replace(taken, staleness=self.place.put_rows(
+            staleness[lo:hi], staleness.shape))
+        p, n = sub.prompts, self.cfg.generation.samples_per_prompt
+        cut = self.response_columns.cut
+        routes = None if gen.routes is None else cut(gen.routes, width)
+        sampled = Sampled(
+            prompts=p.texts, rollout=Rollout(p.ids, p.mask, resp, resp_mask, routes),
+            group_ids=step_data.group_ids(self.place, self.cfg.ppo.batch_size, n),
+            baseline_scores=None, update_key=sub.update_key, rng=sub.rng,
+            prompt_width=p.width, response_width=int(width), end=time.perf_counter(),
+            rows=p.rows, rollout_logprobs=cut(gen.logprobs, width),
+            engine_stats=self.driver.stream_metrics())
+        return sampled, taken, figures
+
+    def _start_driver(self) -> AsyncRollout:
+        """The stream on the rollout group, holding the current weights (synced first), and
+        its first s + 1 batches submitted from the prompt order's position and the run's key
+        (a resumed run's: the checkpoint's)."""
+        cfg, g = self.cfg, self.cfg.generation
+        actor = self.rollout_actor()
+        width = self.prompt_columns.full  # the engine's one prompt width: no prompt buckets
+        engine = self.jit.sampler.sampler.paged(actor.graphdef, self.settings.sampling,
+                                                cfg.ppo.batch_size, width)
+        stream = engine.stream(actor.params, self.step_count,
+                               max_batches_in_flight=cfg.ppo.max_staleness + 1,
+                               partial_rollouts=g.partial_rollouts, kv_on_switch=g.kv_on_switch)
+        order = DataOrder(len(self.prompts), cfg.train.seed, cfg.data.shuffle,
+                          position=self.prompt_order.position)
+        driver = AsyncRollout(
+            stream, order=order, rng=self.state["rng"], next_step=self.step_count + 1,
+            last_step=cfg.train.steps, max_staleness=cfg.ppo.max_staleness,
+            draw=lambda o: self.next_prompts(bucketed=False, order=o),
+            split_keys=self.jit.split_keys, to_rollout=self.jit.sampler.to_rollout,
+            by_row=self.place.by_row)
+        driver.fill()
+        return driver
+
+    def score_rollout(self, sampled: Sampled, read_stats: bool = True) -> Scored:
         """The reward (the reward function on this process's decoded rows, or the reward model
         inside the experience pass) and the experience: log-probs, reference log-probs,
-        values, rewards, advantages, returns; the KL controller updated."""
+        values, rewards, advantages, returns; the KL controller updated. `read_stats=False`
+        leaves the stats on the devices, so the pass may still be running when this returns
+        (the asynchronous step reads them after the update)."""
         responses, scores, reward_stats = None, sampled.scores, sampled.reward_stats or {}
         r = sampled.rollout
         if self.reward_fn is not None and scores is None:
@@ -343,24 +436,31 @@ class PPOTrainer(StageTrainer):
                              sampled.rollout_logprobs, sampled.action_mask, sampled.ended)
         out = self.jit.experience(models, self.state["kl"], batch)
         del ref, reward, models  # offloaded frozen params: the device copy lives for this pass
-        stats = {**jax.device_get(out.stats), **reward_stats}  # replicated: readable everywhere
+        stats = {**(jax.device_get(out.stats) if read_stats else out.stats),
+                 **reward_stats}  # replicated: readable everywhere
         release_host_memory()
         return Scored(experience=out.experience, kl_state=out.kl_state, stats=stats,
                       tokens=out.tokens, responses=responses, end=time.perf_counter())
 
-    def learn(self, scored: Scored, key) -> Learned:
-        """The PPO update on the experience (critic only during `ppo.critic_warmup_steps`)."""
+    def learn(self, scored: Scored, key, meanwhile=None) -> Learned:
+        """The PPO update on the experience (critic only during `ppo.critic_warmup_steps`);
+        `meanwhile()`, when given, runs on the host after the update is dispatched and before
+        its stats are read (the asynchronous step's rollout rounds)."""
         warmup = self.step_count < self.cfg.ppo.critic_warmup_steps
         update = self.jit.update_critic_only if warmup else self.jit.update
         actor, critic, stats = update(self.state["actor"], self.state["critic"], self.frozen,
                                       scored.experience, key)
+        if meanwhile is not None:
+            meanwhile()
         return Learned(actor=actor, critic=critic, stats=jax.device_get(stats),
                        critic_warmup=warmup, end=time.perf_counter())
 
     # --- the step's host-side helpers -------------------------------------------------------
-    def next_prompts(self, bucketed: bool) -> PromptBatch:
-        """`step_data.next_prompts` of this run's prompts, order and batch (advances the order)."""
-        return step_data.next_prompts(self.prompts, self.prompt_order, self.prompt_columns,
+    def next_prompts(self, bucketed: bool, order: Optional[DataOrder] = None) -> PromptBatch:
+        """`step_data.next_prompts` of this run's prompts and batch, from `order` (default the
+        run's prompt order; advances it)."""
+        order = self.prompt_order if order is None else order
+        return step_data.next_prompts(self.prompts, order, self.prompt_columns,
                                   self.place, batch=self.cfg.ppo.batch_size,
                                   n=self.cfg.generation.samples_per_prompt, bucketed=bucketed)
 
