@@ -41,20 +41,42 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """`[B, S] int -> [B, S] int32`: `max(cumsum(mask) - 1, 0)`, so left padding never shifts positions."""
-    pos = jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1
-    return jnp.maximum(pos, 0)
+    """`[B, S] int -> [B, S] int32`: each token's position within its segment.
+
+    A 0/1 mask is one segment a row: `max(cumsum(mask) - 1, 0)`, so left padding never shifts
+    positions. A packed row holds segment ids instead (1, 1, 1, 2, 2, 0, ...: `rollout.packing`),
+    each segment a contiguous run of one id; positions restart at 0 where a segment starts, as
+    each sequence's own row would give them. A pad slot (0) keeps the position of the slot
+    before it (0 before any segment).
+    """
+    real = (attention_mask != 0).astype(jnp.int32)
+    count = jnp.cumsum(real, axis=-1)
+    before = jnp.pad(attention_mask, ((0, 0), (1, 0)))[:, :-1]
+    starts = (real == 1) & (attention_mask != before)
+    # the real tokens before each slot's segment: the count where the segment started
+    offset = jax.lax.cummax(jnp.where(starts, count - 1, 0), axis=attention_mask.ndim - 1)
+    return jnp.maximum(count - 1 - offset, 0)
+
+
+def same_segment(query_ids: jax.Array, key_ids: jax.Array) -> jax.Array:
+    """`[B, L]`, `[B, S]` segment ids -> `[B, L, S]` bool: the key is real and, for a real
+    query, in the query's segment. A pad query keeps every real key (a 0/1 mask's pattern), so
+    a one-segment row attends as it always has; it is read by no loss."""
+    q, k = query_ids[:, :, None], key_ids[:, None, :]
+    return (k != 0) & ((q == k) | (q == 0))
 
 
 def slot_layout(attention_mask: jax.Array, length: int, cache_index=None):
     """Positions of the new tokens and the attention pattern for one forward call.
 
     Args:
-      attention_mask: `[B, S]` int, 1 on real tokens over all S slots (S == length without cache).
+      attention_mask: `[B, S]` int, 1 on real tokens over all S slots (S == length without cache),
+        or a packed row's segment ids (`positions_from_mask`): a query attends only within its
+        segment (`same_segment`).
       length: L, number of new tokens.
       cache_index: int32 scalar (traced ok), first slot written; None means 0 (no cache).
     Returns:
-      positions `[B, L]` int32, allowed `[B, L, S]` bool (causal & key mask),
+      positions `[B, L]` int32, allowed `[B, L, S]` bool (causal & same segment),
       q_slots `[L]` int32 and k_slots `[S]` int32 (for sliding windows).
     Raises:
       ValueError if there is no cache and S != L.
@@ -66,5 +88,6 @@ def slot_layout(attention_mask: jax.Array, length: int, cache_index=None):
     q_slots = start + jnp.arange(length, dtype=jnp.int32)
     k_slots = jnp.arange(s, dtype=jnp.int32)
     causal = k_slots[None, :] <= q_slots[:, None]
-    allowed = causal[None] & (attention_mask[:, None, :] != 0)
+    q_ids = jax.lax.dynamic_slice(attention_mask, (jnp.int32(0), start), (b, length))
+    allowed = causal[None] & same_segment(q_ids, attention_mask)
     return positions, allowed, q_slots, k_slots

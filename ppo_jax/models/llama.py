@@ -204,13 +204,13 @@ def _check_routes(cfg: ModelConfig, routes, shape) -> jax.Array | None:
 
 
 def _token_mask(attention_mask, shape, cache_index, paged) -> jax.Array:
-    """`[B, L]` float32: 1 for the call's real tokens (the new tokens' slots of the mask), all
-    ones over a paged cache, which reads no mask."""
+    """`[B, L]` float32: 1 for the call's real tokens (the new tokens' slots of the mask, 0/1 or
+    a packed row's segment ids), all ones over a paged cache, which reads no mask."""
     if paged is not None:
         return jnp.ones(shape, jnp.float32)
     mask = jnp.asarray(attention_mask)
     start = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
-    return jax.lax.dynamic_slice_in_dim(mask, start, shape[1], axis=1).astype(jnp.float32)
+    return (jax.lax.dynamic_slice_in_dim(mask, start, shape[1], axis=1) != 0).astype(jnp.float32)
 
 
 def _routing(stats, mask) -> Routing:
