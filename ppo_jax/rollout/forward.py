@@ -13,6 +13,7 @@ PPO minibatch sees `ratio == 1` exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Optional
 
 import jax
@@ -23,6 +24,7 @@ from jax.sharding import Mesh
 from ppo_jax.core import chunked_logprobs_and_entropy, entropy_from_logits, logprobs_from_logits
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.mesh import shard_rows
+from ppo_jax.rollout.packing import PackedRows, pack, packed_rows, unpack
 from ppo_jax.parallel.rules import vocab_shards
 
 
@@ -114,6 +116,24 @@ def _response_slice(x: jax.Array, prompt_len: int, response_len: int) -> jax.Arr
     return x[:, prompt_len - 1: prompt_len - 1 + response_len]
 
 
+def response_states(run, query_ids, query_mask, response_ids, response_mask, *, routes=None,
+                    mesh=None, packing: Optional[PackedRows] = None):
+    """`(out [B, N, ...], aux)`: `run(ids, mask, routes) -> (out [B, L, ...], aux)` over the
+    sequences (a backbone's hidden states, a ValueModel's values), read for each response
+    token before it (module doc). With `packing` it runs over the packed rows of the plan
+    (`rollout.packing`) and its outputs come back to `[B, N, ...]`: equal to the padded pass's
+    on every real response token, to float32 rounding."""
+    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
+    seq_routes = sequence_routes(routes, query_ids.shape[1])
+    if packing is not None:
+        ids, mask = (shard_rows(x, mesh) for x in packed_rows(ids, packing))
+        seq_routes = None if seq_routes is None else shard_rows(pack(seq_routes, packing, -1), mesh)
+    out, aux = run(ids, mask, seq_routes)
+    if packing is None:
+        return _response_slice(out, query_ids.shape[1], response_ids.shape[1]), aux
+    return shard_rows(unpack(out, packing), mesh), aux
+
+
 def head_logprobs(model, hidden: jax.Array, tokens: jax.Array, temperature: float = 1.0, *,
                   with_entropy: bool = True, chunk_size: int = 0, mesh=None):
     """Log-probs (and entropies) of `tokens [B, T]` under `softmax(lm_head(hidden) / temperature)`
@@ -143,7 +163,8 @@ def head_logprobs(model, hidden: jax.Array, tokens: jax.Array, temperature: floa
 
 def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, response_mask, *,
                     temperature: float = 1.0, with_entropy: bool = False,
-                    logprob_chunk_size: int = 0, mesh=None, routes=None, with_aux: bool = False):
+                    logprob_chunk_size: int = 0, mesh=None, routes=None, with_aux: bool = False,
+                    packing: Optional[PackedRows] = None):
     """Log-probs of the response tokens under a CausalLM (actor or reference).
 
     Args:
@@ -157,6 +178,8 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
       routes: None, or the response tokens' experts `[B, N, moe_layers, k]` to replay
         (`Rollout.routes`); the prompt is routed by the router.
       with_aux: also return the pass's MoE load-balancing loss (`backbone_pass`).
+      packing: None, or the `rollout.packing.PackedRows` of these rows: the backbone runs over
+        packed rows (`response_states`).
 
     Returns:
       logprobs `[B, N]` float32, or `(logprobs, entropy)` with entropy `[B, N]` float32 in
@@ -164,10 +187,9 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
       slots are finite but meaningless.
     """
     model = nnx.merge(graphdef, params)
-    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]),
-                                mesh)
-    h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
+    h, aux = response_states(partial(backbone_pass, model, mesh=mesh), query_ids, query_mask,
+                             response_ids, response_mask, routes=routes, mesh=mesh,
+                             packing=packing)
     out = head_logprobs(model, h, response_ids, temperature, with_entropy=with_entropy,
                         chunk_size=logprob_chunk_size, mesh=mesh)
     if not with_aux:
@@ -175,11 +197,14 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
     return (*out, aux) if with_entropy else (out, aux)
 
 
-def critic_values(graphdef, params, query_ids, query_mask, response_ids, response_mask):
-    """Values `[B, N]` float32 of a ValueModel for the states before each response token."""
-    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    values, _ = nnx.merge(graphdef, params)(ids, mask)
-    return _response_slice(values, query_ids.shape[1], response_ids.shape[1])
+def critic_values(graphdef, params, query_ids, query_mask, response_ids, response_mask, *,
+                  mesh=None, packing: Optional[PackedRows] = None):
+    """Values `[B, N]` float32 of a ValueModel for the states before each response token;
+    with `packing`, over packed rows (`response_states`)."""
+    model = nnx.merge(graphdef, params)
+    return response_states(lambda ids, mask, _: (model(ids, mask)[0], None), query_ids,
+                           query_mask, response_ids, response_mask, mesh=mesh,
+                           packing=packing)[0]
 
 
 def end_with_eos(response_ids: jax.Array, response_mask: jax.Array, eos_id: int) -> jax.Array:
@@ -232,7 +257,8 @@ def map_in_chunks(fn, chunk_size: int, *arrays, mesh=None):
 
 def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response_ids, response_mask,
                                *, temperature: float = 1.0, logprob_chunk_size: int = 0,
-                               mesh=None, routes=None, with_aux: bool = False):
+                               mesh=None, routes=None, with_aux: bool = False,
+                               packing: Optional[PackedRows] = None):
     """Shared-backbone policy and critic (`models.CausalLMWithValueHead`, TRL's
     `AutoModelForCausalLMWithValueHead`).
 
@@ -245,10 +271,9 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
       with `with_aux` the MoE aux loss last.
     """
     model = nnx.merge(graphdef, params)
-    ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    hidden, aux = backbone_pass(model, ids, mask, sequence_routes(routes, query_ids.shape[1]),
-                                mesh)
-    h = _response_slice(hidden, query_ids.shape[1], response_ids.shape[1])
+    h, aux = response_states(partial(backbone_pass, model, mesh=mesh), query_ids, query_mask,
+                             response_ids, response_mask, routes=routes, mesh=mesh,
+                             packing=packing)
     logprobs, entropy = head_logprobs(model, h, response_ids, temperature,
                                       chunk_size=logprob_chunk_size, mesh=mesh)
     out = (logprobs, entropy, model.values_from_hidden(h))

@@ -1,0 +1,164 @@
+"""Packed sequences for the forward passes over prompt + response (`ppo.packing`).
+
+A padded micro-batch holds each sequence in a row `[P + N]`: the prompt left-padded to P, the
+response right-padded to N. With heavy-tailed response lengths, half its slots can be padding,
+and every slot pays the full attention and MLP cost. Packing moves each sequence's real tokens
+into rows of `width` slots, several sequences a row, each row's sequences told apart by
+segment ids (1, 2, ...; 0 on padding), which the models read from the attention mask
+(`models.kv_cache.positions_from_mask`, `same_segment`): attention stays within a segment and
+positions restart at each one. The outputs come back to the padded `[B, N]` layout the losses
+and estimators read, so their math does not change.
+
+The plan is made on the host from the sequences' lengths (`plan_packing`, first-fit
+decreasing: Johnson 1973), the device gathers (`pack`, `unpack`). With a mesh, each device
+packs only its own rows of the micro-batch (`shards`: the rows split over ("data", "fsdp") in
+contiguous blocks, as `parallel.shard_rows` splits them), so the gathers never cross devices.
+The number of rows a shard packs into is rounded up to a power of two (at most its row count),
+so a run compiles a few shapes, not one per batch. Anchors that pack: verl
+`use_remove_padding`, OpenRLHF `packing_samples`, TRL `padding_free`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class PackedRows:
+    """Where one micro-batch's tokens go, for `pack` and `unpack` (int32 arrays; S shards, R
+    packed rows a shard, W slots a row, m rows of the micro-batch, L = P + N).
+
+    src: `[S, R, W]`, each packed slot's index into its shard's `[m / S * L]` flattened
+      sequence slots; `m / S * L` (one past the end) on padding.
+    segments: `[S, R, W]`, 1, 2, ... the sequence's number within its row; 0 on padding.
+    dst: `[S, m / S, N]`, the packed slot (index into the shard's `[R * W]`) whose output is
+      read for response token t: the slot of the token before it. Any slot past the response.
+    """
+
+    src: jax.Array
+    segments: jax.Array
+    dst: jax.Array
+
+
+def first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
+    """Bins of sequence indices, each bin's lengths summing to at most `width`: longest first,
+    each into the first bin with room (Johnson 1973; at most 11/9 OPT + 1 bins).
+
+    Raises:
+      ValueError: a sequence is longer than `width`, naming both.
+    """
+    lengths = np.asarray(lengths)
+    if lengths.size and lengths.max() > width:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than the packed row's "
+                         f"{width}")
+    bins, room = [], []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        slot = next((b for b, r in enumerate(room) if r >= n), None)
+        if slot is None:
+            bins.append([]), room.append(width)
+            slot = len(bins) - 1
+        bins[slot].append(int(i))
+        room[slot] -= n
+    return bins
+
+
+def row_bucket(needed: int, most: int) -> int:
+    """Packed rows a shard compiles for: the next power of two >= `needed`, at most `most`
+    (`needed` <= `most`)."""
+    return min(most, 1 << max(needed - 1, 0).bit_length())
+
+
+def shard_plan(query_lengths, response_lengths, prompt_width: int, response_width: int,
+               width: int, rows: int):
+    """`(src [R, W], segments [R, W], dst [m, N])` of one shard's m sequences (`PackedRows`),
+    from their real prompt lengths (right-aligned in P slots) and response lengths (from slot
+    0 of N), into `rows` rows of `width` slots.
+
+    Raises:
+      ValueError: a sequence longer than `width`, or more rows needed than `rows`.
+    """
+    q, r = np.asarray(query_lengths, np.int64), np.asarray(response_lengths, np.int64)
+    m, seq = len(q), prompt_width + response_width
+    bins = first_fit_decreasing(q + r, width)
+    if len(bins) > rows:
+        raise ValueError(f"{m} sequences need {len(bins)} packed rows; the plan has {rows}")
+    src = np.full((rows, width), m * seq, np.int32)
+    segments = np.zeros((rows, width), np.int32)
+    dst = np.zeros((m, response_width), np.int32)
+    for row, members in enumerate(bins):
+        at = 0
+        for k, i in enumerate(members):
+            n_q, n_r = int(q[i]), int(r[i])
+            slots = np.concatenate([np.arange(prompt_width - n_q, prompt_width),
+                                    prompt_width + np.arange(n_r)]) + i * seq
+            src[row, at:at + n_q + n_r] = slots
+            segments[row, at:at + n_q + n_r] = k + 1
+            # response token t is read where the sequence's token before it sits
+            before = row * width + at + n_q - 1
+            dst[i] = before + np.minimum(np.arange(response_width), max(n_r - 1, 0))
+            at += n_q + n_r
+    return src, segments, dst
+
+
+def plan_packing(query_lengths, response_lengths, *, prompt_width: int, response_width: int,
+                 micro_batch_size: int, shards: int = 1, width: int | None = None) -> PackedRows:
+    """The `PackedRows` of every micro-batch of a batch, stacked: leaves `[n_micro, S, ...]`.
+
+    Args:
+      query_lengths, response_lengths: `[B]` int, each row's real prompt tokens (left-padded:
+        the last ones of its P) and real response tokens (the first ones of its N), in the
+        order the micro-batches take the rows (B a multiple of `micro_batch_size`).
+      prompt_width, response_width: P and N of the padded rows.
+      micro_batch_size: m, rows per forward pass; a multiple of `shards`.
+      shards: S, the devices the rows of a micro-batch are split over.
+      width: W, slots of a packed row; default P + N (every sequence fits).
+
+    Raises:
+      ValueError: a sequence longer than W (naming both), or sizes that do not divide.
+    """
+    q, r = np.asarray(query_lengths), np.asarray(response_lengths)
+    width = prompt_width + response_width if width is None else int(width)
+    if len(q) % micro_batch_size or micro_batch_size % shards:
+        raise ValueError(f"batch {len(q)}, micro_batch_size {micro_batch_size} and {shards} "
+                         "shards do not divide")
+    per = micro_batch_size // shards
+    blocks = [(q[i:i + per], r[i:i + per]) for i in range(0, len(q), per)]
+    needed = max(len(first_fit_decreasing(a + b, width)) for a, b in blocks)
+    rows = row_bucket(needed, max(per, needed))
+    planned = [shard_plan(a, b, prompt_width, response_width, width, rows) for a, b in blocks]
+    n_micro = len(q) // micro_batch_size
+    src, seg, dst = (np.stack([p[k] for p in planned]).reshape(n_micro, shards, *planned[0][k].shape)
+                     for k in range(3))
+    return PackedRows(src=src, segments=seg, dst=dst)
+
+
+def pack(x: jax.Array, plan: PackedRows, fill=0) -> jax.Array:
+    """`[m, L, ...]` padded sequence slots -> `[S * R, W, ...]` packed rows (`fill` on
+    padding), each shard gathering from its own `m / S` rows."""
+    s, rows, width = plan.src.shape
+    m, length = x.shape[:2]
+    flat = x.reshape(s, m // s * length, *x.shape[2:])
+    flat = jnp.concatenate([flat, jnp.full_like(flat[:, :1], fill)], axis=1)  # the padding slot
+    out = jax.vmap(lambda a, i: a[i])(flat, plan.src)
+    return out.reshape(s * rows, width, *x.shape[2:])
+
+
+def unpack(y: jax.Array, plan: PackedRows) -> jax.Array:
+    """`[S * R, W, ...]` outputs of packed rows -> `[m, N, ...]`, response token t of each row
+    taking the output at its `dst` slot."""
+    s, rows, width = plan.src.shape
+    flat = y.reshape(s, rows * width, *y.shape[2:])
+    out = jax.vmap(lambda a, i: a[i])(flat, plan.dst)
+    return out.reshape(-1, plan.dst.shape[-1], *y.shape[2:])
+
+
+def packed_rows(ids: jax.Array, plan: PackedRows) -> tuple[jax.Array, jax.Array]:
+    """`(ids, segment ids)` `[S * R, W]` int32 of padded `[m, L]` sequences: the models' input
+    for a packed pass (the segment ids are its attention mask)."""
+    s, rows, width = plan.segments.shape
+    return pack(ids, plan), plan.segments.reshape(s * rows, width)

@@ -1,0 +1,111 @@
+"""Packed forward passes (`rollout.packing`): the plan places each sequence's real tokens once,
+within its own shard's rows, and the packed passes give the padded passes' log-probs,
+entropies, values and MoE aux loss on every real response token, and their gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppo_jax.models import init_model, split_model
+from ppo_jax.models.tiny_random import TINY_MOE, tiny_config
+from ppo_jax.rollout.forward import critic_values, policy_logprobs, policy_logprobs_and_values
+from ppo_jax.rollout.packing import first_fit_decreasing, pack, plan_packing, row_bucket
+
+VOCAB, P, N = 64, 6, 10
+
+
+def rollout(q_lens, r_lens, seed=0):
+    """Left-padded prompts and right-padded responses of the given real lengths."""
+    rng = np.random.default_rng(seed)
+    b = len(q_lens)
+    q = rng.integers(3, VOCAB, (b, P)).astype(np.int32)
+    r = rng.integers(3, VOCAB, (b, N)).astype(np.int32)
+    qm = (np.arange(P)[None] >= P - np.asarray(q_lens)[:, None]).astype(np.int32)
+    rm = (np.arange(N)[None] < np.asarray(r_lens)[:, None]).astype(np.int32)
+    return q * qm, qm, r * rm, rm
+
+
+Q_LENS, R_LENS = [6, 2, 4, 3, 5, 1, 6, 2], [10, 1, 3, 0, 7, 2, 4, 10]
+
+
+def test_first_fit_decreasing_by_hand_and_a_sequence_longer_than_a_row_refused():
+    assert first_fit_decreasing(np.array([3, 7, 5, 2, 4]), 8) == [[1], [2, 0], [4, 3]]
+    assert row_bucket(3, 8) == 4 and row_bucket(5, 6) == 6 and row_bucket(1, 8) == 1
+    with pytest.raises(ValueError, match="sequence 1 has 9 tokens, more than the packed row's 8"):
+        first_fit_decreasing(np.array([3, 9]), 8)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_plan_puts_every_real_token_once_in_its_own_shard(shards):
+    q, qm, r, rm = rollout(Q_LENS, R_LENS)
+    plan = plan_packing(Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=4,
+                        shards=shards)
+    ids = np.concatenate([q, r], 1)
+    for j in range(2):  # micro-batches of 4 rows
+        mb = jax.tree.map(lambda x: x[j], plan)
+        packed = np.asarray(pack(jnp.asarray(ids[4 * j:4 * j + 4]), mb)).reshape(shards, -1)
+        seg = np.asarray(mb.segments).reshape(shards, -1)
+        per = 4 // shards
+        for s in range(shards):
+            rows = range(4 * j + s * per, 4 * j + (s + 1) * per)
+            want = sorted(t for i in rows for t in ids[i][np.concatenate([qm[i], rm[i]]) == 1])
+            assert sorted(packed[s][seg[s] > 0]) == want  # the shard's tokens, each once
+    assert plan.src.shape[2] in (1, 2, 4) and plan.src.shape[2] <= 4 // shards
+
+
+@pytest.fixture(scope="module")
+def actor():
+    return split_model(init_model(tiny_config(VOCAB), seed=3))
+
+
+def test_packed_log_probs_entropy_and_gradients_equal_the_padded_pass(actor):
+    graphdef, params = actor
+    batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS))
+    plan = jax.tree.map(lambda x: jnp.asarray(x[0]), plan_packing(
+        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8, shards=2))
+    mask = batch[3].astype(jnp.float32)
+
+    def loss(p, packing):
+        lp, ent = policy_logprobs(graphdef, p, *batch, with_entropy=True, packing=packing,
+                                  temperature=0.7)
+        return jnp.sum((lp + 0.1 * ent) * mask), (lp, ent)
+
+    (l0, (lp0, e0)), g0 = jax.value_and_grad(loss, has_aux=True)(params, None)
+    (l1, (lp1, e1)), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, plan)
+    assert plan.src.shape[1] == row_bucket(3, 4)  # shard 1 packs its 4 sequences in 3 rows
+    real = np.asarray(mask) == 1
+    np.testing.assert_allclose(np.asarray(lp1)[real], np.asarray(lp0)[real], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(e1)[real], np.asarray(e0)[real], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_packed_values_and_the_shared_critic_equal_the_padded_pass():
+    batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS, seed=1))
+    plan = jax.tree.map(lambda x: jnp.asarray(x[0]), plan_packing(
+        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8))
+    real = np.asarray(batch[3]) == 1
+    critic = split_model(init_model(tiny_config(VOCAB), kind="value", seed=4))
+    v0, v1 = (critic_values(*critic, *batch, packing=pk) for pk in (None, plan))
+    np.testing.assert_allclose(np.asarray(v1)[real], np.asarray(v0)[real], rtol=1e-5, atol=1e-6)
+    shared = split_model(init_model(tiny_config(VOCAB), kind="causal_lm_value", seed=5))
+    out0, out1 = (policy_logprobs_and_values(*shared, *batch, packing=pk) for pk in (None, plan))
+    for a, b in zip(out1, out0):
+        np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=1e-5, atol=1e-6)
+
+
+def test_a_packed_moe_pass_replays_routes_and_counts_each_token_once():
+    graphdef, params = split_model(init_model(tiny_config(VOCAB, **TINY_MOE), seed=6))
+    batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS, seed=2))
+    routes = jnp.asarray(np.random.default_rng(0).integers(0, 8, (8, N, 2, 2)), jnp.int32)
+    plan = jax.tree.map(lambda x: jnp.asarray(x[0]), plan_packing(
+        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8, shards=2))
+    real = np.asarray(batch[3]) == 1
+    (lp0, aux0), (lp1, aux1) = (policy_logprobs(graphdef, params, *batch, routes=routes,
+                                                with_aux=True, packing=pk) for pk in (None, plan))
+    np.testing.assert_allclose(np.asarray(lp1)[real], np.asarray(lp0)[real], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(aux1, aux0, rtol=1e-6)
