@@ -280,42 +280,56 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
     return (*out, aux) if with_aux else out
 
 
-def _chunked(fn, rollout: Rollout, s: ForwardSettings):
-    """`fn(*arrays, routes)` of every micro-batch chunk of `rollout`."""
-    return map_in_chunks(lambda r: fn(*r.arrays(), r.routes), s.micro_batch_size, rollout,
-                         mesh=s.mesh)
+def _chunked(fn, rollout: Rollout, s: ForwardSettings, packing: Optional[PackedRows] = None):
+    """`fn(*arrays, routes, packing)` of every micro-batch chunk of `rollout`; `packing` is
+    None or the chunks' `PackedRows`, leaves `[n_chunks, ...]`."""
+    if packing is None:
+        return map_in_chunks(lambda r: fn(*r.arrays(), r.routes, None), s.micro_batch_size,
+                             rollout, mesh=s.mesh)
+    n = packing.src.shape[0]
+    if n == 1:
+        return fn(*rollout.arrays(), rollout.routes, jax.tree.map(lambda x: x[0], packing))
+    chunks = jax.tree.map(lambda a: shard_rows(a.reshape(n, -1, *a.shape[1:]), s.mesh, axis=1),
+                          rollout)
+    out = jax.lax.map(lambda xs: fn(*xs[0].arrays(), xs[0].routes, xs[1]), (chunks, packing))
+    return jax.tree.map(lambda y: shard_rows(y.reshape(-1, *y.shape[2:]), s.mesh), out)
 
 
 def rollout_logprobs(model: Model, rollout: Rollout, s: ForwardSettings, *,
-                     with_entropy: bool = False, replay: bool = True):
+                     with_entropy: bool = False, replay: bool = True,
+                     packing: Optional[PackedRows] = None):
     """`policy_logprobs` of a CausalLM (actor or reference) over a rollout, in micro-batch
-    chunks: logprobs `[B, N]` float32, or `(logprobs, entropy)`. With `replay` the rollout's
-    `routes` (when it has them) route the model's MoE layers; the reference passes
-    `replay=False`: the routes are the actor's."""
+    chunks (packed rows with `packing`, `_chunked`): logprobs `[B, N]` float32, or
+    `(logprobs, entropy)`. With `replay` the rollout's `routes` (when it has them) route the
+    model's MoE layers; the reference passes `replay=False`: the routes are the actor's."""
     return _chunked(lambda *r: policy_logprobs(
         model.graphdef, model.params, *r[:4], temperature=s.temperature,
         with_entropy=with_entropy, logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh,
-        routes=r[4] if replay else None), rollout, s)
+        routes=r[4] if replay else None, packing=r[5]), rollout, s, packing)
 
 
-def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ForwardSettings):
+def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ForwardSettings,
+                                packing: Optional[PackedRows] = None):
     """`policy_logprobs_and_values` of the shared policy / value model, in micro-batch chunks:
     `(logprobs, entropy, values)`, each `[B, N]` float32."""
     return _chunked(lambda *r: policy_logprobs_and_values(
         model.graphdef, model.params, *r[:4], temperature=s.temperature,
-        logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh, routes=r[4]), rollout, s)
+        logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh, routes=r[4], packing=r[5]),
+        rollout, s, packing)
 
 
-def rollout_values(critic: Model, rollout: Rollout, s: ForwardSettings) -> jax.Array:
+def rollout_values(critic: Model, rollout: Rollout, s: ForwardSettings,
+                   packing: Optional[PackedRows] = None) -> jax.Array:
     """`critic_values` over a rollout, in micro-batch chunks: `[B, N]` float32."""
-    return _chunked(lambda *r: critic_values(critic.graphdef, critic.params, *r[:4]), rollout, s)
+    return _chunked(lambda *r: critic_values(critic.graphdef, critic.params, *r[:4],
+                                             mesh=s.mesh, packing=r[5]), rollout, s, packing)
 
 
 def rollout_scores(reward: Model, rollout: Rollout, s: ForwardSettings) -> jax.Array:
     """The reward model's scores `[B]` float32 of a rollout (`reward_model_scores`, in
-    micro-batch chunks), normalised by `s.score_normalizer` when set: `(score - mean) / std`
-    with the mean / std measured when the reward model was trained (OpenRLHF's
-    `normalize_reward`)."""
+    micro-batch chunks, padded rows), normalised by `s.score_normalizer` when set:
+    `(score - mean) / std` with the mean / std measured when the reward model was trained
+    (OpenRLHF's `normalize_reward`)."""
     scores = _chunked(lambda *r: reward_model_scores(reward.graphdef, reward.params, *r[:4],
                                                      eos_id=s.reward_eos_id), rollout, s)
     if s.score_normalizer is None:

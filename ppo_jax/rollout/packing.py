@@ -13,8 +13,8 @@ The plan is made on the host from the sequences' lengths (`plan_packing`, first-
 decreasing: Johnson 1973), the device gathers (`pack`, `unpack`). With a mesh, each device
 packs only its own rows of the micro-batch (`shards`: the rows split over ("data", "fsdp") in
 contiguous blocks, as `parallel.shard_rows` splits them), so the gathers never cross devices.
-The number of rows a shard packs into is rounded up to a power of two (at most its row count),
-so a run compiles a few shapes, not one per batch. Anchors that pack: verl
+The number of rows a shard packs into is rounded up to a power of two or the midpoint of two
+(`row_bucket`), so a run compiles a few shapes, not one per batch. Anchors that pack: verl
 `use_remove_padding`, OpenRLHF `packing_samples`, TRL `padding_free`.
 """
 
@@ -68,9 +68,12 @@ def first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
 
 
 def row_bucket(needed: int, most: int) -> int:
-    """Packed rows a shard compiles for: the next power of two >= `needed`, at most `most`
-    (`needed` <= `most`)."""
-    return min(most, 1 << max(needed - 1, 0).bit_length())
+    """Packed rows a shard compiles for: the least of 1, 2, 3, 4, 6, 8, 12, ... (powers of two
+    and their halfway points, 2 log2(most) shapes at most) that is >= `needed`, at most
+    `most` (`needed` <= `most`)."""
+    power = 1 << max(needed - 1, 0).bit_length()  # the least power of two >= needed
+    between = 3 * power // 4  # halfway between power / 2 and power
+    return min(between if power >= 4 and needed <= between else power, most)
 
 
 def shard_plan(query_lengths, response_lengths, prompt_width: int, response_width: int,

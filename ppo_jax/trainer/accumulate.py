@@ -27,7 +27,7 @@ def _add(a, b):
 
 
 def accumulate_gradients(loss_fn: Callable, params: Any, batch: Any, *, micro_batch_size: int,
-                         mesh: Optional[Mesh] = None) -> tuple[Any, dict]:
+                         mesh: Optional[Mesh] = None, per_micro: Any = None) -> tuple[Any, dict]:
     """Summed `(grads, stats)` of `loss_fn(params, micro) -> (loss, stats)` over micro-batches.
 
     Args:
@@ -37,6 +37,9 @@ def accumulate_gradients(loss_fn: Callable, params: Any, batch: Any, *, micro_ba
       micro_batch_size: rows per forward/backward pass.
       mesh: split each micro-batch's rows over ("data", "fsdp"); gradients are laid out like
         their params. None: one device.
+      per_micro: None, or a pytree whose leaves have a leading dim M / micro_batch_size, one
+        entry a micro-batch (its packing plan, `rollout.packing`); `loss_fn` then takes
+        `(micro, entry)` as its second argument.
 
     Returns:
       `(grads, stats)`, the sums over micro-batches.
@@ -55,9 +58,12 @@ def accumulate_gradients(loss_fn: Callable, params: Any, batch: Any, *, micro_ba
         return shard_like_params(grads, mesh), stats  # gradients live like their params
 
     if n_micro == 1:
-        return grad_fn(params, batch)
+        return grad_fn(params, batch if per_micro is None else
+                       (batch, jax.tree.map(lambda x: x[0], per_micro)))
     micro = jax.tree.map(lambda x: shard_rows(
         x.reshape(n_micro, micro_batch_size, *x.shape[1:]), mesh, axis=1), batch)
+    if per_micro is not None:
+        micro = (micro, per_micro)
     shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
     zeros = _zeros_like(shapes)
     zeros = (shard_like_params(zeros[0], mesh), zeros[1])

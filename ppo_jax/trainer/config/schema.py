@@ -166,6 +166,11 @@ class PPOConfig:
     mini_batch_size: int = opt(8, "rollouts per optimiser step")
     micro_batch_size: int = opt(8, "rollouts per forward / backward (gradient accumulation)")
     ppo_epochs: int = opt(2, "passes over each batch of experience")
+    packing: bool = opt(False, "the experience pass and the update run over packed rows: each "
+                        "micro-batch's prompt + response sequences, without their padding, "
+                        "several to a row of the padded width, attention kept within each "
+                        "(docs/packing.md); the same losses and gradients, less compute "
+                        "where response lengths vary")
     kl_coef: float = opt(0.05, "initial coefficient of the per-token KL penalty in the reward")
     kl_controller: KLControllerKind = opt("fixed", "fixed, or adaptive (Ziegler et al. 2019: "
                                           "moves kl_coef toward target_kl)")

@@ -149,7 +149,7 @@ def _row_stats(name: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]
 
 
 def forward_passes(models: PPOModels, rollout: Rollout, scores, *,
-                   settings: ExperienceSettings):
+                   settings: ExperienceSettings, packing=None):
     """The forward passes of experience making, each in micro-batch chunks.
 
     Args:
@@ -158,18 +158,22 @@ def forward_passes(models: PPOModels, rollout: Rollout, scores, *,
         layers (never the reference's: they are the actor's choices).
       scores: `[B]` from a reward function, or None to read `models.reward`
         (`forward.rollout_scores`, normalised when `settings.forward.score_normalizer` is set).
+      packing: None, or the chunks' `rollout.packing.PackedRows` (leaves `[n_chunks, ...]`):
+        the actor, reference and critic passes run over packed rows; the reward model reads
+        padded rows.
 
     Returns:
       `(logprobs, entropy, values, ref_logprobs [B, N], scores [B])`, float32.
     """
     s = settings.forward
     if settings.shared_critic:
-        logprobs, entropy, values = rollout_logprobs_and_values(models.actor, rollout, s)
+        logprobs, entropy, values = rollout_logprobs_and_values(models.actor, rollout, s, packing)
     else:
-        logprobs, entropy = rollout_logprobs(models.actor, rollout, s, with_entropy=True)
+        logprobs, entropy = rollout_logprobs(models.actor, rollout, s, with_entropy=True,
+                                             packing=packing)
         values = (jnp.zeros(rollout.response_mask.shape, jnp.float32) if models.critic is None
-                  else rollout_values(models.critic, rollout, s))
-    ref_logprobs = rollout_logprobs(models.reference, rollout, s, replay=False)
+                  else rollout_values(models.critic, rollout, s, packing))
+    ref_logprobs = rollout_logprobs(models.reference, rollout, s, replay=False, packing=packing)
     if scores is None:
         scores = rollout_scores(models.reward, rollout, s)
     return logprobs, entropy, values, ref_logprobs, scores
@@ -224,8 +228,8 @@ def _critic_stats(values, returns, mask, group_ids, s: ExperienceSettings) -> di
 
 def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended, *,
                     settings: ExperienceSettings, group_ids=None, baseline_scores=None,
-                    rollout_logprobs=None,
-                    action_mask=None) -> tuple[Experience, Any, dict[str, jax.Array]]:
+                    rollout_logprobs=None, action_mask=None,
+                    packing=None) -> tuple[Experience, Any, dict[str, jax.Array]]:
     """Score a rollout and compute rewards, advantages and returns.
 
     Args:
@@ -250,6 +254,8 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
         update's losses take them as their mask. None: every response token (single-turn,
         exactly as without the argument). `response_length` stays the whole response;
         `action_length` is added.
+      packing: None, or the micro-batch chunks' `rollout.packing.PackedRows`
+        (`forward_passes`): the same experience, computed over packed rows.
 
     Returns:
       `(experience, new_kl_state, stats)`. The KL controller is updated with this batch's KL
@@ -267,8 +273,8 @@ def make_experience(models: PPOModels, rollout: Rollout, kl_state, scores, ended
     s = settings
     length = rollout.response_mask.astype(jnp.int32)
     mask = length if action_mask is None else action_mask.astype(jnp.int32) * length
-    logprobs, entropy, values, ref_logprobs, scores = forward_passes(models, rollout, scores,
-                                                                     settings=s)
+    logprobs, entropy, values, ref_logprobs, scores = forward_passes(
+        models, rollout, scores, settings=s, packing=packing)
     raw_scores = scores.astype(jnp.float32)
     overlong = overlong_penalty(length.sum(axis=1),
                                 max_length=s.max_response_length or mask.shape[1],
@@ -325,6 +331,7 @@ class RolloutBatch:
       or None: single-turn, every response token is an action.
     ended: `[B]` bool, the multi-turn episodes that ended, or None: read from the stop tokens
       (a multi-turn response holds stop tokens inside its observations).
+    packing: the micro-batch chunks' `rollout.packing.PackedRows` (`ppo.packing`), or None.
     """
 
     rollout: Rollout
@@ -334,6 +341,7 @@ class RolloutBatch:
     rollout_logprobs: Optional[jax.Array] = None
     action_mask: Optional[jax.Array] = None
     ended: Optional[jax.Array] = None
+    packing: Any = None
 
 
 class ExperienceOut(NamedTuple):
@@ -358,6 +366,6 @@ def experience_step(models: PPOModels, kl_state, batch: RolloutBatch, *,
     exp, kl_state, stats = make_experience(
         models, r, kl_state, batch.scores, ended, settings=settings, group_ids=batch.group_ids,
         baseline_scores=batch.baseline_scores, rollout_logprobs=batch.rollout_logprobs,
-        action_mask=batch.action_mask)
+        action_mask=batch.action_mask, packing=batch.packing)
     tokens = {"prompt": r.query_mask.sum(), "response": r.response_mask.sum()}
     return ExperienceOut(exp, kl_state, stats, tokens)

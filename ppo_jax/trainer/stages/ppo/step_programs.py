@@ -123,7 +123,7 @@ def build_programs(cfg: Config, st, place, m, *, actor, models_sh, state: dict, 
     rollout_sh = Rollout(by_row, by_row, by_row, by_row)
     state_sh = (place.shardings(state["actor"]), place.shardings(state["critic"]))
     frozen_sh = place.shardings(frozen)
-    jit_update = partial(jax.jit, in_shardings=(*state_sh, frozen_sh, by_row, rep),
+    jit_update = partial(jax.jit, in_shardings=(*state_sh, frozen_sh, by_row, rep, rep),
                          out_shardings=(*state_sh, rep), donate_argnums=(0, 1))
     update = partial(ppo_update, actor_graphdef=m.actor.graphdef,
                      critic_graphdef=None if m.critic is None else m.critic.graphdef,
@@ -138,7 +138,7 @@ def build_programs(cfg: Config, st, place, m, *, actor, models_sh, state: dict, 
             in_shardings=(models_sh.reward, rollout_sh), out_shardings=by_row),
         experience=jax.jit(
             partial(experience_step, settings=st.experience, stop_token_ids=stop_ids),
-            in_shardings=(models_sh, rep, by_row),
+            in_shardings=(models_sh, rep, RolloutBatch(*(by_row,) * 7, packing=rep)),
             out_shardings=ExperienceOut(by_row, rep, rep, rep)),
         update=jit_update(partial(update, settings=st.update)),
         # ppo.critic_warmup_steps: the update with the actor left out (compiled when used)

@@ -36,6 +36,7 @@ from ppo_jax.trainer.stages.ppo import (
     build, dynamic, episodes, load_checks, rewards, step_data, step_programs,
 )
 from ppo_jax.trainer.stages.ppo.async_rollout import AsyncRollout, staleness_figures
+from ppo_jax.trainer.stages.ppo.packing import Packer
 from ppo_jax.trainer.stages.ppo.step_data import (
     LastRollout, Learned, PromptBatch, PromptColumns, ResponseColumns, Sampled, Scored,
 )
@@ -161,6 +162,9 @@ class PPOTrainer(StageTrainer):
         self._eval_samples: list[dict] = []
         self._last_rollout: Optional[LastRollout] = None
         self.driver: Optional[AsyncRollout] = None
+        self.packer = (None if not cfg.ppo.packing else Packer(
+            self.place, micro_batch_size=cfg.ppo.micro_batch_size,
+            mini_batch_size=cfg.ppo.mini_batch_size, ppo_epochs=cfg.ppo.ppo_epochs))
 
     def ppo_models(self, actor_params, critic_params=None, ref_params=None,
                    reward_params=None) -> PPOModels:
@@ -432,12 +436,14 @@ class PPOTrainer(StageTrainer):
         critic = self.state["critic"]
         models = self.ppo_models(self.state["actor"].params,
                                  None if critic is None else critic.params, ref, reward)
+        plan, packed = (None, {}) if self.packer is None else self.packer.experience(
+            r, self.packer.lengths(r))
         batch = RolloutBatch(r, sampled.group_ids, scores, sampled.baseline_scores,
-                             sampled.rollout_logprobs, sampled.action_mask, sampled.ended)
+                             sampled.rollout_logprobs, sampled.action_mask, sampled.ended, plan)
         out = self.jit.experience(models, self.state["kl"], batch)
         del ref, reward, models  # offloaded frozen params: the device copy lives for this pass
         stats = {**(jax.device_get(out.stats) if read_stats else out.stats),
-                 **reward_stats}  # replicated: readable everywhere
+                 **reward_stats, **packed}  # replicated: readable everywhere
         release_host_memory()
         return Scored(experience=out.experience, kl_state=out.kl_state, stats=stats,
                       tokens=out.tokens, responses=responses, end=time.perf_counter())
@@ -448,11 +454,16 @@ class PPOTrainer(StageTrainer):
         its stats are read (the asynchronous step's rollout rounds)."""
         warmup = self.step_count < self.cfg.ppo.critic_warmup_steps
         update = self.jit.update_critic_only if warmup else self.jit.update
-        actor, critic, stats = update(self.state["actor"], self.state["critic"], self.frozen,
-                                      scored.experience, key)
+        e = scored.experience
+        plan, packed = None, {}
+        if self.packer is not None:
+            r = Rollout(e.query_ids, e.query_mask, e.response_ids, e.response_mask)
+            plan, packed = self.packer.update(r, self.packer.lengths(r), key)
+        actor, critic, stats = update(self.state["actor"], self.state["critic"], self.frozen, e,
+                                      key, plan)
         if meanwhile is not None:
             meanwhile()
-        return Learned(actor=actor, critic=critic, stats=jax.device_get(stats),
+        return Learned(actor=actor, critic=critic, stats={**jax.device_get(stats), **packed},
                        critic_warmup=warmup, end=time.perf_counter())
 
     # --- the step's host-side helpers -------------------------------------------------------

@@ -160,7 +160,8 @@ def with_router_aux(loss, stats, aux, s: UpdateSettings):
 
 def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=None):
     """`(actor_loss, critic_loss, joint_loss)`, each `fn(params, mb, norms) -> (loss, stats)`
-    on one micro-batch `mb = (m, group_ids)` with the whole minibatch's `norms`.
+    on one micro-batch `mb = ((m, group_ids), packing)` with the whole minibatch's `norms`;
+    `packing` is None or the micro-batch's `rollout.packing.PackedRows`.
 
     `params` are the trained params. `frozen["actor"]` and `frozen["critic"]` hold the frozen
     rest of each model, a LoRA model's base; `{}` or None holds none. The frozen part joins the
@@ -170,30 +171,30 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
     actor_base, critic_base = frozen.get("actor", {}), frozen.get("critic", {})
 
     def actor_loss(params, mb, norms):
-        m, g = mb
+        (m, g), packing = mb
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy, aux = policy_logprobs(
             actor_graphdef, params, *rollout, temperature=s.temperature, with_entropy=True,
             logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh, routes=m.routes,
-            with_aux=True)
+            with_aux=True, packing=packing)
         loss, stats = policy_objective(loss_inputs(m, g, logprobs=logprobs, entropy=entropy),
                                        norms, s)
         return with_router_aux(loss, stats, aux, s)
 
     def critic_loss(params, mb, norms):
-        m, g = mb
+        (m, g), packing = mb
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
-        values = critic_values(critic_graphdef, params, *rollout)
+        values = critic_values(critic_graphdef, params, *rollout, mesh=s.mesh, packing=packing)
         return value_objective(loss_inputs(m, g, values=values), norms, s)
 
     def joint_loss(params, mb, norms):
         """pg_loss + vf_coef * vf_loss of the shared policy/value model (TRL 0.11)."""
-        m, g = mb
+        (m, g), packing = mb
         rollout = (m.query_ids, m.query_mask, m.response_ids, m.response_mask)
         logprobs, entropy, values, aux = policy_logprobs_and_values(
             actor_graphdef, params, *rollout, temperature=s.temperature,
             logprob_chunk_size=s.logprob_chunk_size, mesh=s.mesh, routes=m.routes,
-            with_aux=True)
+            with_aux=True, packing=packing)
         batch = loss_inputs(m, g, logprobs=logprobs, entropy=entropy, values=values)
         pg, p_stats = policy_objective(batch, norms, s)
         vf, v_stats = value_objective(batch, norms, s)
@@ -203,8 +204,15 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
             loss_of_trained(joint_loss, actor_base))
 
 
-def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, *, actor_graphdef,
-               critic_graphdef, actor_tx: optax.GradientTransformation,
+def epoch_permutations(rng, ppo_epochs: int, batch: int) -> jax.Array:
+    """`[ppo_epochs, batch]` int32: each epoch's order of the rows (a fresh permutation per
+    epoch), the one `ppo_update` takes its minibatches in; the host plans packing from it."""
+    return jax.vmap(lambda k: jax.random.permutation(k, batch))(
+        jax.random.split(rng, ppo_epochs))
+
+
+def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, packing=None, *,
+               actor_graphdef, critic_graphdef, actor_tx: optax.GradientTransformation,
                critic_tx: optax.GradientTransformation, settings: UpdateSettings):
     """The whole PPO update on one batch of experience: the step's jitted update program.
 
@@ -217,7 +225,11 @@ def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, *, actor
         base: the train states hold only adapters and heads), or None.
       exp: `Experience` of B rows; B a multiple of `mini_batch_size`, itself a multiple of
         `micro_batch_size` (the config's checks).
-      rng: PRNG key of the per-epoch permutations.
+      rng: PRNG key of the per-epoch permutations (`epoch_permutations`).
+      packing: None (padded rows), or the `rollout.packing.PackedRows` of every micro-batch in
+        the order the update takes them, leaves `[ppo_epochs, n_minibatches, n_micro, ...]`
+        (`stages.ppo.packing.update_plan`): the forward and backward passes run over packed
+        rows, with the same losses, gradients and stats.
       actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
 
     Returns:
@@ -231,32 +243,37 @@ def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, *, actor
     actor_loss, critic_loss, joint_loss = loss_functions(s, actor_graphdef, critic_graphdef, frozen)
     data = (exp, exp.group_ids)
 
-    def accumulate(loss_fn, params, mb, norms):
+    def accumulate(loss_fn, params, mb, norms, plan):
         """Sum of micro-batch gradients and stats (each exact under the minibatch's norms)."""
+        if plan is None:
+            return accumulate_gradients(lambda p, m: loss_fn(p, (m, None), norms), params, mb,
+                                        micro_batch_size=s.micro_batch_size, mesh=s.mesh)
         return accumulate_gradients(lambda p, m: loss_fn(p, m, norms), params, mb,
-                                    micro_batch_size=s.micro_batch_size, mesh=s.mesh)
+                                    micro_batch_size=s.micro_batch_size, mesh=s.mesh,
+                                    per_micro=plan)
 
-    def minibatch_step(carry, idx):
-        a_state, c_state = carry
+    def minibatch_step(carry, xs):
+        (a_state, c_state), (idx, plan) = carry, xs
         mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], data), s.mesh)
         norms = loss_normalizers(mb[0].action_mask, s.max_response_length)
         a_stats = {}
         if s.train_actor:
             a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
-                                          a_state.params, mb, norms)
+                                          a_state.params, mb, norms, plan)
             a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
             a_state = a_state.apply_gradients(a_grads, actor_tx)
         if s.shared_critic or c_state is None:  # value head on the actor, or no critic at all
             return (a_state, c_state), a_stats
-        c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, norms)
+        c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, norms, plan)
         c_stats["critic_grad_norm"] = optax.global_norm(c_grads)
         c_state = c_state.apply_gradients(c_grads, critic_tx)
         return (a_state, c_state), {**a_stats, **c_stats}
 
-    def epoch_step(carry, key):
-        perm = jax.random.permutation(key, batch)
-        return jax.lax.scan(minibatch_step, carry, perm.reshape(n_mb, s.mini_batch_size))
+    def epoch_step(carry, xs):
+        perm, plan = xs
+        return jax.lax.scan(minibatch_step, carry, (perm.reshape(n_mb, s.mini_batch_size), plan))
 
-    keys = jax.random.split(rng, s.ppo_epochs)
-    (actor_state, critic_state), stats = jax.lax.scan(epoch_step, (actor_state, critic_state), keys)
+    perms = epoch_permutations(rng, s.ppo_epochs, batch)
+    (actor_state, critic_state), stats = jax.lax.scan(epoch_step, (actor_state, critic_state),
+                                                      (perms, packing))
     return actor_state, critic_state, stats
