@@ -210,6 +210,20 @@ def test_paged_engine_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
     assert want[0]["metrics"][0]["rollout/prefills"] >= 1
 
 
+@pytest.mark.slow  # two runs on 8 CPU devices (~1 min on 2 cores)
+def test_packed_ppo_step_on_2x2x2_mesh_equals_one_device(tmp_path, cache):
+    """`ppo.packing` on a 2x2x2 mesh: each of the 4 batch shards packs its own 2 rows of every
+    micro-batch of 8, and the step equals the packed step on one device, whose micro-batches
+    pack their 8 rows together. The plans differ by layout, so their figures do."""
+    out, mesh = tmp_path / "runs", (2, 2, 2)
+    finish(launch(out, [(1, 1, 1), mesh], devices=8, cache=cache, steps=2,
+                  extra=("--set", "ppo.packing=true", "--set", "generation.max_new_tokens=12",
+                         "--set", "ppo.micro_batch_size=8")))
+    got, want = load(out, mesh), load(out, (1, 1, 1))
+    assert_same_run(got, want, "packed, mesh 2x2x2", skip=("packing/",))
+    assert want[0]["metrics"][0]["packing/update_fill"] > 0
+
+
 ENV = ("--import", "tests.trainer.scripted_environment", "--set", "env.name=scripted_tool",
        "--set", "env.stop_strings=[good,great,what,very,not,do]",
        "--set", "generation.max_new_tokens=32", "--set", "env.max_observation_tokens=12")
