@@ -24,16 +24,13 @@ from harness import ROOT, finish, fmt, interleaved, log, options, stats
 
 
 def lengths(args, rng) -> tuple[np.ndarray, np.ndarray]:
-    """`(prompt lengths, response lengths)` `[batch]`: responses lognormal (sigma 1), scaled so
-    max = new_tokens and mean / max = mean_over_max (bisection on the scale, the longest
-    cut at max)."""
-    raw = rng.lognormal(0.0, 1.0, args.batch)
-    lo, hi = 1e-3, 1e3
-    for _ in range(60):
-        s = (lo * hi) ** 0.5
-        r = np.clip(np.round(raw / raw.max() * args.new_tokens * s), 1, args.new_tokens)
-        lo, hi = (s, hi) if r.mean() / args.new_tokens < args.mean_over_max else (lo, s)
-    return rng.integers(8, args.prompt + 1, args.batch), r.astype(np.int64)
+    """`(prompt lengths, response lengths)` `[batch]`: prompts 8 to `--prompt` tokens,
+    responses `rollout.packing.heavy_tailed_lengths` (log-normal, max `--new-tokens`, mean /
+    max `--mean-over-max`)."""
+    from ppo_jax.rollout.packing import heavy_tailed_lengths
+
+    r = heavy_tailed_lengths(args.batch, args.new_tokens, args.mean_over_max)
+    return rng.integers(8, args.prompt + 1, args.batch), r
 
 
 def experience(q_lens, r_lens, args, vocab, rng):

@@ -182,6 +182,20 @@ class PackedBatch:
     rows: PackedRows
 
 
+def heavy_tailed_lengths(n: int, longest: int, mean_over_max: float, seed: int = 0) -> np.ndarray:
+    """`[n]` int64 lengths in [1, longest], log-normal (sigma 1: the shape reported for
+    reasoning RL's responses), scaled so the longest is `longest` and the mean is
+    `mean_over_max * longest` (bisection on the scale). The lengths a plan is shaped for before
+    any data exists (`--compile-for`, `bench/packing.py`)."""
+    raw = np.random.default_rng(seed).lognormal(0.0, 1.0, n)
+    lo, hi, out = 1e-3, 1e3, None
+    for _ in range(60):
+        scale = (lo * hi) ** 0.5
+        out = np.clip(np.round(raw / raw.max() * longest * scale), 1, longest)
+        lo, hi = (scale, hi) if out.mean() / longest < mean_over_max else (lo, scale)
+    return out.astype(np.int64)
+
+
 def pack(x: jax.Array, plan: PackedRows, fill=0) -> jax.Array:
     """`[m, L, ...]` padded sequence slots -> `[S * R, W, ...]` packed rows (`fill` on
     padding), each shard gathering from its own `m / S` rows."""

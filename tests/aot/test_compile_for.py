@@ -22,6 +22,7 @@ PROGRAM_KEYS = {"argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "f
 
 
 def compile_for(topology: str, tmp_path: Path, *sets: str, config: str = TINY):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "report.json"
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", config, "--compile-for", topology,
            "--json", str(out), *sum((["--set", s] for s in sets), [])]
@@ -203,3 +204,22 @@ def test_the_paged_engine_compiles_for_a_slice_and_decodes_without_gathering_wei
     assert programs["rollout_copy"]["collectives"]["all-gather"]["bytes"] > 0
     assert programs["engine_decode"]["collectives"]["all-gather"]["bytes"] == 0
     assert programs["engine_decode"]["calls_per_step"] == 2  # ceil((8 - 1) / 4), one round
+
+
+@pytest.mark.slow  # two compiles of the tiny run (~1 min each on 2 cores)
+def test_packed_programs_compile_with_fewer_flops_than_padded(tmp_path):
+    """`ppo.packing` under --compile-for: the experience pass and the update compile over the
+    packed rows of a heavy-tailed batch (`stages.ppo.packing.abstract_plans`, responses of mean
+    / max 0.5), each micro-batch of 16 on 2 batch shards of 8 rows; both programs count fewer
+    FLOPs than the padded ones, the sampler the same."""
+    sets = ("generation.max_new_tokens=128", "data.max_prompt_length=16", "ppo.batch_size=16",
+            "ppo.mini_batch_size=16", "ppo.micro_batch_size=16", "mesh.data=2", "mesh.tensor=4",
+            "eval.every=0")
+    (p0, padded), (p1, packed) = (compile_for("v5e-8", tmp_path / name, f"ppo.packing={on}", *sets)
+                                  for name, on in (("padded", "false"), ("packed", "true")))
+    assert p0.returncode == 0 and p1.returncode == 0, (p0.stderr + p1.stderr)[-2000:]
+    flops = {name: {k: r["programs"][k]["flops"] for k in ("sampler", "experience", "update")}
+             for name, r in (("padded", padded), ("packed", packed))}
+    assert flops["packed"]["sampler"] == flops["padded"]["sampler"]
+    for k in ("experience", "update"):
+        assert flops["packed"][k] < 0.9 * flops["padded"][k], (k, flops)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.rollout.forward import Rollout
-from ppo_jax.rollout.packing import PackedBatch, PackedRows, plan_packing
+from ppo_jax.rollout.packing import PackedBatch, PackedRows, heavy_tailed_lengths, plan_packing
 from ppo_jax.trainer.stages.ppo.update import epoch_permutations
 
 
@@ -47,7 +47,10 @@ class Packer:
         """`(prompt lengths, response lengths)` `[B]` of the whole batch, on every process."""
         return jax.device_get(self._lengths(rollout.query_mask, rollout.response_mask))
 
-    def _plan(self, q, r, rollout: Rollout, balance: int):
+    def plan(self, q, r, rollout: Rollout, balance: int):
+        """`rollout.packing.plan_packing` of these lengths (`[B]` numpy) at the rollout's
+        widths, this run's micro-batches and shards; rows reordered within groups of
+        `balance`."""
         return plan_packing(q, r, prompt_width=rollout.query_ids.shape[1],
                             response_width=rollout.response_ids.shape[1],
                             micro_batch_size=self.micro, shards=self.shards, balance=balance)
@@ -56,7 +59,7 @@ class Packer:
         """The experience pass's `PackedBatch` (replicated) and its figures (`fill_figures`,
         prefix `packing/experience_`)."""
         q, r = lengths
-        order, plan = self._plan(q, r, rollout, balance=len(q))
+        order, plan = self.plan(q, r, rollout, balance=len(q))
         return (self.place.replicate(PackedBatch(order, plan)),
                 fill_figures(plan, q, r, rollout, "experience"))
 
@@ -67,7 +70,7 @@ class Packer:
         q, r = lengths
         batch = len(q)
         perms = np.asarray(jax.device_get(self._perms(update_key, batch))).reshape(-1)
-        order, plan = self._plan(q[perms], r[perms], rollout, balance=self.mini)
+        order, plan = self.plan(q[perms], r[perms], rollout, balance=self.mini)
         shape = (self.epochs, batch // self.mini, self.mini // self.micro)
         stacked = jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan)
         rows = perms[order].reshape(self.epochs, batch).astype(np.int32)
@@ -86,3 +89,28 @@ def fill_figures(plan: PackedRows, q, r, rollout: Rollout, name: str) -> dict:
     return {f"packing/{name}_rows": float(shards * rows),
             f"packing/{name}_fill": real / (n_micro * shards * rows * width),
             f"packing/{name}_padded_fill": real / padded}
+
+
+# the response lengths `--compile-for` shapes the packed programs for: mean / max 0.5, the
+# heavy tail of reasoning RL (half of a padded batch's response slots are padding)
+COMPILE_MEAN_OVER_MAX = 0.5
+
+
+def abstract_plans(packer: Packer, batch: int, prompt_width: int, new: int):
+    """`(experience, update)` `PackedBatch`es of abstract arrays (replicated): the shapes of the
+    plans of a batch of full-width prompts and `heavy_tailed_lengths` responses
+    (`COMPILE_MEAN_OVER_MAX`), the update's rows in a random order, for `--compile-for`."""
+    q = np.full(batch, prompt_width)
+    r = heavy_tailed_lengths(batch, new, COMPILE_MEAN_OVER_MAX)
+    rollout = Rollout(*(jax.ShapeDtypeStruct((batch, w), jnp.int32)
+                        for w in (prompt_width, prompt_width, new, new)))
+    exp = PackedBatch(*packer.plan(q, r, rollout, balance=batch))
+    perms = np.concatenate([np.random.default_rng(e).permutation(batch)
+                            for e in range(packer.epochs)])
+    order, plan = packer.plan(q[perms], r[perms], rollout, balance=packer.mini)
+    shape = (packer.epochs, batch // packer.mini, packer.mini // packer.micro)
+    upd = PackedBatch(order.reshape(packer.epochs, batch),
+                      jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan))
+    rep = packer.place.replicated
+    return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), b)
+                 for b in (exp, upd))

@@ -34,6 +34,7 @@ from ppo_jax.trainer.stages.ppo.experience import (
     ExperienceOut, PPOModels, RolloutBatch, experience_step,
 )
 from ppo_jax.trainer.stages.ppo.rollout_group import GroupSampler
+from ppo_jax.trainer.stages.ppo.packing import abstract_plans
 from ppo_jax.trainer.stages.ppo.update import ppo_update
 
 
@@ -153,7 +154,8 @@ def build_programs(cfg: Config, st, place, m, *, actor, models_sh, state: dict, 
 
 def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dict, *, cfg: Config,
                   settings, place, prompt_width: int, scored_on_host: bool, model_shardings: PPOModels,
-                  rollout_layout: str, evaluator=None, weights=None) -> list[Program]:
+                  rollout_layout: str, evaluator=None, weights=None,
+                  packer=None) -> list[Program]:
     """The jitted programs of one PPO step (`trainer.programs`) with the arguments of the
     widest batch: prompts `prompt_width` (`data.max_prompt_length`) wide, responses
     `max_new_tokens` long; the ReMax greedy pass when `settings.greedy_baseline` is set, the
@@ -174,6 +176,8 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
       evaluator: the `Evaluator` of `eval.*`, or None.
       weights: with `generation.placement: split`, the `rollout_group.RolloutWeights` (placed
         abstractly): the sampler runs on its copy, and the trainer's copy programs are listed.
+      packer: with `ppo.packing`, the run's `packing.Packer`: the experience pass and the
+        update compile over the packed rows of a heavy-tailed batch (`packing.abstract_plans`).
     """
     size, new = cfg.ppo.batch_size, cfg.generation.max_new_tokens
     ids = lambda *shape: batch_shape(place, shape, jnp.int32)  # noqa: E731
@@ -191,7 +195,10 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
         sampling = replace(sampling, turns=TurnSettings((), cfg.env.max_turns))
         episode = {"action_mask": ids(size, new), "ended": batch_shape(place, (size,), bool),
                    "scores": batch_shape(place, (size,), jnp.float32)}
-    exp_args = (models, state["kl"], RolloutBatch(rollout, ids(size), scores, baseline, logprobs))
+    exp_plan, update_plan = (None, None) if packer is None else abstract_plans(
+        packer, size, prompt_width, new)
+    exp_args = (models, state["kl"], RolloutBatch(rollout, ids(size), scores, baseline, logprobs,
+                                                  packing=exp_plan))
     if episode is not None:
         exp_args = (models, state["kl"], replace(exp_args[2], **episode))
     exp = out_shapes(lambda *a: jit.experience(*a).experience, exp_args, place.by_row)
@@ -209,10 +216,10 @@ def step_programs(jit: StepPrograms, models: PPOModels, state: dict, frozen: dic
                                (models.reward, rollout.replace(routes=None))))
     actor, critic = state["actor"], state["critic"]
     out += [Program("experience", jit.experience, exp_args),
-            Program("update", jit.update, (actor, critic, frozen, exp, upd_key))]
+            Program("update", jit.update, (actor, critic, frozen, exp, upd_key, update_plan))]
     if cfg.ppo.critic_warmup_steps:
         out.append(Program("update_critic_only", jit.update_critic_only,
-                           (actor, critic, frozen, exp, upd_key), per_step=0.0,
+                           (actor, critic, frozen, exp, upd_key, update_plan), per_step=0.0,
                            note=f"steps 1-{cfg.ppo.critic_warmup_steps}, in place of update"))
     if evaluator is not None:
         out += evaluator.programs(replace(models, critic=None), per_step=1.0 / cfg.eval.every,

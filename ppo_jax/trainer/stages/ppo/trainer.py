@@ -530,7 +530,7 @@ class PPOTrainer(StageTrainer):
             place=place,
             prompt_width=self.prompt_columns.full, scored_on_host=self.reward_fn is not None,
             model_shardings=self._model_shardings(), rollout_layout=self.rollout_layout,
-            evaluator=self.evaluator, weights=self.rollout_weights)
+            evaluator=self.evaluator, weights=self.rollout_weights, packer=self.packer)
 
     def resident(self) -> dict:
         """What stays in device memory between a step's programs (`step_programs.resident`;
