@@ -3,10 +3,10 @@ model, minibatch steps with exact gradient accumulation, and held-out evaluation
 
 A subclass (`SFTTrainer`, `RewardModelTrainer`) gives: `section` (its config section),
 `model_kind` and `model_source()`, `tokenize_file(path, key, tokenizer)` (a dict of numpy
-arrays with rows first, one of them `weight [N]`), `loss(params, micro, denominator, packing)
+arrays with rows first, one of them `weight [N]`), `loss(params, micro, denominator[, packing])
 -> (loss, stats)` (a sum over the micro-batch divided by the minibatch's `denominator`),
-`denominator(batch)`, `eval_sums(params, batch, packing) -> dict of sums`, `finish_eval(sums)
--> metrics` and `sequence_lengths(batch)`.
+`denominator(batch)`, `eval_sums(params, batch[, packing]) -> dict of sums`, `finish_eval(sums)
+-> metrics` and, to pack, `sequence_lengths(batch)` (the plan is passed only when packing).
 
 With `<section>.packing` each micro-batch's sequences run packed several to a row (segment ids,
 `rollout.packing.plan_rows`), planned here on the host from the batch's row lengths and passed
@@ -57,7 +57,7 @@ def supervised_update(state: TrainState, frozen: dict, batch: dict,
                       packing: PackedRows | None = None, *, graphdef, tx, loss, denominator,
                       micro_batch_size: int, mesh, backbone_frozen: bool):
     """One optimiser step of the SFT or reward-model stage on `batch` (a row-first dict of
-    `[B, L]` / `[B]` arrays): gradients of `loss(graphdef, params, micro, n, plan)` summed over
+    `[B, L]` / `[B]` arrays): gradients of `loss(graphdef, params, micro, n[, plan])` summed over
     micro-batches of `micro_batch_size` rows, `n = denominator(batch)` the whole batch's
     normaliser, so the sum is the full-batch gradient. `packing`: None, or the micro-batches'
     `rollout.packing.PackedRows` (leaves `[B / micro_batch_size, ...]`), each micro-batch's
@@ -67,8 +67,10 @@ def supervised_update(state: TrainState, frozen: dict, batch: dict,
     n = denominator(batch)
 
     def micro_loss(params, micro):
-        micro, plan = (micro, None) if packing is None else micro
         params = stop_backbone_gradient(params) if backbone_frozen else params
+        if packing is None:  # a loss that never packs need not take a plan
+            return loss(graphdef, params, micro, n)
+        micro, plan = micro
         return loss(graphdef, params, micro, n, plan)
 
     grads, stats = accumulate_gradients(loss_of_trained(micro_loss, frozen), state.params, batch,
@@ -80,10 +82,11 @@ def supervised_update(state: TrainState, frozen: dict, batch: dict,
 
 def supervised_eval(params, batch: dict, packing: PackedRows | None = None, *, graphdef,
                     eval_sums) -> dict:
-    """`eval_sums(graphdef, params, batch, plan)` of a held-out chunk in one pass; `packing`:
+    """`eval_sums(graphdef, params, batch[, plan])` of a held-out chunk in one pass; `packing`:
     None, or the chunk's plan as one micro-batch (leaves `[1, ...]`, `packing_plan`)."""
-    plan = None if packing is None else jax.tree.map(lambda x: x[0], packing)
-    return eval_sums(graphdef, params, batch, plan)
+    if packing is None:
+        return eval_sums(graphdef, params, batch)
+    return eval_sums(graphdef, params, batch, jax.tree.map(lambda x: x[0], packing))
 
 
 class SupervisedTrainer(StageTrainer):
