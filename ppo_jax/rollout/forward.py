@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from ppo_jax.core import chunked_logprobs_and_entropy, entropy_from_logits, logprobs_from_logits
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.mesh import shard_rows
-from ppo_jax.rollout.packing import PackedRows, pack, packed_rows, unpack
+from ppo_jax.rollout.packing import PackedBatch, PackedRows, pack, packed_rows, unpack
 from ppo_jax.parallel.rules import vocab_shards
 
 
@@ -280,24 +280,29 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
     return (*out, aux) if with_aux else out
 
 
-def _chunked(fn, rollout: Rollout, s: ForwardSettings, packing: Optional[PackedRows] = None):
-    """`fn(*arrays, routes, packing)` of every micro-batch chunk of `rollout`; `packing` is
-    None or the chunks' `PackedRows`, leaves `[n_chunks, ...]`."""
+def _chunked(fn, rollout: Rollout, s: ForwardSettings, packing: Optional[PackedBatch] = None):
+    """`fn(*arrays, routes, packing)` of every micro-batch chunk of `rollout`. With `packing`
+    (a `PackedBatch`), the chunks take the rows in `packing.order`, each chunk over its packed
+    rows, and the outputs come back in the rollout's order."""
     if packing is None:
         return map_in_chunks(lambda r: fn(*r.arrays(), r.routes, None), s.micro_batch_size,
                              rollout, mesh=s.mesh)
-    n = packing.src.shape[0]
+    plans, n = packing.rows, packing.rows.src.shape[0]
+    rows = jax.tree.map(lambda a: shard_rows(a[packing.order], s.mesh), rollout)
     if n == 1:
-        return fn(*rollout.arrays(), rollout.routes, jax.tree.map(lambda x: x[0], packing))
-    chunks = jax.tree.map(lambda a: shard_rows(a.reshape(n, -1, *a.shape[1:]), s.mesh, axis=1),
-                          rollout)
-    out = jax.lax.map(lambda xs: fn(*xs[0].arrays(), xs[0].routes, xs[1]), (chunks, packing))
-    return jax.tree.map(lambda y: shard_rows(y.reshape(-1, *y.shape[2:]), s.mesh), out)
+        out = fn(*rows.arrays(), rows.routes, jax.tree.map(lambda x: x[0], plans))
+    else:
+        chunks = jax.tree.map(
+            lambda a: shard_rows(a.reshape(n, -1, *a.shape[1:]), s.mesh, axis=1), rows)
+        out = jax.lax.map(lambda xs: fn(*xs[0].arrays(), xs[0].routes, xs[1]), (chunks, plans))
+        out = jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+    back = jnp.argsort(packing.order)
+    return jax.tree.map(lambda y: shard_rows(y[back], s.mesh), out)
 
 
 def rollout_logprobs(model: Model, rollout: Rollout, s: ForwardSettings, *,
                      with_entropy: bool = False, replay: bool = True,
-                     packing: Optional[PackedRows] = None):
+                     packing: Optional[PackedBatch] = None):
     """`policy_logprobs` of a CausalLM (actor or reference) over a rollout, in micro-batch
     chunks (packed rows with `packing`, `_chunked`): logprobs `[B, N]` float32, or
     `(logprobs, entropy)`. With `replay` the rollout's `routes` (when it has them) route the
@@ -309,7 +314,7 @@ def rollout_logprobs(model: Model, rollout: Rollout, s: ForwardSettings, *,
 
 
 def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ForwardSettings,
-                                packing: Optional[PackedRows] = None):
+                                packing: Optional[PackedBatch] = None):
     """`policy_logprobs_and_values` of the shared policy / value model, in micro-batch chunks:
     `(logprobs, entropy, values)`, each `[B, N]` float32."""
     return _chunked(lambda *r: policy_logprobs_and_values(
@@ -319,7 +324,7 @@ def rollout_logprobs_and_values(model: Model, rollout: Rollout, s: ForwardSettin
 
 
 def rollout_values(critic: Model, rollout: Rollout, s: ForwardSettings,
-                   packing: Optional[PackedRows] = None) -> jax.Array:
+                   packing: Optional[PackedBatch] = None) -> jax.Array:
     """`critic_values` over a rollout, in micro-batch chunks: `[B, N]` float32."""
     return _chunked(lambda *r: critic_values(critic.graphdef, critic.params, *r[:4],
                                              mesh=s.mesh, packing=r[5]), rollout, s, packing)

@@ -110,9 +110,27 @@ def shard_plan(query_lengths, response_lengths, prompt_width: int, response_widt
     return src, segments, dst
 
 
+def balanced_order(lengths, block: int) -> np.ndarray:
+    """A permutation of the rows that gives every consecutive `block` of them a near-equal
+    token total: longest first, each to the least-loaded block with a free place (greedy LPT,
+    Graham 1969, with equal block sizes). Packed, the blocks then need near-equal rows, and
+    the largest, which sets every block's shape, is near the mean."""
+    lengths = np.asarray(lengths)
+    n = len(lengths) // block
+    totals, members = np.zeros(n), [[] for _ in range(n)]
+    for i in np.argsort(-lengths, kind="stable"):
+        free = [j for j in range(n) if len(members[j]) < block]
+        j = min(free, key=lambda k: totals[k])
+        members[j].append(int(i))
+        totals[j] += lengths[i]
+    return np.concatenate(members).astype(np.int32)
+
+
 def plan_packing(query_lengths, response_lengths, *, prompt_width: int, response_width: int,
-                 micro_batch_size: int, shards: int = 1, width: int | None = None) -> PackedRows:
-    """The `PackedRows` of every micro-batch of a batch, stacked: leaves `[n_micro, S, ...]`.
+                 micro_batch_size: int, shards: int = 1, width: int | None = None,
+                 balance: int | None = None) -> tuple[np.ndarray, PackedRows]:
+    """The order of the rows and the `PackedRows` of every micro-batch, stacked: leaves
+    `[n_micro, S, ...]`.
 
     Args:
       query_lengths, response_lengths: `[B]` int, each row's real prompt tokens (left-padded:
@@ -122,16 +140,29 @@ def plan_packing(query_lengths, response_lengths, *, prompt_width: int, response
       micro_batch_size: m, rows per forward pass; a multiple of `shards`.
       shards: S, the devices the rows of a micro-batch are split over.
       width: W, slots of a packed row; default P + N (every sequence fits).
+      balance: None, or a number of rows (a multiple of m) within which the rows may change
+        places: each such group is reordered (`balanced_order`) so that its micro-batches and
+        shards hold near-equal tokens. A minibatch's micro-batches only add up its loss (the
+        normalisers are the minibatch's), so this changes no value.
+
+    Returns:
+      `(order [B] int32, plan)`: the micro-batches take rows `order` (the identity without
+      `balance`).
 
     Raises:
       ValueError: a sequence longer than W (naming both), or sizes that do not divide.
     """
     q, r = np.asarray(query_lengths), np.asarray(response_lengths)
     width = prompt_width + response_width if width is None else int(width)
-    if len(q) % micro_batch_size or micro_batch_size % shards:
-        raise ValueError(f"batch {len(q)}, micro_batch_size {micro_batch_size} and {shards} "
-                         "shards do not divide")
+    if len(q) % micro_batch_size or micro_batch_size % shards or (balance or 0) % micro_batch_size:
+        raise ValueError(f"batch {len(q)}, micro_batch_size {micro_batch_size}, {shards} shards "
+                         f"and balance {balance} do not divide")
     per = micro_batch_size // shards
+    order = np.arange(len(q), dtype=np.int32)
+    if balance:
+        order = np.concatenate([g + balanced_order((q + r)[g:g + balance], per)
+                                for g in range(0, len(q), balance)]).astype(np.int32)
+    q, r = q[order], r[order]
     blocks = [(q[i:i + per], r[i:i + per]) for i in range(0, len(q), per)]
     needed = max(len(first_fit_decreasing(a + b, width)) for a, b in blocks)
     rows = row_bucket(needed, max(per, needed))
@@ -139,7 +170,18 @@ def plan_packing(query_lengths, response_lengths, *, prompt_width: int, response
     n_micro = len(q) // micro_batch_size
     src, seg, dst = (np.stack([p[k] for p in planned]).reshape(n_micro, shards, *planned[0][k].shape)
                      for k in range(3))
-    return PackedRows(src=src, segments=seg, dst=dst)
+    return order, PackedRows(src=src, segments=seg, dst=dst)
+
+
+@struct.dataclass
+class PackedBatch:
+    """A batch's packing: `order`, the rows in the order its micro-batches take them (`[B]`
+    int32; the update's: `[ppo_epochs, B]`, each epoch's), and `rows`, the micro-batches'
+    `PackedRows` (leaves `[n_micro, ...]`; the update's: `[ppo_epochs, n_minibatches,
+    n_micro, ...]`)."""
+
+    order: jax.Array
+    rows: PackedRows
 
 
 def plan_rows(lengths, *, length: int, micro_batch_size: int, shards: int = 1,

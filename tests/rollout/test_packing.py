@@ -12,7 +12,7 @@ import pytest
 from ppo_jax.models import init_model, split_model
 from ppo_jax.models.tiny_random import TINY_MOE, tiny_config
 from ppo_jax.rollout.forward import critic_values, policy_logprobs, policy_logprobs_and_values
-from ppo_jax.rollout.packing import first_fit_decreasing, pack, plan_packing, row_bucket
+from ppo_jax.rollout.packing import balanced_order, first_fit_decreasing, pack, plan_packing, row_bucket
 
 VOCAB, P, N = 64, 6, 10
 
@@ -31,6 +31,14 @@ def rollout(q_lens, r_lens, seed=0):
 Q_LENS, R_LENS = [6, 2, 4, 3, 5, 1, 6, 2], [10, 1, 3, 0, 7, 2, 4, 10]
 
 
+def test_balanced_order_evens_the_blocks_and_keeps_every_row():
+    lengths = np.array([10, 9, 1, 1, 8, 2, 2, 7])
+    order = balanced_order(lengths, 2)
+    assert sorted(order) == list(range(8))
+    totals = lengths[order].reshape(4, 2).sum(1)
+    assert sorted(totals) == [9, 10, 10, 11]  # LPT: 10+1, 9+1, 8+2, 7+2
+
+
 def test_first_fit_decreasing_by_hand_and_a_sequence_longer_than_a_row_refused():
     assert first_fit_decreasing(np.array([3, 7, 5, 2, 4]), 8) == [[1], [2, 0], [4, 3]]
     assert [row_bucket(n, 64) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
@@ -42,8 +50,8 @@ def test_first_fit_decreasing_by_hand_and_a_sequence_longer_than_a_row_refused()
 @pytest.mark.parametrize("shards", [1, 2])
 def test_the_plan_puts_every_real_token_once_in_its_own_shard(shards):
     q, qm, r, rm = rollout(Q_LENS, R_LENS)
-    plan = plan_packing(Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=4,
-                        shards=shards)
+    _, plan = plan_packing(Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=4,
+                           shards=shards)
     ids = np.concatenate([q, r], 1)
     for j in range(2):  # micro-batches of 4 rows
         mb = jax.tree.map(lambda x: x[j], plan)
@@ -66,7 +74,7 @@ def test_packed_log_probs_entropy_and_gradients_equal_the_padded_pass(actor):
     graphdef, params = actor
     batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS))
     plan = jax.tree.map(lambda x: jnp.asarray(x[0]), plan_packing(
-        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8, shards=2))
+        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8, shards=2)[1])
     mask = batch[3].astype(jnp.float32)
 
     def loss(p, packing):
@@ -88,7 +96,7 @@ def test_packed_log_probs_entropy_and_gradients_equal_the_padded_pass(actor):
 def test_packed_values_and_the_shared_critic_equal_the_padded_pass():
     batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS, seed=1))
     plan = jax.tree.map(lambda x: jnp.asarray(x[0]), plan_packing(
-        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8))
+        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8)[1])
     real = np.asarray(batch[3]) == 1
     critic = split_model(init_model(tiny_config(VOCAB), kind="value", seed=4))
     v0, v1 = (critic_values(*critic, *batch, packing=pk) for pk in (None, plan))
@@ -104,7 +112,7 @@ def test_a_packed_moe_pass_replays_routes_and_counts_each_token_once():
     batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS, seed=2))
     routes = jnp.asarray(np.random.default_rng(0).integers(0, 8, (8, N, 2, 2)), jnp.int32)
     plan = jax.tree.map(lambda x: jnp.asarray(x[0]), plan_packing(
-        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8, shards=2))
+        Q_LENS, R_LENS, prompt_width=P, response_width=N, micro_batch_size=8, shards=2)[1])
     real = np.asarray(batch[3]) == 1
     (lp0, aux0), (lp1, aux1) = (policy_logprobs(graphdef, params, *batch, routes=routes,
                                                 with_aux=True, packing=pk) for pk in (None, plan))

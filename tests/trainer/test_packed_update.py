@@ -118,8 +118,10 @@ def update(models, packer, exp, *, packed, shared=False, **fields):
 
 
 def assert_updates_equal(a, b):
+    # atol 1e-6: a stat like policykl is a small mean of differences of log-probs near -5,
+    # summed in another order over the micro-batches
     for k in b[2]:
-        np.testing.assert_allclose(a[2][k], b[2][k], rtol=1e-5, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(a[2][k], b[2][k], rtol=1e-5, atol=1e-6, err_msg=k)
     for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2])):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
@@ -145,20 +147,23 @@ def test_packing_with_the_shared_critic_and_a_multi_turn_action_mask(models, pac
                          update(models, packer, exps[0][0], packed=False, shared=True))
 
 
-def test_the_update_plan_follows_the_epochs_permutations(packer):
-    """Each planned micro-batch packs exactly the rows its permutation slice names."""
+def test_the_update_plan_keeps_each_minibatch_of_the_epochs_permutations(packer):
+    """Each minibatch holds the rows its permutation slice names (rearranged among its
+    micro-batches), and each micro-batch packs exactly its rows' tokens."""
     r = rollout()
     key = jax.random.PRNGKey(3)
-    plan, figures = packer.update(r, packer.lengths(r), key)
+    batch, figures = packer.update(r, packer.lengths(r), key)
     perms = np.asarray(jax.jit(lambda k: jax.vmap(lambda kk: jax.random.permutation(kk, B))(
         jax.random.split(k, 2)))(key))
+    order = np.asarray(batch.order)
     q_lens, r_lens = (np.asarray(x) for x in packer.lengths(r))
     seq = q_lens + r_lens
     for e in range(2):
         for mb in range(2):
-            rows = perms[e, 4 * mb:4 * mb + 4]
-            seg = np.asarray(plan.segments[e, mb, 0, 0])
+            rows = order[e, 4 * mb:4 * mb + 4]
+            assert sorted(rows) == sorted(perms[e, 4 * mb:4 * mb + 4])
+            seg = np.asarray(batch.rows.segments[e, mb, 0, 0])
             assert (seg > 0).sum() == seq[rows].sum()
-    rows, width = plan.src.shape[-2:]
+    rows, width = batch.rows.src.shape[-2:]
     assert figures["packing/update_padded_fill"] == pytest.approx(seq.sum() / (B * (P + N)))
     assert figures["packing/update_fill"] == pytest.approx(seq.sum() / (B // MICRO * rows * width))

@@ -1,13 +1,15 @@
 """The host side of `ppo.packing`: the plans (`rollout.packing.PackedRows`) of the experience
 pass and of the update, from each row's real prompt and response lengths.
 
-The experience pass takes the batch's rows in order, `ppo.micro_batch_size` a chunk. The
-update takes them in each epoch's permutation (`update.epoch_permutations` of the step's update
-key, the one `ppo_update` draws), `ppo.mini_batch_size` a minibatch and `ppo.micro_batch_size`
-a micro-batch, so its plan follows that order: the same rows meet in the same micro-batches as
-in the padded update, and the losses, normalisers and gradients are the padded update's.
-One row count serves every micro-batch of a program (the largest needed, rounded up to a power
-of two: `rollout.packing.row_bucket`), so a run compiles a few shapes.
+The experience pass may take the batch's rows in any order (each row's outputs are its own):
+its plan balances the tokens of its `ppo.micro_batch_size` chunks over the whole batch. The
+update takes each epoch's permutation (`update.epoch_permutations` of the step's update key,
+the one the padded update draws) in minibatches of `ppo.mini_batch_size`; its plan keeps every
+minibatch's rows and only rearranges them among the minibatch's micro-batches, whose losses
+add up to the minibatch's (the normalisers are the minibatch's): the same losses, gradients
+and stats as the padded update. One row count serves every micro-batch of a program (the
+largest needed, rounded: `rollout.packing.row_bucket`), so a run compiles a few shapes;
+balancing the micro-batches keeps that largest near the mean.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.rollout.forward import Rollout
-from ppo_jax.rollout.packing import PackedRows, plan_packing
+from ppo_jax.rollout.packing import PackedBatch, PackedRows, plan_packing
 from ppo_jax.trainer.stages.ppo.update import epoch_permutations
 
 
@@ -45,28 +47,32 @@ class Packer:
         """`(prompt lengths, response lengths)` `[B]` of the whole batch, on every process."""
         return jax.device_get(self._lengths(rollout.query_mask, rollout.response_mask))
 
-    def _plan(self, q, r, rollout: Rollout) -> PackedRows:
+    def _plan(self, q, r, rollout: Rollout, balance: int):
         return plan_packing(q, r, prompt_width=rollout.query_ids.shape[1],
                             response_width=rollout.response_ids.shape[1],
-                            micro_batch_size=self.micro, shards=self.shards)
+                            micro_batch_size=self.micro, shards=self.shards, balance=balance)
 
-    def experience(self, rollout: Rollout, lengths) -> tuple[PackedRows, dict]:
-        """The experience pass's plan (leaves `[B / micro, ...]`, replicated) and its
-        figures (`fill_figures`, prefix `packing/experience_`)."""
-        plan = self._plan(*lengths, rollout)
-        return self.place.replicate(plan), fill_figures(plan, *lengths, rollout, "experience")
+    def experience(self, rollout: Rollout, lengths) -> tuple[PackedBatch, dict]:
+        """The experience pass's `PackedBatch` (replicated) and its figures (`fill_figures`,
+        prefix `packing/experience_`)."""
+        q, r = lengths
+        order, plan = self._plan(q, r, rollout, balance=len(q))
+        return (self.place.replicate(PackedBatch(order, plan)),
+                fill_figures(plan, q, r, rollout, "experience"))
 
-    def update(self, rollout: Rollout, lengths, update_key) -> tuple[PackedRows, dict]:
-        """The update's plan (leaves `[ppo_epochs, n_minibatches, n_micro, ...]`, replicated)
-        for the epochs' permutations of `update_key`, and its figures (`packing/update_`)."""
+    def update(self, rollout: Rollout, lengths, update_key) -> tuple[PackedBatch, dict]:
+        """The update's `PackedBatch` (order `[ppo_epochs, B]`, rows `[ppo_epochs,
+        n_minibatches, n_micro, ...]`, replicated) for the epochs' permutations of
+        `update_key`, and its figures (`packing/update_`)."""
         q, r = lengths
         batch = len(q)
         perms = np.asarray(jax.device_get(self._perms(update_key, batch))).reshape(-1)
-        plan = self._plan(q[perms], r[perms], rollout)
+        order, plan = self._plan(q[perms], r[perms], rollout, balance=self.mini)
         shape = (self.epochs, batch // self.mini, self.mini // self.micro)
         stacked = jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan)
-        return (self.place.replicate(stacked),
-                fill_figures(plan, q[perms], r[perms], rollout, "update"))
+        rows = perms[order].reshape(self.epochs, batch).astype(np.int32)
+        return (self.place.replicate(PackedBatch(rows, stacked)),
+                fill_figures(plan, q, r, rollout, "update"))
 
 
 def fill_figures(plan: PackedRows, q, r, rollout: Rollout, name: str) -> dict:
@@ -74,8 +80,9 @@ def fill_figures(plan: PackedRows, q, r, rollout: Rollout, name: str) -> dict:
     (real tokens over packed slots) and `packing/{name}_padded_fill` (real tokens over the
     padded rows' slots), floats."""
     n_micro, shards, rows, width = plan.src.shape
-    real = float(np.sum(q) + np.sum(r))
-    padded = len(q) * (rollout.query_ids.shape[1] + rollout.response_ids.shape[1])
+    passes = n_micro * shards * plan.dst.shape[2] // len(q)  # the update plans every epoch
+    real = float(np.sum(q) + np.sum(r)) * passes
+    padded = passes * len(q) * (rollout.query_ids.shape[1] + rollout.response_ids.shape[1])
     return {f"packing/{name}_rows": float(shards * rows),
             f"packing/{name}_fill": real / (n_micro * shards * rows * width),
             f"packing/{name}_padded_fill": real / padded}

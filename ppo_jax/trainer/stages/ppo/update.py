@@ -226,10 +226,11 @@ def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, packing=
       exp: `Experience` of B rows; B a multiple of `mini_batch_size`, itself a multiple of
         `micro_batch_size` (the config's checks).
       rng: PRNG key of the per-epoch permutations (`epoch_permutations`).
-      packing: None (padded rows), or the `rollout.packing.PackedRows` of every micro-batch in
-        the order the update takes them, leaves `[ppo_epochs, n_minibatches, n_micro, ...]`
-        (`stages.ppo.packing.update_plan`): the forward and backward passes run over packed
-        rows, with the same losses, gradients and stats.
+      packing: None (padded rows), or a `rollout.packing.PackedBatch` (`stages.ppo.packing.
+        Packer.update`): each epoch's row order (the permutation of `rng`, each minibatch's
+        rows rearranged among its micro-batches) and every micro-batch's packed rows; the
+        forward and backward passes run over packed rows, with the same minibatches, losses,
+        gradients and stats.
       actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
 
     Returns:
@@ -273,7 +274,9 @@ def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, packing=
         perm, plan = xs
         return jax.lax.scan(minibatch_step, carry, (perm.reshape(n_mb, s.mini_batch_size), plan))
 
-    perms = epoch_permutations(rng, s.ppo_epochs, batch)
-    (actor_state, critic_state), stats = jax.lax.scan(epoch_step, (actor_state, critic_state),
-                                                      (perms, packing))
+    if packing is None:
+        xs = (epoch_permutations(rng, s.ppo_epochs, batch), None)
+    else:
+        xs = (packing.order, packing.rows)
+    (actor_state, critic_state), stats = jax.lax.scan(epoch_step, (actor_state, critic_state), xs)
     return actor_state, critic_state, stats
