@@ -196,7 +196,8 @@ def plan_rows(lengths, *, length: int, micro_batch_size: int, shards: int = 1,
     repeat token n - 2's). `unpack_last` reads the output at each row's last real token.
 
     Args:
-      lengths: `[B]` int, real tokens of each row, in the order the micro-batches take them.
+      lengths: `[B]` int, real tokens of each row, in the order the micro-batches take them
+        (balance them first with `balanced_order` where rows may change places).
       length: L, slots of a padded row.
       micro_batch_size, shards, width: as `plan_packing` (W default L).
 
@@ -207,7 +208,7 @@ def plan_rows(lengths, *, length: int, micro_batch_size: int, shards: int = 1,
     if n.size and n.min() < 1:
         raise ValueError(f"row {int(np.argmin(n))} has no real token to pack")
     return plan_packing(np.ones_like(n), n - 1, prompt_width=1, response_width=length - 1,
-                        micro_batch_size=micro_batch_size, shards=shards, width=width)
+                        micro_batch_size=micro_batch_size, shards=shards, width=width)[1]
 
 
 def pack(x: jax.Array, plan: PackedRows, fill=0) -> jax.Array:

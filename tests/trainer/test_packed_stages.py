@@ -78,11 +78,13 @@ def sgd_steps(trainer, batch: dict, plan):
 
 def assert_same_step(trainer, stat_keys):
     batch = rows_of(trainer.train_data, np.arange(B))
-    plan, figures = trainer.packing_plan(batch, MICRO)
+    packed_batch, plan, figures = trainer.packing_plan(batch, MICRO)
+    for key, rows in batch.items():  # the same rows, reordered
+        assert sorted(packed_batch[key].tolist()) == sorted(rows.tolist()), key
     assert figures["packing/rows"] < MICRO * trainer.sequences_per_row  # rows were shared
     assert figures["packing/fill"] > figures["packing/padded_fill"]
-    (padded, p_padded, start), (packed, p_packed, _) = (sgd_steps(trainer, batch, p)
-                                                        for p in (None, plan))
+    (padded, p_padded, start), (packed, p_packed, _) = (sgd_steps(trainer, b, p) for b, p in
+                                                        ((batch, None), (packed_batch, plan)))
     for key in (*stat_keys, "grad_norm"):
         np.testing.assert_allclose(packed[key], padded[key], rtol=1e-5, err_msg=key)
     assert padded["grad_norm"] > 0.1
@@ -91,9 +93,8 @@ def assert_same_step(trainer, stat_keys):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  p_packed, p_padded)
     # the held-out evaluation: the whole batch in one pass
-    eval_plan, _ = trainer.packing_plan(batch, B)
-    sums = [jax.device_get(trainer._eval(start, jax.tree.map(jnp.asarray, batch), p))
-            for p in (None, eval_plan)]
+    sums = [jax.device_get(trainer._eval(start, jax.tree.map(jnp.asarray, b), p))
+            for b, p in ((batch, None), trainer.packing_plan(batch, B)[:2])]
     for key in sums[0]:
         np.testing.assert_allclose(sums[1][key], sums[0][key], rtol=1e-5, err_msg=key)
     return padded

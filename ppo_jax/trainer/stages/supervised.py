@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import optax
 
-from ppo_jax.rollout.packing import PackedRows, plan_rows
+from ppo_jax.rollout.packing import PackedRows, balanced_order, plan_rows
 from ppo_jax.trainer.accumulate import accumulate_gradients
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data.order import DataOrder
@@ -172,8 +172,8 @@ class SupervisedTrainer(StageTrainer):
         every = 1.0 / sec.eval_every if sec.eval_every else 0.0
         # packed: the plan of rows max_length long each, one a packed row, is the widest
         full = {k: np.full(v.shape, 1, np.int32) for k, v in batch.items()}
-        update_plan, _ = self.packing_plan(full, sec.micro_batch_size)
-        eval_plan, _ = self.packing_plan(full, sec.batch_size)
+        update_plan = self.packing_plan(full, sec.micro_batch_size)[1]
+        eval_plan = self.packing_plan(full, sec.batch_size)[1]
         return [Program("update", self._update, (state, self.frozen, batch, update_plan)),
                 Program("eval", self._eval, (self.params(), batch, eval_plan), every,
                         f"every {sec.eval_every} steps" if sec.eval_every else "at the end")]
@@ -221,24 +221,30 @@ class SupervisedTrainer(StageTrainer):
         lo, hi = self.place.row_range(len(batch["weight"]))
         return {k: self.place.put_rows(v[lo:hi], v.shape) for k, v in batch.items()}
 
-    def packing_plan(self, batch: dict, micro: int) -> tuple[PackedRows | None, dict]:
-        """`(plan, figures)` of a host batch (row dict of numpy arrays) in micro-batches of
-        `micro` rows: the replicated `rollout.packing.PackedRows` of its sequences
-        (`sequence_lengths`), leaves `[B / micro, ...]`, and `packing_figures`; `(None, {})`
-        without `<section>.packing`."""
+    def packing_plan(self, batch: dict, micro: int) -> tuple[dict, PackedRows | None, dict]:
+        """`(batch, plan, figures)` of a host batch (row dict of numpy arrays, one optimiser
+        step or one evaluation pass) in micro-batches of `micro` rows: its rows reordered so
+        that every device's block of each micro-batch holds near-equal tokens
+        (`rollout.packing.balanced_order`; a batch's micro-batches only add up its sums, so
+        the order changes no value), the replicated `rollout.packing.PackedRows` of their
+        sequences (`sequence_lengths`), leaves `[B / micro, ...]`, and `packing_figures`.
+        Without `<section>.packing`: `(batch, None, {})`."""
         if not self.section_cfg.packing:
-            return None, {}
-        lengths = self.sequence_lengths(batch)
+            return batch, None, {}
+        shards = packing_shards(micro, self.place.batch_shards)
+        lengths = self.sequence_lengths(batch).reshape(len(batch["weight"]), -1)
+        batch = rows_of(batch, balanced_order(lengths.sum(1), micro // shards))
+        lengths = self.sequence_lengths(batch)  # a row's sequences stay together
         width = max(v.shape[1] for k, v in batch.items() if k.endswith("ids"))
         plan = plan_rows(lengths, length=width, micro_batch_size=micro * self.sequences_per_row,
-                         shards=packing_shards(micro, self.place.batch_shards))
-        return self.place.replicate(plan), packing_figures(plan, lengths, width)
+                         shards=shards)
+        return batch, self.place.replicate(plan), packing_figures(plan, lengths, width)
 
     def step(self) -> dict:
         """One optimiser step on the next `batch_size` rows; returns its metrics (floats)."""
         t0 = time.perf_counter()
         rows = rows_of(self.train_data, self.prompt_order.next_indices(self.section_cfg.batch_size))
-        plan, figures = self.packing_plan(rows, self.section_cfg.micro_batch_size)
+        rows, plan, figures = self.packing_plan(rows, self.section_cfg.micro_batch_size)
         state, stats = self._update(self.state["model"], self.frozen, self._put(rows), plan)
         stats = {**{k: float(v) for k, v in jax.device_get(stats).items()}, **figures}
         self.state = {"model": state}
@@ -256,7 +262,7 @@ class SupervisedTrainer(StageTrainer):
         sums: dict = {}
         for lo in range(0, n, size):
             chunk = pad_rows(rows_of(data, slice(lo, lo + size)), size)
-            plan, _ = self.packing_plan(chunk, size)  # the chunk in one pass
+            chunk, plan, _ = self.packing_plan(chunk, size)  # the chunk in one pass
             out = jax.device_get(self._eval(self.params(), self._put(chunk), plan))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + np.float64(v)
