@@ -155,7 +155,12 @@ class RewardModel(nnx.Module):
         hidden, cache = self.backbone(input_ids, attention_mask, cache=cache, cache_index=cache_index)
         idx = last_real_index(jnp.asarray(attention_mask), hidden.shape[1], cache_index)
         last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
-        return _f32_head(last, self.score.kernel[...], None)[:, 0], cache
+        return self.scores_from_hidden(last), cache
+
+    def scores_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """hidden `[..., D]` at the tokens to score -> scores `[...]` float32 (float32 head): a
+        packed pass reads each sequence's last token itself (`rollout.packing.unpack_last`)."""
+        return _f32_head(hidden, self.score.kernel[...], None)[..., 0]
 
 
 MODEL_CLASSES = {"causal_lm": CausalLM, "value": ValueModel, "reward": RewardModel,

@@ -13,6 +13,8 @@ The plan is made on the host from the sequences' lengths (`plan_packing`, first-
 decreasing: Johnson 1973), the device gathers (`pack`, `unpack`). With a mesh, each device
 packs only its own rows of the micro-batch (`shards`: the rows split over ("data", "fsdp") in
 contiguous blocks, as `parallel.shard_rows` splits them), so the gathers never cross devices.
+Right-padded token rows (stages 1 and 2: `sft.packing`, `reward_model.packing`) are planned by
+`plan_rows`; `unpack_last` reads each sequence's output at its last real token.
 The number of rows a shard packs into is rounded up to a power of two or the midpoint of two
 (`row_bucket`), so a run compiles a few shapes, not one per batch. Anchors that pack: verl
 `use_remove_padding`, OpenRLHF `packing_samples`, TRL `padding_free`.
@@ -196,6 +198,33 @@ def heavy_tailed_lengths(n: int, longest: int, mean_over_max: float, seed: int =
     return out.astype(np.int64)
 
 
+def plan_rows(lengths, *, length: int, micro_batch_size: int, shards: int = 1,
+              width: int | None = None) -> PackedRows:
+    """The `PackedRows` of right-padded rows `[B, L]`, each row's n real tokens in slots
+    0 .. n-1 (the token rows of SFT and the reward model): leaves `[B / micro_batch_size, S,
+    ...]`.
+
+    A row is `plan_packing`'s sequence with a one-token prompt and an (n - 1)-token response,
+    so `unpack` gives `[m, L - 1, ...]` whose entry t is the output at token t: the one that
+    predicts token t + 1, as the padded pass's `out[:, :-1]` on every t < n - 1 (later entries
+    repeat token n - 2's). `unpack_last` reads the output at each row's last real token.
+
+    Args:
+      lengths: `[B]` int, real tokens of each row, in the order the micro-batches take them
+        (balance them first with `balanced_order` where rows may change places).
+      length: L, slots of a padded row.
+      micro_batch_size, shards, width: as `plan_packing` (W default L).
+
+    Raises:
+      ValueError: a row with no real token, or see `plan_packing`.
+    """
+    n = np.asarray(lengths, np.int64)
+    if n.size and n.min() < 1:
+        raise ValueError(f"row {int(np.argmin(n))} has no real token to pack")
+    return plan_packing(np.ones_like(n), n - 1, prompt_width=1, response_width=length - 1,
+                        micro_batch_size=micro_batch_size, shards=shards, width=width)[1]
+
+
 def pack(x: jax.Array, plan: PackedRows, fill=0) -> jax.Array:
     """`[m, L, ...]` padded sequence slots -> `[S * R, W, ...]` packed rows (`fill` on
     padding), each shard gathering from its own `m / S` rows."""
@@ -214,6 +243,24 @@ def unpack(y: jax.Array, plan: PackedRows) -> jax.Array:
     flat = y.reshape(s, rows * width, *y.shape[2:])
     out = jax.vmap(lambda a, i: a[i])(flat, plan.dst)
     return out.reshape(-1, plan.dst.shape[-1], *y.shape[2:])
+
+
+def unpack_last(y: jax.Array, plan: PackedRows, length: int) -> jax.Array:
+    """`[S * R, W, ...]` outputs of packed rows -> `[m, ...]`, each sequence's output at its
+    last real token (where a reward model reads its score; `models.heads.last_real_index` of
+    the padded row). `length`: L, slots of a padded sequence (`pack`'s `x.shape[1]`).
+
+    A sequence's tokens sit in consecutive slots in their order, so its last token is the
+    largest slot whose `src` falls in its `[i * L, (i + 1) * L)`; a sequence with no token
+    reads slot 0."""
+    s, rows, width = plan.src.shape
+    per = plan.dst.shape[1]
+    owner = plan.src.reshape(s, rows * width) // length  # per (out of range) on padding
+    slots = jnp.arange(rows * width, dtype=jnp.int32)
+    last = jax.vmap(lambda o: jnp.zeros(per, jnp.int32).at[o].max(slots, mode="drop"))(owner)
+    flat = y.reshape(s, rows * width, *y.shape[2:])
+    out = jax.vmap(lambda a, i: a[i])(flat, last)
+    return out.reshape(s * per, *y.shape[2:])
 
 
 def packed_rows(ids: jax.Array, plan: PackedRows) -> tuple[jax.Array, jax.Array]:

@@ -14,7 +14,7 @@ Rooms:
   config/         the typed config: schema, cross-field checks, `--help-config`
   lifecycle/      the run directory's life: checkpoints, `--resume`, the lock and the config
                   files, preemption (SIGTERM / SIGINT, `train.max_minutes`)
-  data/           prompt sets (PPO), reasoning tasks, SFT rows, preference pairs, packing
+  data/           prompt sets (PPO), reasoning tasks, SFT rows, preference pairs, token rows
   rewards/        reward functions on decoded text (registry) and answer verifiers
   environments/   multi-turn environments (registry): tools (a safe calculator), retries with
                   feedback, tool-call parsing, the fault wall around a step

@@ -1,5 +1,7 @@
 """Run two steps of stage 1 (SFT) and stage 2 (reward model) on the tiny random Llama under
-several meshes; save the final params of each as `DIR/<stage>_<d>x<f>x<t>.npz`.
+several meshes; save the final params of each as `DIR/<stage>_<d>x<f>x<t><tag>.npz`.
+`--set KEY=VALUE` adds an override to both stages' configs, `{stage}` in it standing for the
+stage's section (`--set {stage}.packing=true`).
 
 Run in a fresh process (the device count is fixed when jax starts):
 
@@ -23,6 +25,8 @@ def main() -> None:
     parser.add_argument("--sft", required=True)
     parser.add_argument("--pairs", required=True)
     parser.add_argument("--mesh", action="append", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="sets")
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
     import jax
     import numpy as np
@@ -37,14 +41,15 @@ def main() -> None:
               "reward_model": ["stage=reward_model", "model.reward_model=tiny-random",
                                f"reward_model.data={args.pairs}"]}
     for mesh in [tuple(int(x) for x in m.split(",")) for m in args.mesh]:
-        name = "x".join(map(str, mesh))
+        name = "x".join(map(str, mesh)) + args.tag
         for stage, sets in stages.items():
             cfg = load_config(ROOT / "configs/tiny.yaml", [
                 *sets, f"{stage}.batch_size=8", f"{stage}.micro_batch_size=4", f"{stage}.lr=1e-4",
                 f"{stage}.eval_fraction=0.25", f"{stage}.max_length=40", "train.steps=2",
                 "train.progress=false", "train.tensorboard=false", "train.export_hf=false",
                 f"mesh.data={mesh[0]}", f"mesh.fsdp={mesh[1]}", f"mesh.tensor={mesh[2]}",
-                f"train.output_dir={out / f'run_{stage}_{name}'}"])
+                f"train.output_dir={out / f'run_{stage}_{name}'}",
+                *(s.format(stage=stage) for s in args.sets)])
             size = mesh[0] * mesh[1] * mesh[2]
             trainer = trainer_class(stage)(cfg, devices=jax.devices()[:size])
             history = trainer.train(progress=False)

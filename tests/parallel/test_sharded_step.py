@@ -356,3 +356,42 @@ def test_sft_and_reward_model_steps_on_a_mesh_of_8_equal_one_device(tmp_path):
         assert set(one.files) == set(mesh.files) and any(k.startswith("metric/eval/") for k in one.files)
         for key in one.files:
             np.testing.assert_allclose(mesh[key], one[key], atol=TOL, rtol=1e-5, err_msg=f"{stage} {key}")
+
+
+@pytest.mark.slow  # two subprocess runs of both stages (about a minute on 2 cores)
+def test_packed_sft_and_reward_model_steps_on_a_mesh_of_8_equal_padded_one_device(tmp_path):
+    """`sft.packing` and `reward_model.packing` on a 2x2x2 mesh (each of the 4 batch shards
+    packing its own rows of a micro-batch of 8) give the padded single-device params and
+    metrics, on rows of heavy-tailed lengths."""
+    import json as _json
+
+    words = ["good", "great", "nice", "happy", "bad", "awful", "sad", "boring"]
+    topics = ["the bus", "a train", "the coffee", "my week", "the party", "the garden", "a film",
+              "the market", "the weather", "dinner", "the music", "the school"]
+
+    def said(i):  # most responses three words, every third one eighteen
+        return " ".join(["it", "was"] + (words * 2 if i % 3 == 0 else [words[i % 8]]))
+
+    sft, pairs = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
+    sft.write_text("".join(_json.dumps({"prompt": t, "response": said(i)}) + "\n"
+                           for i, t in enumerate(topics)))
+    pairs.write_text("".join(_json.dumps({"prompt": t, "chosen": said(i), "rejected": said(i + 1)})
+                             + "\n" for i, t in enumerate(topics)))
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), PPO_JAX_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=str(ROOT))
+    common = ["--out", str(tmp_path), "--sft", str(sft), "--pairs", str(pairs),
+              "--set", "data.use_chat_template=false", "--set", "{stage}.micro_batch_size=8"]
+    runs = [subprocess.Popen([sys.executable, str(HERE / "sharded_stages.py"), *common, *more],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            for more in (["--mesh", "1,1,1"],
+                         ["--mesh", "2,2,2", "--set", "{stage}.packing=true", "--tag", "_packed"])]
+    for proc in runs:
+        finish(proc)
+    for stage in ("sft", "reward_model"):
+        one = np.load(tmp_path / f"{stage}_1x1x1.npz")
+        packed = np.load(tmp_path / f"{stage}_2x2x2_packed.npz")
+        assert set(one.files) == set(packed.files)
+        for key in one.files:
+            np.testing.assert_allclose(packed[key], one[key], atol=TOL, rtol=1e-5,
+                                       err_msg=f"{stage} {key}")

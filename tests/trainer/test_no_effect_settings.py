@@ -48,12 +48,15 @@ CONDITIONS = {
     ne.NO_TASK.name: ([], ["data.task.name=chain_sum", "data.prompts=task"]),
     ne.NOT_DISTRIBUTED.name: ([], ["distributed.enabled=true"]),
     _when("sft.data").name: ([], ["stage=sft", "sft.data=x.jsonl"]),
+    ne.ONE_SEQUENCE.name: (["stage=sft", "sft.data=x.jsonl", "sft.micro_batch_size=1"],
+                           ["stage=sft", "sft.data=x.jsonl"]),
     _when("reward_model.data").name: ([], ["stage=reward_model", "reward_model.data=x.jsonl",
                                            "model.reward_model=rm"]),
 }
 SUPERVISED = {"data": "x.jsonl", "eval_data": "y.jsonl", "eval_fraction": "0.2",
               "max_length": "256", "batch_size": "16", "micro_batch_size": "4", "lr": "1e-3",
-              "eval_every": "2", "backbone_lr_scale": "0.5", "eos_after_truncated": "true"}
+              "eval_every": "2", "backbone_lr_scale": "0.5", "eos_after_truncated": "true",
+              "packing": "true"}
 # key -> a value other than its default (and what else it needs, both where refused and not)
 VALUES = {
     "model.shared_critic": ["model.shared_critic=true"],

@@ -1,4 +1,5 @@
-"""SFT and preference data: row formats, errors, prompt tokens shared with PPO, packing, masks."""
+"""SFT and preference data: row formats, errors, prompt tokens shared with PPO, truncation and
+padding, masks."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 
 from ppo_jax.trainer.data.prompts import apply_template, read_prompts
 from ppo_jax.trainer.data.text import (
-    PairBatch, PreferencePair, SequenceBatch, SFTExample, encode_prompt, encode_response, pack,
-    preference_pairs, read_records, sft_examples, split_holdout, take, tokenize_pairs, tokenize_sft,
+    PairBatch, PreferencePair, SequenceBatch, SFTExample, encode_prompt, encode_response,
+    padded_rows, preference_pairs, read_records, sft_examples, split_holdout, take, tokenize_pairs,
+    tokenize_sft,
 )
 
 # Tiny word-level vocabulary (ppo_jax.models.tiny_random): pad 0, eos 1, bos 2.
@@ -88,12 +90,12 @@ def test_messages_and_prompt_response_rows_give_identical_batches(tokenizer):
         np.testing.assert_array_equal(getattr(ba, name), getattr(bb, name))
 
 
-# --- packing ----------------------------------------------------------------------------------
+# --- padded rows ------------------------------------------------------------------------------
 
 def test_truncation_keeps_the_last_prompt_tokens_then_the_first_response_tokens():
     rows = [([10, 11, 12, 13, 14, 15], [20, 21, 22]), ([30, 31], [40])]
     with pytest.warns(UserWarning) as record:
-        batch, counts = pack(rows, max_prompt_length=4, max_length=6, pad_id=0)
+        batch, counts = padded_rows(rows, max_prompt_length=4, max_length=6, pad_id=0)
     messages = [str(w.message) for w in record]
     assert any("1 example(s) had a prompt longer than max_prompt_length=4" in m for m in messages)
     assert any("1 example(s) longer than max_length=6 lost response tokens" in m for m in messages)
@@ -107,29 +109,31 @@ def test_pack_width_is_the_longest_row_or_the_width_asked_for():
     rows = [([5, 6], [7])]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing truncated, nothing warned
-        assert pack(rows, max_prompt_length=4, max_length=8, pad_id=0)[0].ids.shape == (1, 3)
-        wide, _ = pack(rows, max_prompt_length=4, max_length=8, pad_id=9, width=8)
+        assert padded_rows(rows, max_prompt_length=4, max_length=8, pad_id=0)[0].ids.shape == (1, 3)
+        wide, _ = padded_rows(rows, max_prompt_length=4, max_length=8, pad_id=9, width=8)
     np.testing.assert_array_equal(wide.ids, [[5, 6, 7, 9, 9, 9, 9, 9]])
     with pytest.raises(ValueError, match="row 0 has 3 tokens, more than the width 2"):
-        pack(rows, max_prompt_length=4, max_length=8, pad_id=0, width=2)
+        padded_rows(rows, max_prompt_length=4, max_length=8, pad_id=0, width=2)
 
 
 def test_pack_rejects_no_room_for_a_response_and_empty_rows():
     with pytest.raises(ValueError, match="max_prompt_length=8 must be in"):
-        pack([([1], [2])], max_prompt_length=8, max_length=8, pad_id=0)
+        padded_rows([([1], [2])], max_prompt_length=8, max_length=8, pad_id=0)
     with pytest.raises(ValueError, match="example of record 1 has an empty response"):
-        pack([([1], [2]), ([1], [])], max_prompt_length=4, max_length=8, pad_id=0)
+        padded_rows([([1], [2]), ([1], [])], max_prompt_length=4, max_length=8, pad_id=0)
     with pytest.raises(ValueError, match="chosen of record 7 has an empty prompt"):
-        pack([([], [2])], max_prompt_length=4, max_length=8, pad_id=0, what="chosen", records=[7])
+        padded_rows([([], [2])], max_prompt_length=4, max_length=8, pad_id=0, what="chosen",
+                    records=[7])
 
 
 def test_truncation_error_refuses_a_longer_prompt_naming_its_record():
     rows = [([1, 2], [3]), ([1, 2, 3, 4, 5], [6])]
     with pytest.raises(ValueError, match=r"example of record 4: its prompt of 5 tokens is longer "
                                          r"than data.max_prompt_length=4 \(data.truncation='error'\)"):
-        pack(rows, max_prompt_length=4, max_length=8, pad_id=0, truncation="error", records=[3, 4])
+        padded_rows(rows, max_prompt_length=4, max_length=8, pad_id=0, truncation="error",
+                    records=[3, 4])
     with pytest.warns(UserWarning, match="1 example"):  # the default cuts it from the left
-        batch, _ = pack(rows, max_prompt_length=4, max_length=8, pad_id=0, records=[3, 4])
+        batch, _ = padded_rows(rows, max_prompt_length=4, max_length=8, pad_id=0, records=[3, 4])
     np.testing.assert_array_equal(batch.ids[1, :5], [2, 3, 4, 5, 6])
 
 

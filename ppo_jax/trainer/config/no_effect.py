@@ -166,6 +166,10 @@ NOT_DISTRIBUTED = Condition("distributed.enabled=false", ("distributed.enabled",
                             lambda cfg: not cfg.distributed.enabled,
                             "never calls jax.distributed.initialize",
                             "set distributed.enabled=true")
+ONE_SEQUENCE = Condition("stage=sft with sft.micro_batch_size=1", ("sft.micro_batch_size",),
+                         lambda cfg: cfg.stage == "sft" and cfg.sft.micro_batch_size == 1,
+                         "runs one sequence a forward pass, alone in its row",
+                         "raise sft.micro_batch_size")
 
 
 def _other_stage(stage: str, what: str) -> Condition:
@@ -242,6 +246,8 @@ NO_EFFECT: tuple[NoEffect, ...] = (
         ("seed", "the seed they are drawn from"), ("instruction", "the text after a question"))),
     *(NoEffect(f"distributed.{k}", NOT_DISTRIBUTED, _PROCESSES)
       for k in ("coordinator_address", "num_processes", "process_id")),
+    NoEffect("sft.packing", ONE_SEQUENCE,
+             "it packs the sequences of a micro-batch several to a row"),
     *_section("sft", "stage 1"),
     *_section("reward_model", "stage 2"),
 )

@@ -306,6 +306,11 @@ class SupervisedConfig:
                           "response")
     batch_size: int = opt(8, "sequences (sft) or pairs (reward_model) per optimiser step")
     micro_batch_size: int = opt(8, "per forward / backward (gradient accumulation)")
+    packing: bool = opt(False, "the update and the held-out evaluation run over packed rows: "
+                        "each micro-batch's sequences (a pair's chosen and rejected for "
+                        "reward_model), without their padding, several to a row of the padded "
+                        "width, attention kept within each (docs/stages.md); the same loss, "
+                        "gradients and metrics, less compute where lengths vary")
     lr: float = opt(1.0e-5, "peak learning rate (optim.* gives schedule, warmup, AdamW "
                     "settings)")
     eval_every: int = opt(0, "steps between held-out evaluations (0: at the end only)")

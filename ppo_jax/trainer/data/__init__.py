@@ -8,6 +8,6 @@
   records.py      reading row files (.jsonl / .json / .txt / .parquet), shared field checks
   sft.py          stage 1's demonstrations (TRL `SFTTrainer` formats)
   preference.py   stage 2's preference pairs (TRL `RewardTrainer` formats)
-  packing.py      stages 1 and 2: prompt + response rows, truncated and right-padded
-  text.py         stages 1 and 2: rows read, checked, tokenised and packed in one call
+  token_rows.py   stages 1 and 2: prompt + response rows, truncated and right-padded
+  text.py         stages 1 and 2: rows read, checked, tokenised and right-padded in one call
 """

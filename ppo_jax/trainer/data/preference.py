@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ppo_jax.trainer.data.packing import (
+from ppo_jax.trainer.data.token_rows import (
     PairBatch, encode_prompt, encode_response, pad_rows, truncate_rows, warn_truncation,
 )
 from ppo_jax.trainer.data.records import (
@@ -107,8 +107,8 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer, *, max_prompt_length:
                    use_chat_template: bool = True, system_prompt: str | None = None, eos_id: int,
                    pad_id: int, eos_after_truncated: bool = False,
                    truncation: str = "left") -> tuple[PairBatch, dict]:
-    """Encode and pack preference pairs, chosen and rejected to one width (DeepSpeed-Chat step 2
-    batches them together). Truncation as in `truncate_rows`, one warning per kind. A response
+    """Encode and right-pad preference pairs, chosen and rejected to one width (DeepSpeed-Chat
+    step 2 batches them together). Truncation as in `truncate_rows`, one warning per kind. A response
     flagged truncated gets no EOS unless `eos_after_truncated` (then every row ends in EOS, the
     position a PPO run with `reward.eos_at_end` reads).
 

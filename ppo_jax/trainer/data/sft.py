@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ppo_jax.trainer.data.packing import SequenceBatch, encode_prompt, encode_response, pack
 from ppo_jax.trainer.data.records import (
     Messages, field_error, flag_field, prompt_field, required_field, split_last, text_field,
+)
+from ppo_jax.trainer.data.token_rows import (
+    SequenceBatch, encode_prompt, encode_response, padded_rows,
 )
 
 
@@ -60,12 +62,13 @@ def tokenize_sft(examples: list[SFTExample], tokenizer, *, max_prompt_length: in
                  use_chat_template: bool = True, system_prompt: str | None = None, eos_id: int,
                  pad_id: int, eos_after_truncated: bool = False,
                  truncation: str = "left") -> tuple[SequenceBatch, dict]:
-    """Encode (`encode_prompt`, `encode_response`) and `pack` SFT examples: [N, L] rows whose
-    loss mask is the response + EOS (TRL's completion-only loss); a `truncated` row gets no EOS
-    unless `eos_after_truncated`. Raises ValueError: see `pack`."""
+    """Encode (`encode_prompt`, `encode_response`) and right-pad (`padded_rows`) SFT examples:
+    [N, L] rows whose loss mask is the response + EOS (TRL's completion-only loss); a
+    `truncated` row gets no EOS unless `eos_after_truncated`. Raises ValueError: see
+    `padded_rows`."""
     rows = [(encode_prompt(tokenizer, e.prompt, use_chat_template=use_chat_template,
                            system_prompt=system_prompt),
              encode_response(tokenizer, e.response, eos_id, e.truncated and not eos_after_truncated))
             for e in examples]
-    return pack(rows, max_prompt_length=max_prompt_length, max_length=max_length, pad_id=pad_id,
-                truncation=truncation, records=[e.record for e in examples])
+    return padded_rows(rows, max_prompt_length=max_prompt_length, max_length=max_length,
+                       pad_id=pad_id, truncation=truncation, records=[e.record for e in examples])

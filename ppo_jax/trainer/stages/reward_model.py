@@ -1,7 +1,9 @@
 """Stage 2, a reward model on preference pairs (InstructGPT; DeepSpeed-Chat step 2; TRL
 `RewardTrainer`): Bradley-Terry loss `-log sigmoid(r_chosen - r_rejected - margin)` with each
 score read at the last real token of prompt + response by the same `RewardModel` head PPO uses.
-Chosen and rejected of a pair go through one forward pass together, in the same micro-batch.
+Chosen and rejected of a pair go through one forward pass together, in the same micro-batch;
+with `reward_model.packing` packed several to a row, each pair's two sequences on one device
+(`pair_scores`), the scores the padded pass's.
 
 The model starts from `model.reward_model`: a causal LM (SmolLM2, an SFT output) gets a fresh
 score head, N(0, 0.02^2) (transformers' `initializer_range`, what TRL's RewardTrainer starts
@@ -24,18 +26,35 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.core import bradley_terry_loss
+from ppo_jax.parallel import shard_rows
+from ppo_jax.rollout.packing import PackedRows, packed_rows, unpack_last
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.stages.supervised import SupervisedTrainer, resolve_source
 from ppo_jax.trainer.data.text import preference_pairs, read_records, tokenize_pairs
 
 
-def pair_scores(graphdef, params, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """`(chosen [B], rejected [B])` float32 scores, from one pass over the 2B sequences."""
-    ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])
-    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
-    scores, _ = nnx.merge(graphdef, params)(ids, mask)
+def pair_scores(graphdef, params, batch: dict, packing: PackedRows | None = None,
+                mesh=None) -> tuple[jax.Array, jax.Array]:
+    """`(chosen [B], rejected [B])` float32 scores, from one pass over the 2B sequences.
+
+    `packing`: the `rollout.packing.plan_rows` plan of the sequences interleaved, pair i's
+    chosen at 2i and rejected at 2i + 1 (`RewardModelTrainer.sequence_lengths`), so a device's
+    pairs stay on it; the backbone runs over the packed rows and each score is read at its
+    sequence's last real token (`unpack_last`): the padded pass's scores to float32 rounding.
+    """
+    model = nnx.merge(graphdef, params)
     n = batch["chosen_ids"].shape[0]
-    return scores[:n], scores[n:]
+    if packing is None:
+        ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])
+        mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+        scores, _ = model(ids, mask)
+        return scores[:n], scores[n:]
+    both = jnp.stack([batch["chosen_ids"], batch["rejected_ids"]], axis=1)  # [B, 2, L]
+    ids, segments = (shard_rows(x, mesh) for x in packed_rows(both.reshape(2 * n, -1), packing))
+    hidden, _ = model.backbone(ids, segments)
+    last = shard_rows(unpack_last(hidden, packing, both.shape[2]), mesh)  # [2B, D]
+    scores = model.scores_from_hidden(last).reshape(n, 2)
+    return scores[:, 0], scores[:, 1]
 
 
 def score_pad_token(tokenizer, eos_token_ids) -> str:
@@ -59,9 +78,11 @@ def score_pad_token(tokenizer, eos_token_ids) -> str:
                      "score before the EOS; add a pad token to the tokenizer")
 
 
-def _pair_sums(graphdef, params, batch: dict) -> tuple[jax.Array, dict]:
-    """Per-pair losses and the weighted sums of the pair statistics."""
-    rc, rr = pair_scores(graphdef, params, batch)
+def _pair_sums(graphdef, params, batch: dict, packing=None, mesh=None
+               ) -> tuple[jax.Array, dict, tuple]:
+    """The weighted sum of the per-pair losses, the weighted sums of the pair statistics, and
+    the scores `(chosen [B], rejected [B])`."""
+    rc, rr = pair_scores(graphdef, params, batch, packing, mesh)
     loss, stats = bradley_terry_loss(rc, rr, batch["margin"])
     w = batch["weight"]
     sums = {"loss": jnp.sum(loss * w), "accuracy": jnp.sum(stats["accuracy"] * w),
@@ -109,16 +130,24 @@ class RewardModelTrainer(SupervisedTrainer):
                 "rejected_ids": (np.int32, True), "rejected_mask": (np.int32, True),
                 "margin": (np.float32, False), "weight": (np.float32, False)}
 
+    sequences_per_row = 2  # a pair: chosen and rejected
+
+    def sequence_lengths(self, batch: dict) -> np.ndarray:
+        """`[2B]` real tokens of the chosen and rejected sequences, interleaved as
+        `pair_scores` packs them."""
+        return np.stack([batch["chosen_mask"].sum(1), batch["rejected_mask"].sum(1)], 1).reshape(-1)
+
     def denominator(self, batch: dict) -> jax.Array:
         """Pairs in the whole minibatch."""
         return jnp.maximum(jnp.sum(batch["weight"]), 1.0)
 
-    def loss(self, graphdef, params, micro: dict, denominator):
-        loss, sums, _ = _pair_sums(graphdef, params, micro)
+    def loss(self, graphdef, params, micro: dict, denominator, packing=None):
+        loss, sums, _ = _pair_sums(graphdef, params, micro, packing, self.place.constraint_mesh)
         return loss / denominator, {k: jax.lax.stop_gradient(v) / denominator for k, v in sums.items()}
 
-    def eval_sums(self, graphdef, params, batch: dict) -> dict:
-        _, sums, (rc, rr) = _pair_sums(graphdef, params, batch)
+    def eval_sums(self, graphdef, params, batch: dict, packing=None) -> dict:
+        _, sums, (rc, rr) = _pair_sums(graphdef, params, batch, packing,
+                                       self.place.constraint_mesh)
         w = batch["weight"]
         both = jnp.concatenate([rc, rr])
         w2 = jnp.concatenate([w, w])

@@ -3,9 +3,15 @@ model, minibatch steps with exact gradient accumulation, and held-out evaluation
 
 A subclass (`SFTTrainer`, `RewardModelTrainer`) gives: `section` (its config section),
 `model_kind` and `model_source()`, `tokenize_file(path, key, tokenizer)` (a dict of numpy
-arrays with rows first, one of them `weight [N]`), `loss(params, micro, denominator) -> (loss, stats)` (a sum over
-the micro-batch divided by the minibatch's `denominator`), `denominator(batch)`,
-`eval_sums(params, batch) -> dict of sums` and `finish_eval(sums) -> metrics`.
+arrays with rows first, one of them `weight [N]`), `loss(params, micro, denominator[, packing])
+-> (loss, stats)` (a sum over the micro-batch divided by the minibatch's `denominator`),
+`denominator(batch)`, `eval_sums(params, batch[, packing]) -> dict of sums`, `finish_eval(sums)
+-> metrics` and, to pack, `sequence_lengths(batch)` (the plan is passed only when packing).
+
+With `<section>.packing` each micro-batch's sequences run packed several to a row (segment ids,
+`rollout.packing.plan_rows`), planned here on the host from the batch's row lengths and passed
+to the update and the evaluation as one more argument (`packing`, None when off): the losses,
+their normalisers and the metrics are the padded pass's.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import jax
 import numpy as np
 import optax
 
+from ppo_jax.rollout.packing import PackedRows, balanced_order, plan_rows
 from ppo_jax.trainer.accumulate import accumulate_gradients
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data.order import DataOrder
@@ -46,24 +53,40 @@ def pad_rows(batch: dict, rows: int) -> dict:
     return out
 
 
-def supervised_update(state: TrainState, frozen: dict, batch: dict, *, graphdef, tx, loss,
-                      denominator, micro_batch_size: int, mesh, backbone_frozen: bool):
+def supervised_update(state: TrainState, frozen: dict, batch: dict,
+                      packing: PackedRows | None = None, *, graphdef, tx, loss, denominator,
+                      micro_batch_size: int, mesh, backbone_frozen: bool):
     """One optimiser step of the SFT or reward-model stage on `batch` (a row-first dict of
-    `[B, L]` / `[B]` arrays): gradients of `loss(graphdef, params, micro, n)` summed over
+    `[B, L]` / `[B]` arrays): gradients of `loss(graphdef, params, micro, n[, plan])` summed over
     micro-batches of `micro_batch_size` rows, `n = denominator(batch)` the whole batch's
-    normaliser, so the sum is the full-batch gradient. `frozen`: the LoRA base ({} without),
-    joined in the forward pass, never differentiated; `backbone_frozen` (`backbone_lr_scale`
-    0): no gradient through the backbone at all. Returns `(state, stats)` with `grad_norm`."""
+    normaliser, so the sum is the full-batch gradient. `packing`: None, or the micro-batches'
+    `rollout.packing.PackedRows` (leaves `[B / micro_batch_size, ...]`), each micro-batch's
+    plan handed to `loss`. `frozen`: the LoRA base ({} without), joined in the forward pass,
+    never differentiated; `backbone_frozen` (`backbone_lr_scale` 0): no gradient through the
+    backbone at all. Returns `(state, stats)` with `grad_norm`."""
     n = denominator(batch)
 
     def micro_loss(params, micro):
         params = stop_backbone_gradient(params) if backbone_frozen else params
-        return loss(graphdef, params, micro, n)
+        if packing is None:  # a loss that never packs need not take a plan
+            return loss(graphdef, params, micro, n)
+        micro, plan = micro
+        return loss(graphdef, params, micro, n, plan)
 
     grads, stats = accumulate_gradients(loss_of_trained(micro_loss, frozen), state.params, batch,
-                                        micro_batch_size=micro_batch_size, mesh=mesh)
+                                        micro_batch_size=micro_batch_size, mesh=mesh,
+                                        per_micro=packing)
     stats["grad_norm"] = optax.global_norm(grads)
     return state.apply_gradients(grads, tx), stats
+
+
+def supervised_eval(params, batch: dict, packing: PackedRows | None = None, *, graphdef,
+                    eval_sums) -> dict:
+    """`eval_sums(graphdef, params, batch[, plan])` of a held-out chunk in one pass; `packing`:
+    None, or the chunk's plan as one micro-batch (leaves `[1, ...]`, `packing_plan`)."""
+    if packing is None:
+        return eval_sums(graphdef, params, batch)
+    return eval_sums(graphdef, params, batch, jax.tree.map(lambda x: x[0], packing))
 
 
 class SupervisedTrainer(StageTrainer):
@@ -93,6 +116,7 @@ class SupervisedTrainer(StageTrainer):
     def _build(self) -> None:
         cfg, place, sec = self.cfg, self.place, self.section_cfg
         place.check_batch(f"{self.section}.batch_size", sec.batch_size)
+        check_packing(self.section, sec, self.sequences_per_row, place.batch_shards)
         model = self.abstract_model() if self.is_abstract else self.load_model()
         if not self.is_abstract:
             self._check_ids(model.cfg.vocab_size)
@@ -146,8 +170,12 @@ class SupervisedTrainer(StageTrainer):
                  for k, (dtype, per_token) in self.batch_fields().items()}
         state = self.state["model"]
         every = 1.0 / sec.eval_every if sec.eval_every else 0.0
-        return [Program("update", self._update, (state, self.frozen, batch)),
-                Program("eval", self._eval, (self.params(), batch), every,
+        # packed: the plan of rows max_length long each, one a packed row, is the widest
+        full = {k: np.full(v.shape, 1, np.int32) for k, v in batch.items()}
+        update_plan = self.packing_plan(full, sec.micro_batch_size)[1]
+        eval_plan = self.packing_plan(full, sec.batch_size)[1]
+        return [Program("update", self._update, (state, self.frozen, batch, update_plan)),
+                Program("eval", self._eval, (self.params(), batch, eval_plan), every,
                         f"every {sec.eval_every} steps" if sec.eval_every else "at the end")]
 
     def _check_ids(self, vocab_size: int) -> None:
@@ -178,10 +206,10 @@ class SupervisedTrainer(StageTrainer):
                          mesh=place.constraint_mesh,
                          # no backbone gradient at all, not just no update
                          backbone_frozen=sec.backbone_lr_scale == 0)
-        self._update = jax.jit(update, in_shardings=(state_sh, base_sh, by_row),
+        self._update = jax.jit(update, in_shardings=(state_sh, base_sh, by_row, rep),
                                out_shardings=(state_sh, rep), donate_argnums=0)
-        self._eval = jax.jit(partial(self.eval_sums, graphdef),
-                             in_shardings=(full_params(base_sh, state_sh.params), by_row),
+        self._eval = jax.jit(partial(supervised_eval, graphdef=graphdef, eval_sums=self.eval_sums),
+                             in_shardings=(full_params(base_sh, state_sh.params), by_row, rep),
                              out_shardings=rep)
 
     def params(self):
@@ -193,12 +221,32 @@ class SupervisedTrainer(StageTrainer):
         lo, hi = self.place.row_range(len(batch["weight"]))
         return {k: self.place.put_rows(v[lo:hi], v.shape) for k, v in batch.items()}
 
+    def packing_plan(self, batch: dict, micro: int) -> tuple[dict, PackedRows | None, dict]:
+        """`(batch, plan, figures)` of a host batch (row dict of numpy arrays, one optimiser
+        step or one evaluation pass) in micro-batches of `micro` rows: its rows reordered so
+        that every device's block of each micro-batch holds near-equal tokens
+        (`rollout.packing.balanced_order`; a batch's micro-batches only add up its sums, so
+        the order changes no value), the replicated `rollout.packing.PackedRows` of their
+        sequences (`sequence_lengths`), leaves `[B / micro, ...]`, and `packing_figures`.
+        Without `<section>.packing`: `(batch, None, {})`."""
+        if not self.section_cfg.packing:
+            return batch, None, {}
+        shards = packing_shards(micro, self.place.batch_shards)
+        lengths = self.sequence_lengths(batch).reshape(len(batch["weight"]), -1)
+        batch = rows_of(batch, balanced_order(lengths.sum(1), micro // shards))
+        lengths = self.sequence_lengths(batch)  # a row's sequences stay together
+        width = max(v.shape[1] for k, v in batch.items() if k.endswith("ids"))
+        plan = plan_rows(lengths, length=width, micro_batch_size=micro * self.sequences_per_row,
+                         shards=shards)
+        return batch, self.place.replicate(plan), packing_figures(plan, lengths, width)
+
     def step(self) -> dict:
         """One optimiser step on the next `batch_size` rows; returns its metrics (floats)."""
         t0 = time.perf_counter()
-        batch = self._put(rows_of(self.train_data, self.prompt_order.next_indices(self.section_cfg.batch_size)))
-        state, stats = self._update(self.state["model"], self.frozen, batch)
-        stats = {k: float(v) for k, v in jax.device_get(stats).items()}
+        rows = rows_of(self.train_data, self.prompt_order.next_indices(self.section_cfg.batch_size))
+        rows, plan, figures = self.packing_plan(rows, self.section_cfg.micro_batch_size)
+        state, stats = self._update(self.state["model"], self.frozen, self._put(rows), plan)
+        stats = {**{k: float(v) for k, v in jax.device_get(stats).items()}, **figures}
         self.state = {"model": state}
         self.step_count += 1
         dt = time.perf_counter() - t0
@@ -213,8 +261,9 @@ class SupervisedTrainer(StageTrainer):
         n, size = len(data["weight"]), self.section_cfg.batch_size
         sums: dict = {}
         for lo in range(0, n, size):
-            chunk = self._put(pad_rows(rows_of(data, slice(lo, lo + size)), size))
-            out = jax.device_get(self._eval(self.params(), chunk))
+            chunk = pad_rows(rows_of(data, slice(lo, lo + size)), size)
+            chunk, plan, _ = self.packing_plan(chunk, size)  # the chunk in one pass
+            out = jax.device_get(self._eval(self.params(), self._put(chunk), plan))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + np.float64(v)
         return self.finish_eval(sums) if sums else {}
@@ -253,17 +302,61 @@ class SupervisedTrainer(StageTrainer):
         """Read, check and tokenise one data file (config key `key`) into a row dict."""
         raise NotImplementedError
 
+    sequences_per_row = 1  # sequences a batch row holds (a preference pair: 2)
+
+    def sequence_lengths(self, batch: dict) -> np.ndarray:  # pragma: no cover - abstract
+        """`[B * sequences_per_row]` real tokens of each sequence of a host batch, in the order
+        its loss packs them (`packing_plan`)."""
+        raise NotImplementedError
+
     def denominator(self, batch: dict) -> jax.Array:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def loss(self, graphdef, params, micro: dict, denominator):  # pragma: no cover - abstract
+    def loss(self, graphdef, params, micro: dict, denominator,
+             packing=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def eval_sums(self, graphdef, params, batch: dict) -> dict:  # pragma: no cover - abstract
+    def eval_sums(self, graphdef, params, batch: dict,
+                  packing=None) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def finish_eval(self, sums: dict) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def packing_shards(micro: int, batch_shards: int) -> int:
+    """The shards a micro-batch of `micro` rows is packed over: the mesh's batch shards (data x
+    fsdp) when they split it evenly, each device packing its own rows; else 1."""
+    return batch_shards if micro % batch_shards == 0 else 1
+
+
+def check_packing(name: str, sec, sequences_per_row: int, batch_shards: int) -> None:
+    """Refuse `<name>.packing` (`sec` its section) where each device would pack one sequence a
+    micro-batch, alone in its row: the padded pass's compute, nothing saved. Called at build,
+    before any compile (the mesh decides it; `config.no_effect` refuses sft.micro_batch_size=1
+    at load).
+
+    Raises:
+      ConfigError: naming the key, micro_batch_size and the mesh's batch shards.
+    """
+    sequences = sec.micro_batch_size * sequences_per_row  # of a micro-batch
+    if sec.packing and sequences == packing_shards(sec.micro_batch_size, batch_shards):
+        raise ConfigError(
+            f"{name}.packing=true has no effect: {name}.micro_batch_size={sec.micro_batch_size} "
+            f"over the mesh's {batch_shards} batch shard(s) (data x fsdp) leaves each device "
+            f"one sequence a micro-batch, alone in its row; drop it or raise "
+            f"{name}.micro_batch_size")
+
+
+def packing_figures(plan: PackedRows, lengths: np.ndarray, width: int) -> dict:
+    """`packing/rows` (packed rows a micro-batch, all shards), `packing/fill` (real tokens over
+    the packed slots) and `packing/padded_fill` (real tokens over the padded rows' slots) of a
+    plan of sequences of `lengths` padded to `width`, floats."""
+    n_micro, shards, rows, slots = plan.src.shape
+    real = float(np.sum(lengths))
+    return {"packing/rows": float(shards * rows),
+            "packing/fill": real / (n_micro * shards * rows * slots),
+            "packing/padded_fill": real / (len(lengths) * width)}
 
 
 def resolve_source(source: str | None, key: str):

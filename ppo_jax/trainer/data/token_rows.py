@@ -1,7 +1,8 @@
 """Token rows of stages 1 and 2: a prompt encoded as PPO encodes it, a response plus the stop
 token the sampler ends on, each row prompt + response truncated and right-padded into a
 `SequenceBatch` (DeepSpeed-Chat steps 1 and 2); `PairBatch` holds the chosen and rejected rows
-of preference pairs. `split_holdout` and `take` select rows of either.
+of preference pairs. `split_holdout` and `take` select rows of either. (Packing several
+sequences into one row, `<stage>.packing`, happens per micro-batch: `rollout.packing`.)
 """
 
 from __future__ import annotations
@@ -130,9 +131,10 @@ def warn_truncation(counts: dict, what: str, max_prompt_length: int, max_length:
                           f"{max_length} lost {tokens} tokens from the right", stacklevel=3)
 
 
-def pack(pairs_of_ids: list[Row], *, max_prompt_length: int, max_length: int, pad_id: int,
-         width: int | None = None, what: str = "example", truncation: str = "left",
-         records: list[int] | None = None) -> tuple[SequenceBatch, dict]:
+def padded_rows(pairs_of_ids: list[Row], *, max_prompt_length: int, max_length: int,
+                pad_id: int, width: int | None = None, what: str = "example",
+                truncation: str = "left", records: list[int] | None = None
+                ) -> tuple[SequenceBatch, dict]:
     """(prompt_ids, response_ids) rows -> a right-padded `SequenceBatch` of width
     `L = width or min(max_length, longest row)`, truncated as in `truncate_rows` with one
     warning per kind of truncation that happened.
