@@ -225,6 +225,18 @@ def plan_rows(lengths, *, length: int, micro_batch_size: int, shards: int = 1,
                         micro_batch_size=micro_batch_size, shards=shards, width=width)[1]
 
 
+def fill_figures(plan: PackedRows, lengths, width: int, prefix: str = "packing/") -> dict:
+    """A plan's figures, floats: `{prefix}rows` (packed rows a micro-batch, all shards),
+    `{prefix}fill` (real tokens over the packed slots) and `{prefix}padded_fill` (real tokens
+    over the slots of the padded rows, `width` each), for the planned sequences' `lengths`
+    (all of them: an update's plan covers every epoch)."""
+    n_micro, shards, rows, slots = plan.src.shape
+    real = float(np.sum(lengths))
+    return {f"{prefix}rows": float(shards * rows),
+            f"{prefix}fill": real / (n_micro * shards * rows * slots),
+            f"{prefix}padded_fill": real / (len(lengths) * width)}
+
+
 def pack(x: jax.Array, plan: PackedRows, fill=0) -> jax.Array:
     """`[m, L, ...]` padded sequence slots -> `[S * R, W, ...]` packed rows (`fill` on
     padding), each shard gathering from its own `m / S` rows."""

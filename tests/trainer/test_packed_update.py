@@ -6,8 +6,6 @@ the shared critic, and with a multi-turn action mask. The plans are the trainer'
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import optax
 
-from ppo_jax.rollout.packing import PackedRows, balanced_order, plan_rows
+from ppo_jax.rollout.packing import PackedRows, balanced_order, fill_figures, plan_rows
 from ppo_jax.trainer.accumulate import accumulate_gradients
 from ppo_jax.trainer.config import ConfigError
 from ppo_jax.trainer.data.order import DataOrder
@@ -238,7 +238,7 @@ class SupervisedTrainer(StageTrainer):
         width = max(v.shape[1] for k, v in batch.items() if k.endswith("ids"))
         plan = plan_rows(lengths, length=width, micro_batch_size=micro * self.sequences_per_row,
                          shards=shards)
-        return batch, self.place.replicate(plan), packing_figures(plan, lengths, width)
+        return batch, self.place.replicate(plan), fill_figures(plan, lengths, width)
 
     def step(self) -> dict:
         """One optimiser step on the next `batch_size` rows; returns its metrics (floats)."""
@@ -346,17 +346,6 @@ def check_packing(name: str, sec, sequences_per_row: int, batch_shards: int) -> 
             f"over the mesh's {batch_shards} batch shard(s) (data x fsdp) leaves each device "
             f"one sequence a micro-batch, alone in its row; drop it or raise "
             f"{name}.micro_batch_size")
-
-
-def packing_figures(plan: PackedRows, lengths: np.ndarray, width: int) -> dict:
-    """`packing/rows` (packed rows a micro-batch, all shards), `packing/fill` (real tokens over
-    the packed slots) and `packing/padded_fill` (real tokens over the padded rows' slots) of a
-    plan of sequences of `lengths` padded to `width`, floats."""
-    n_micro, shards, rows, slots = plan.src.shape
-    real = float(np.sum(lengths))
-    return {"packing/rows": float(shards * rows),
-            "packing/fill": real / (n_micro * shards * rows * slots),
-            "packing/padded_fill": real / (len(lengths) * width)}
 
 
 def resolve_source(source: str | None, key: str):

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppo_jax.rollout.forward import Rollout
-from ppo_jax.rollout.packing import PackedBatch, PackedRows, heavy_tailed_lengths, plan_packing
+from ppo_jax.rollout.packing import (
+    PackedBatch, fill_figures, heavy_tailed_lengths, plan_packing,
+)
 from ppo_jax.trainer.stages.ppo.update import epoch_permutations
 
 
@@ -61,7 +63,7 @@ class Packer:
         q, r = lengths
         order, plan = self.plan(q, r, rollout, balance=len(q))
         return (self.place.replicate(PackedBatch(order, plan)),
-                fill_figures(plan, q, r, rollout, "experience"))
+                fill_figures(plan, q + r, _width(rollout), "packing/experience_"))
 
     def update(self, rollout: Rollout, lengths, update_key) -> tuple[PackedBatch, dict]:
         """The update's `PackedBatch` (order `[ppo_epochs, B]`, rows `[ppo_epochs,
@@ -75,20 +77,11 @@ class Packer:
         stacked = jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan)
         rows = perms[order].reshape(self.epochs, batch).astype(np.int32)
         return (self.place.replicate(PackedBatch(rows, stacked)),
-                fill_figures(plan, q, r, rollout, "update"))
+                fill_figures(plan, (q + r)[perms], _width(rollout), "packing/update_"))
 
 
-def fill_figures(plan: PackedRows, q, r, rollout: Rollout, name: str) -> dict:
-    """`packing/{name}_rows` (packed rows a micro-batch, all shards), `packing/{name}_fill`
-    (real tokens over packed slots) and `packing/{name}_padded_fill` (real tokens over the
-    padded rows' slots), floats."""
-    n_micro, shards, rows, width = plan.src.shape
-    passes = n_micro * shards * plan.dst.shape[2] // len(q)  # the update plans every epoch
-    real = float(np.sum(q) + np.sum(r)) * passes
-    padded = passes * len(q) * (rollout.query_ids.shape[1] + rollout.response_ids.shape[1])
-    return {f"packing/{name}_rows": float(shards * rows),
-            f"packing/{name}_fill": real / (n_micro * shards * rows * width),
-            f"packing/{name}_padded_fill": real / padded}
+def _width(rollout: Rollout) -> int:
+    return rollout.query_ids.shape[1] + rollout.response_ids.shape[1]
 
 
 # the response lengths `--compile-for` shapes the packed programs for: mean / max 0.5, the
