@@ -1,0 +1,76 @@
+"""The splash attention path compiled for TPU on this CPU host (`aot.topology` devices): a
+model's backbone gradient over a v5p mesh (rows over data, heads over tensor) runs jax's
+splash kernels, forward and both backward kernels, segmented, under the shard_map; and
+`sequence_kernel` picks splash for a TPU mesh only where the kernel takes the call."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ppo_jax.aot.topology import resolve_slice, slice_devices
+from ppo_jax.models import split_model
+from ppo_jax.models.attention_kernels import sequence_kernel
+from ppo_jax.models.config import ModelConfig
+from ppo_jax.models.heads import init_model
+from ppo_jax.models.tiny_random import tiny_config
+
+pytest.importorskip("libtpu")
+
+SPLASH = {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+          "splash_mha_dkv_segmented_no_residuals"}
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(name: str = "v5p-8", shape=(2, 1, 2)):
+    devices = np.asarray(slice_devices(resolve_slice(name))).reshape(shape)
+    return jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
+
+
+def _kernels(cfg: ModelConfig, mesh, rows: int = 4, length: int = 200) -> set[str]:
+    """The splash kernel names in the compiled gradient of a backbone pass."""
+    graphdef, params = split_model(nnx.eval_shape(lambda: init_model(cfg, seed=0)))
+    rep = NamedSharding(mesh, P())
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
+    ids = jax.ShapeDtypeStruct((rows, length), jnp.int32,
+                               sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+
+    def loss(params, ids, mask):
+        hidden = nnx.merge(graphdef, params).backbone.run(ids, mask, mesh=mesh)[0]
+        return jnp.sum(hidden.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).trace(params, ids, ids).lower().compile().as_text()
+    return set(re.findall(r"splash_mha_[a-z_]+", text))
+
+
+@pytest.mark.parametrize("window", [(), pytest.param((0, 4), marks=pytest.mark.slow)])
+def test_a_backbone_gradient_compiles_with_the_splash_kernels_under_the_shard_map(window):
+    """tiny-random Llama (4 heads over 2 KV heads, head_dim 16) in bfloat16, L = 200 (padded to
+    256 in the kernel), with and without per-layer sliding windows (traced in the scan)."""
+    cfg = tiny_config(96).replace(dtype="bfloat16", sliding_windows=window)
+    assert _kernels(cfg, _mesh()) == SPLASH
+
+
+@pytest.mark.slow  # ~4 s
+def test_the_reference_keeps_the_einsum_path():
+    cfg = tiny_config(96).replace(dtype="bfloat16", attention="reference")
+    assert _kernels(cfg, _mesh()) == set()
+
+
+def test_auto_picks_splash_on_a_tpu_mesh_where_the_kernel_takes_the_call():
+    mesh = _mesh()
+    shapes = dict(length=200, num_heads=4, num_kv_heads=2, head_dim=64)
+    assert sequence_kernel("auto", mesh, rows=4, dtype=jnp.bfloat16, **shapes) == "splash"
+    assert sequence_kernel("auto", mesh, rows=4, dtype=jnp.float32, **shapes) == "splash"
+    # 3 rows do not split over data = 2; float16 is not a kernel dtype
+    assert sequence_kernel("auto", mesh, rows=3, dtype=jnp.bfloat16, **shapes) == "reference"
+    assert sequence_kernel("auto", mesh, rows=4, dtype=jnp.float16, **shapes) == "reference"
+    assert sequence_kernel("auto", mesh, rows=4, dtype=jnp.bfloat16,
+                           **dict(shapes, head_dim=300)) == "reference"
