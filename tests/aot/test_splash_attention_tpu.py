@@ -74,3 +74,29 @@ def test_auto_picks_splash_on_a_tpu_mesh_where_the_kernel_takes_the_call():
     assert sequence_kernel("auto", mesh, rows=4, dtype=jnp.float16, **shapes) == "reference"
     assert sequence_kernel("auto", mesh, rows=4, dtype=jnp.bfloat16,
                            **dict(shapes, head_dim=300)) == "reference"
+
+
+def test_the_flop_counters_count_the_splash_kernels_at_their_dense_bound():
+    """The gradient of `splash_attention` over 4 rows of L = 200 (256 in the kernel), 4 heads
+    of 64 over 2 KV heads, split (data 2, tensor 2): forward 2, dq 3 and dkv 4 matmuls of
+    `[256, 256] x 64` per head, `2 * 9 * 4 * 4 * 256 * 256 * 64` in all (jaxpr walk), a
+    quarter of it per chip (HLO walk)."""
+    from ppo_jax.aot.flops import jaxpr_matmul_flops
+    from ppo_jax.aot.hlo_cost import program_costs
+    from ppo_jax.models.splash_attention import splash_attention
+
+    mesh = _mesh()
+    rep = NamedSharding(mesh, P())
+
+    def loss(q, k, v, mask):
+        return jnp.sum(splash_attention(q, k, v, mask, None, mesh=mesh).astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in (
+        ((4, 200, 4, 64), jnp.bfloat16), ((4, 200, 2, 64), jnp.bfloat16),
+        ((4, 200, 2, 64), jnp.bfloat16), ((4, 200), jnp.int32))]
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    want = 2 * 9 * 4 * 4 * 256 * 256 * 64
+    di = 2 * 4 * 4 * 256 * 64  # the backward's rowsum(o * do), an einsum outside the kernels
+    assert jaxpr_matmul_flops(jax.make_jaxpr(grad)(*args))[0] == want + di
+    compiled = grad.trace(*args).lower().compile()
+    assert program_costs(compiled.as_text()).matmul_flops == want / 4
