@@ -73,7 +73,8 @@ def sequence_kernel(choice: str, mesh, *, rows: int, length: int, num_heads: int
         raise ValueError(f"attention={choice!r}; expected one of {ATTENTION_KERNELS}")
     platform = platform_of(mesh)
     if choice == "cudnn" and platform not in ("gpu", "cuda"):
-        raise ValueError(f"attention='cudnn' needs a GPU; this program targets {platform}")
+        raise ValueError(f"attention='cudnn' (model.attention) needs a GPU; this program "
+                         f"targets {platform}: set model.attention to auto or reference")
     if choice != "auto":
         return choice
     if platform == "tpu":

@@ -112,7 +112,8 @@ class SupervisedTrainer(StageTrainer):
         m, lora = self.cfg.model, lora_settings(self.cfg)
         dtype = m.frozen_param_dtype if lora else m.param_dtype  # a LoRA model's frozen base
         return load_split(self.model_path, self.model_kind, param_dtype=dtype, dtype=m.dtype,
-                          remat=m.remat, seed=self.cfg.train.seed, sharding_fn=self.place.sharding_fn,
+                          remat=m.remat, attention=m.attention, seed=self.cfg.train.seed,
+                          sharding_fn=self.place.sharding_fn,
                           lora=lora,
                           adapters=adapters_from(self.cfg, self.model_path, self.model_kind),
                           **self.load_kwargs())
@@ -129,7 +130,8 @@ class SupervisedTrainer(StageTrainer):
         lora = lora_settings(self.cfg)
         return abstract_split(source, key, self.model_kind,
                               param_dtype=m.frozen_param_dtype if lora else m.param_dtype,
-                              dtype=m.dtype, remat=m.remat, sharding_fn=self.place.sharding_fn,
+                              dtype=m.dtype, remat=m.remat, attention=m.attention,
+                              sharding_fn=self.place.sharding_fn,
                               **(lora.config_fields() if lora else {}))
 
     def batch_fields(self) -> dict:  # pragma: no cover - abstract
