@@ -21,6 +21,8 @@ from ppo_jax.models.attention_kernels import sequence_kernel
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.heads import init_model
 from ppo_jax.models.tiny_random import tiny_config
+from ppo_jax.rollout.forward import policy_logprobs
+from ppo_jax.rollout.packing import PackedRows
 
 pytest.importorskip("libtpu")
 
@@ -50,12 +52,41 @@ def _kernels(cfg: ModelConfig, mesh, rows: int = 4, length: int = 200) -> set[st
     return set(re.findall(r"splash_mha_[a-z_]+", text))
 
 
-@pytest.mark.parametrize("window", [(), pytest.param((0, 4), marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~5 s each; the packed policy gradient below covers the window-less case
+@pytest.mark.parametrize("window", [(), (0, 4)])
 def test_a_backbone_gradient_compiles_with_the_splash_kernels_under_the_shard_map(window):
     """tiny-random Llama (4 heads over 2 KV heads, head_dim 16) in bfloat16, L = 200 (padded to
     256 in the kernel), with and without per-layer sliding windows (traced in the scan)."""
     cfg = tiny_config(96).replace(dtype="bfloat16", sliding_windows=window)
     assert _kernels(cfg, _mesh()) == SPLASH
+
+
+def test_the_packed_policy_gradient_compiles_with_the_splash_kernels():
+    """`ppo.packing`'s pass for TPU: 8 rows of prompt 64 + response 136 packed into 2 shards x
+    4 rows of 200 slots (the widest plan: as many packed rows as padded ones), the actor's
+    log-prob gradient over them on the v5p mesh runs the splash kernels."""
+    mesh = _mesh()
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(("data", "fsdp")))
+    cfg = tiny_config(96, dtype="bfloat16")
+    graphdef, params = split_model(nnx.eval_shape(lambda: init_model(cfg, seed=0)))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
+    batch, prompt, new, shards = 8, 64, 136, 2
+
+    def ids(shape, sharding=rows):
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+
+    per = batch // shards
+    plan = PackedRows(src=ids((shards, per, prompt + new), rep),
+                      segments=ids((shards, per, prompt + new), rep),
+                      dst=ids((shards, per, new), rep))
+
+    def loss(params, q, qm, r, rm, plan):
+        return jnp.sum(policy_logprobs(graphdef, params, q, qm, r, rm, mesh=mesh, packing=plan))
+
+    args = (params, ids((batch, prompt)), ids((batch, prompt)), ids((batch, new)),
+            ids((batch, new)), plan)
+    text = jax.jit(jax.grad(loss)).trace(*args).lower().compile().as_text()
+    assert set(re.findall(r"splash_mha_[a-z_]+", text)) == SPLASH
 
 
 @pytest.mark.slow  # ~4 s
