@@ -93,6 +93,7 @@ class SupervisedTrainer(StageTrainer):
     def _build(self) -> None:
         cfg, place, sec = self.cfg, self.place, self.section_cfg
         place.check_batch(f"{self.section}.batch_size", sec.batch_size)
+        place.check_attention(cfg.model.attention)
         model = self.abstract_model() if self.is_abstract else self.load_model()
         if not self.is_abstract:
             self._check_ids(model.cfg.vocab_size)
