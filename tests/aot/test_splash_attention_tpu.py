@@ -131,3 +131,25 @@ def test_the_flop_counters_count_the_splash_kernels_at_their_dense_bound():
     assert jaxpr_matmul_flops(jax.make_jaxpr(grad)(*args))[0] == want + di
     compiled = grad.trace(*args).lower().compile()
     assert program_costs(compiled.as_text()).matmul_flops == want / 4
+
+
+@pytest.mark.slow  # ~110 s on 2 loaded cores
+@pytest.mark.parametrize("chip", ["v4-8", "v5e-8", "v5p-8", "v6e-8"])
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads", [
+    (jnp.float32, 256, 8, 4), (jnp.bfloat16, 256, 8, 4), (jnp.float32, 128, 16, 16),
+    (jnp.bfloat16, 64, 9, 3)])
+def test_the_512_blocks_fit_each_chips_vmem(chip, dtype, head_dim, heads, kv_heads):
+    """L = 1024 takes 512-wide q and kv blocks; forward and gradient compile on every chip
+    (Mosaic checks the kernels' scoped VMEM), float32 head_dim 256 included."""
+    from ppo_jax.models.splash_attention import splash_attention
+
+    one = jax.sharding.SingleDeviceSharding(slice_devices(resolve_slice(chip))[0])
+
+    def loss(q, k, v, mask):
+        return jnp.sum(splash_attention(q, k, v, mask, None).astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in (
+        ((2, 1024, heads, head_dim), dtype), ((2, 1024, kv_heads, head_dim), dtype),
+        ((2, 1024, kv_heads, head_dim), dtype), ((2, 1024), jnp.int32))]
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower().compile().as_text()
+    assert set(re.findall(r"splash_mha_[a-z_]+", text)) == SPLASH
