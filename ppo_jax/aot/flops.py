@@ -6,8 +6,9 @@ the rows each group really multiplies (an MoE's chosen experts only: model FLOPs
 active parameters), each `scan` body `length`
 times, a `cond` by its costliest branch, a `while` body `while_trips` times (the sampler's
 decode loop: `max_new_tokens - 1`; 1 by default), a `shard_map` body once per device of its
-manual axes (its shapes are one device's); of Pallas kernels, megablox's grouped matmuls and
-the ragged paged attention are counted from their operands, any other counts 0. Attention's `q k^T` and `p v` are matmuls and
+manual axes (its shapes are one device's); of Pallas kernels, megablox's grouped matmuls, the
+ragged paged attention and splash attention are counted from their operands, any other
+counts 0. Attention's `q k^T` and `p v` are matmuls and
 are counted; elementwise work (softmax, norms, Adam) is not. Recomputation under remat is in
 the jaxpr and is counted; trace a program built with `model.remat=none` for model FLOPs
 without it.
