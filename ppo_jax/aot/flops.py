@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+
 
 def dot_general_flops(eqn) -> int:
     """`2 * prod(out.shape) * K` of one `dot_general` equation (multiply + add per term)."""
@@ -79,7 +81,9 @@ def paged_attention_flops(eqn) -> int:
 
 # jax's Pallas splash attention (`models.splash_attention`, no-cache forwards on TPU): its
 # pallas_calls are named "splash_mha_{fwd,dq,dkv}..." with q `[B, H, L, hd]` and k `[B, KVH,
-# S, hd]` as their first two 4-d operands; `[L, S] x hd` matmuls per head as `hlo_cost` counts
+# S, hd]` as their first two floating operands (`[H, L, hd]`, `[KVH, S, hd]` when the vmap over
+# rows has one row: Pallas' batching rule squeezes it); `[L, S] x hd` matmuls per head as
+# `hlo_cost` counts
 SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 
 
@@ -89,7 +93,8 @@ def splash_flops(eqn) -> int:
     name = str(eqn.params.get("name", ""))
     kind = next((k for k in SPLASH_MATMULS if name.startswith(("splash_mha_" + k,
                                                                "splash_mqa_" + k))), None)
-    blocks = [v.aval.shape for v in eqn.invars if len(getattr(v.aval, "shape", ())) == 4]
+    blocks = [v.aval.shape for v in eqn.invars if len(getattr(v.aval, "shape", ())) >= 3
+              and jnp.issubdtype(v.aval.dtype, jnp.floating)]
     if kind is None or len(blocks) < 2:
         return 0
     return 2 * SPLASH_MATMULS[kind] * math.prod(blocks[0]) * blocks[1][-2]

@@ -138,7 +138,7 @@ def ragged_dot_flops(comp: Computation, ins: Instr) -> float:
 
 # jax's Pallas splash attention (`models.splash_attention`): "tpu_custom_call"s named after the
 # kernel, "splash_mha_{fwd,dq,dkv}[_segmented]...", with q `[B, H, L, hd]` and k `[B, KVH, S,
-# hd]` as operands 2 and 3, and this many `[L, S] x hd` matmuls per head: forward q k^T and
+# hd]` (`[H, L, hd]`, `[KVH, S, hd]` for one row) as operands 2 and 3, and this many `[L, S] x hd` matmuls per head: forward q k^T and
 # p v; dq recomputes q k^T, then do v^T and ds k; dkv recomputes q k^T, then do v^T, p^T do
 # and ds^T q
 _SPLASH = re.compile(r"splash_mq?h?a_(fwd|dq|dkv)")
@@ -151,7 +151,7 @@ def splash_flops(comp: Computation, ins: Instr, kind: str) -> float:
     about half of them for a causal mask), as `dot_attention`'s einsums are counted."""
     q = shapes(_operand_type(comp, ins.operands[2])) if len(ins.operands) > 3 else []
     k = shapes(_operand_type(comp, ins.operands[3])) if len(ins.operands) > 3 else []
-    if not q or not k or len(q[0][1]) != 4:
+    if not q or not k or len(q[0][1]) < 3:
         return 0.0
     return 2.0 * SPLASH_MATMULS[kind] * math.prod(q[0][1]) * k[0][1][-2]
 

@@ -107,11 +107,13 @@ def test_auto_picks_splash_on_a_tpu_mesh_where_the_kernel_takes_the_call():
                            **dict(shapes, head_dim=300)) == "reference"
 
 
-def test_the_flop_counters_count_the_splash_kernels_at_their_dense_bound():
-    """The gradient of `splash_attention` over 4 rows of L = 200 (256 in the kernel), 4 heads
-    of 64 over 2 KV heads, split (data 2, tensor 2): forward 2, dq 3 and dkv 4 matmuls of
-    `[256, 256] x 64` per head, `2 * 9 * 4 * 4 * 256 * 256 * 64` in all (jaxpr walk), a
-    quarter of it per chip (HLO walk)."""
+@pytest.mark.parametrize("rows", [4, 2])
+def test_the_flop_counters_count_the_splash_kernels_at_their_dense_bound(rows):
+    """The gradient of `splash_attention` over `rows` rows of L = 200 (256 in the kernel), 4
+    heads of 64 over 2 KV heads, split (data 2, tensor 2): forward 2, dq 3 and dkv 4 matmuls
+    of `[256, 256] x 64` per head, `2 * 9 * rows * 4 * 256 * 256 * 64` in all (jaxpr walk), a
+    quarter of it per chip (HLO walk). With 2 rows each chip's kernels see one row, which
+    Pallas' batching squeezes out of their operands."""
     from ppo_jax.aot.flops import jaxpr_matmul_flops
     from ppo_jax.aot.hlo_cost import program_costs
     from ppo_jax.models.splash_attention import splash_attention
@@ -123,11 +125,11 @@ def test_the_flop_counters_count_the_splash_kernels_at_their_dense_bound():
         return jnp.sum(splash_attention(q, k, v, mask, None, mesh=mesh).astype(jnp.float32))
 
     args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in (
-        ((4, 200, 4, 64), jnp.bfloat16), ((4, 200, 2, 64), jnp.bfloat16),
-        ((4, 200, 2, 64), jnp.bfloat16), ((4, 200), jnp.int32))]
+        ((rows, 200, 4, 64), jnp.bfloat16), ((rows, 200, 2, 64), jnp.bfloat16),
+        ((rows, 200, 2, 64), jnp.bfloat16), ((rows, 200), jnp.int32))]
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    want = 2 * 9 * 4 * 4 * 256 * 256 * 64
-    di = 2 * 4 * 4 * 256 * 64  # the backward's rowsum(o * do), an einsum outside the kernels
+    want = 2 * 9 * rows * 4 * 256 * 256 * 64
+    di = 2 * rows * 4 * 256 * 64  # the backward's rowsum(o * do), an einsum outside the kernels
     assert jaxpr_matmul_flops(jax.make_jaxpr(grad)(*args))[0] == want + di
     compiled = grad.trace(*args).lower().compile()
     assert program_costs(compiled.as_text()).matmul_flops == want / 4
