@@ -19,6 +19,7 @@ from flax import nnx
 from ppo_jax.models.attention import MASK_VALUE, dot_attention  # noqa: F401 (re-exported)
 from ppo_jax.models.attention_kernels import cudnn_attention, sequence_kernel
 from ppo_jax.models.grouped_matmul import platform_of
+from ppo_jax.models.splash_attention import splash_attention
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache, slot_layout
 from ppo_jax.models.paged_cache import (
@@ -237,8 +238,6 @@ def sequence_attention(q, k, v, ctx: Context, window=None, scale: float | None =
     """A no-cache call's attention on `ctx.kernel`: the splash kernel over the mask's segment
     ids (Pallas interpret mode off TPU) or cuDNN; `[B, L, H * hd]` out (`attention_kernels`)."""
     if ctx.kernel == "splash":
-        from ppo_jax.models.splash_attention import splash_attention
-
         return splash_attention(q, k, v, ctx.segments, window, windows=ctx.windows, scale=scale,
                                 mesh=ctx.mesh, interpret=platform_of(ctx.mesh) != "tpu")
     return cudnn_attention(q, k, v, ctx.allowed, window, ctx.q_slots, ctx.k_slots, scale=scale)
