@@ -8,7 +8,8 @@ cache. `ModelConfig.attention` picks their attention (`sequence_kernel`):
 - "cudnn": cuDNN's fused attention through `jax.nn.dot_product_attention(implementation=
   "cudnn")` (`cudnn_attention`);
 - "auto" (default): splash on TPU and cuDNN on GPU where the shapes allow (`unsupported_reason`
-  of each), else the reference; the reference on CPU.
+  of each), else the reference; the reference on CPU, and on a CPU host compiling for GPUs
+  (cuDNN is looked up when the call is traced, and that host has none).
 Calls with a cache (prefill, decode) always take the reference or the paged kernels.
 
 cuDNN through jax 0.10.2's public API takes per-row lengths (`query_seq_lengths`,
@@ -81,7 +82,11 @@ def sequence_kernel(choice: str, mesh, *, rows: int, length: int, num_heads: int
         fits = _one_program(mesh) or (mesh is not None and splash.splits_rows(mesh, rows))
         if fits and splash.unsupported_reason(num_heads, num_kv_heads, head_dim, dtype) is None:
             return "splash"
-    if platform in ("gpu", "cuda") and cudnn_unsupported_reason(head_dim, length, dtype) is None:
+    # cuDNN is looked up when the call is traced (jax `check_cudnn_version`): a CPU host
+    # compiling for GPUs (`aot.topology`) has none, so there the reference is compiled
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    if (platform in ("gpu", "cuda") and on_gpu
+            and cudnn_unsupported_reason(head_dim, length, dtype) is None):
         return "cudnn"
     return "reference"
 
