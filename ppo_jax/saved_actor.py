@@ -225,7 +225,8 @@ def load_actor(cfg: Config, source: str | Path, *, kind: str = "causal_lm", lora
         fit `cfg.model.lora` or the base.
     """
     m = cfg.model
-    kwargs = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, sharding_fn=sharding_fn,
+    kwargs = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
+                  attention=m.attention, sharding_fn=sharding_fn,
                   seed=cfg.train.seed)
     if actor_dir_kind(source, "actor") == "adapter":
         cfg = with_adapter(cfg, source)

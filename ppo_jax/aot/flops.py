@@ -6,8 +6,9 @@ the rows each group really multiplies (an MoE's chosen experts only: model FLOPs
 active parameters), each `scan` body `length`
 times, a `cond` by its costliest branch, a `while` body `while_trips` times (the sampler's
 decode loop: `max_new_tokens - 1`; 1 by default), a `shard_map` body once per device of its
-manual axes (its shapes are one device's); of Pallas kernels, megablox's grouped matmuls and
-the ragged paged attention are counted from their operands, any other counts 0. Attention's `q k^T` and `p v` are matmuls and
+manual axes (its shapes are one device's); of Pallas kernels, megablox's grouped matmuls, the
+ragged paged attention and splash attention are counted from their operands, any other
+counts 0. Attention's `q k^T` and `p v` are matmuls and
 are counted; elementwise work (softmax, norms, Adam) is not. Recomputation under remat is in
 the jaxpr and is counted; trace a program built with `model.remat=none` for model FLOPs
 without it.
@@ -19,6 +20,8 @@ beside it.
 from __future__ import annotations
 
 import math
+
+import jax.numpy as jnp
 
 
 def dot_general_flops(eqn) -> int:
@@ -76,6 +79,27 @@ def paged_attention_flops(eqn) -> int:
     return 4 * math.prod(q) * table[1] * pages[1]
 
 
+# jax's Pallas splash attention (`models.splash_attention`, no-cache forwards on TPU): its
+# pallas_calls are named "splash_mha_{fwd,dq,dkv}..." with q `[B, H, L, hd]` and k `[B, KVH,
+# S, hd]` as their first two floating operands (`[H, L, hd]`, `[KVH, S, hd]` when the vmap over
+# rows has one row: Pallas' batching rule squeezes it); `[L, S] x hd` matmuls per head as
+# `hlo_cost` counts
+SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def splash_flops(eqn) -> int:
+    """`2 x` the multiply-adds of a splash kernel at the dense upper bound, `2 * matmuls * B *
+    H * L * S * hd` (`hlo_cost.splash_flops`); 0 for another pallas_call."""
+    name = str(eqn.params.get("name", ""))
+    kind = next((k for k in SPLASH_MATMULS if name.startswith(("splash_mha_" + k,
+                                                               "splash_mqa_" + k))), None)
+    blocks = [v.aval.shape for v in eqn.invars if len(getattr(v.aval, "shape", ())) >= 3
+              and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    if kind is None or len(blocks) < 2:
+        return 0
+    return 2 * SPLASH_MATMULS[kind] * math.prod(blocks[0]) * blocks[1][-2]
+
+
 def shard_map_devices(params: dict) -> int:
     """How many devices run a `shard_map` body: the product of its manual axes' sizes (its
     other axes stay global in the body's shapes). Work the body repeats on every device of a
@@ -127,7 +151,8 @@ def jaxpr_matmul_flops(jaxpr, while_trips: int = 1) -> tuple[int, int]:
         if name in ("jit", "pjit") and eqn.params.get("name") == PAGED_ATTENTION_KERNEL:
             flops += paged_attention_flops(eqn)
             continue
-        if name == "pallas_call":  # its kernel jaxpr is one grid step's: known kernels are above
+        if name == "pallas_call":  # its kernel jaxpr is one grid step's: counted by its name
+            flops += splash_flops(eqn)
             continue
         subs = [jaxpr_matmul_flops(j, while_trips) for j in _sub_jaxprs(eqn.params)]
         if not subs:

@@ -136,10 +136,33 @@ def ragged_dot_flops(comp: Computation, ins: Instr) -> float:
     return 2.0 * math.prod(out_dims) * lhs_dims[-1]
 
 
+# jax's Pallas splash attention (`models.splash_attention`): "tpu_custom_call"s named after the
+# kernel, "splash_mha_{fwd,dq,dkv}[_segmented]...", with q `[B, H, L, hd]` and k `[B, KVH, S,
+# hd]` (`[H, L, hd]`, `[KVH, S, hd]` for one row) as operands 2 and 3, and this many `[L, S] x hd` matmuls per head: forward q k^T and
+# p v; dq recomputes q k^T, then do v^T and ds k; dkv recomputes q k^T, then do v^T, p^T do
+# and ds^T q
+_SPLASH = re.compile(r"splash_mq?h?a_(fwd|dq|dkv)")
+SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def splash_flops(comp: Computation, ins: Instr, kind: str) -> float:
+    """`2 x` the multiply-adds of a splash kernel over every (query, key) pair, `2 * matmuls *
+    B * H * L * S * hd`: the dense upper bound (the kernel skips the blocks its mask empties,
+    about half of them for a causal mask), as `dot_attention`'s einsums are counted."""
+    q = shapes(_operand_type(comp, ins.operands[2])) if len(ins.operands) > 3 else []
+    k = shapes(_operand_type(comp, ins.operands[3])) if len(ins.operands) > 3 else []
+    if not q or not k or len(q[0][1]) < 3:
+        return 0.0
+    return 2.0 * SPLASH_MATMULS[kind] * math.prod(q[0][1]) * k[0][1][-2]
+
+
 def instr_flops(comp: Computation, ins: Instr) -> tuple[float, float]:
     """`(matmul flops, other flops)` of one instruction (not of what it calls)."""
     if ins.opcode == "custom-call" and _RAGGED_DOT.search(ins.attrs):
         return ragged_dot_flops(comp, ins), 0.0
+    splash = _SPLASH.match(ins.name) if ins.opcode == "custom-call" else None
+    if splash is not None:
+        return splash_flops(comp, ins, splash.group(1)), 0.0
     if ins.opcode == "dot":
         lhs = shapes(_operand_type(comp, ins.operands[0]))
         dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)

@@ -24,9 +24,7 @@ def dot_attention(q, k, v, allowed, *, window=None, q_slots=None, k_slots=None, 
     One-token calls (decoding, L = 1) run `kv_major_attention` on k / v moved to
     `[B, KVH, S, hd]`: on XLA:CPU 2x faster for SmolLM2's decode shapes, transposes included.
     """
-    if window is not None:
-        in_window = (q_slots[:, None] - k_slots[None, :]) < window
-        allowed = allowed & ((window <= 0) | in_window)[None]
+    allowed = windowed(allowed, window, q_slots, k_slots)
     if q.shape[1] == 1:
         return kv_major_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed,
                                   scale)
@@ -39,6 +37,15 @@ def dot_attention(q, k, v, allowed, *, window=None, q_slots=None, k_slots=None, 
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgls,bskd->blkgd", probs, v)
     return out.reshape(b, l, h * hd)
+
+
+def windowed(allowed, window, q_slots, k_slots):
+    """`allowed [B, L, S]` with the keys outside a sliding window dropped: kept where `q_slot -
+    k_slot < window` (transformers `sliding_window_overlay`); window None or <= 0: unchanged."""
+    if window is None:
+        return allowed
+    in_window = (q_slots[:, None] - k_slots[None, :]) < window
+    return allowed & ((window <= 0) | in_window)[None]
 
 
 def kv_major_attention(q, k, v, allowed, scale=None):

@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping
 import jax
 import jax.numpy as jnp
 
+from ppo_jax.models.attention_kernels import ATTENTION_KERNELS
 from ppo_jax.models.gemma3_config import GEMMA3, gemma3_fields, gemma3_hf_dict
 from ppo_jax.models.moe_layout import (
     LayerRun, check_moe, layer_runs, moe_fields, moe_hf_fields,
@@ -84,6 +85,9 @@ class ModelConfig:
       param_dtype: "float32" | "bfloat16" | "float16" - storage dtype of the weights.
       dtype: compute dtype of activations and matmuls. Logits/values/scores are float32.
       remat: "none", "full", or a `jax.checkpoint_policies` name, applied per decoder layer.
+      attention: the attention of full-sequence (no-cache) calls, one of `ATTENTION_KERNELS`:
+        "auto" (splash on TPU, cuDNN on GPU where the shapes allow, else the reference),
+        "reference", "splash" or "cudnn" (`attention_kernels.sequence_kernel`).
       lora_rank, lora_alpha, lora_targets: LoRA adapters (Hu et al. 2021) of rank `lora_rank`,
         0 for none, on the projections named in `lora_targets` by PEFT's module names, one of
         `LORA_TARGETS`; scaled by `lora_alpha / lora_rank`.
@@ -126,6 +130,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_targets: tuple[str, ...] = ()
@@ -154,6 +159,8 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {DTYPES}")
         if self.remat not in remat_policy_names():
             raise ValueError(f"remat={self.remat!r}; expected one of {remat_policy_names()}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_KERNELS}")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ValueError("sliding_windows must have one entry per layer (0 = full attention)")
         for name in ("query_pre_attn_scalar", "rope_local_theta"):

@@ -139,14 +139,15 @@ class Gemma3Backbone(nnx.Module):
     def run(self, input_ids: jax.Array, attention_mask: jax.Array, *,
             cache: KVCache | PagedKVCache | None = None, cache_index=None,
             paged: PagedView | None = None, routes=None, mesh=None):
-        """`(hidden [B, L, D], cache, None)`; `mesh` is accepted for the backbones' shared
-        signature and unused (no experts). Raises ValueError: `routes` given (a dense
-        model has no experts to route to), or inconsistent shapes (`forward_context`)."""
+        """`(hidden [B, L, D], cache, None)`; `mesh` (static, None or the run's) is read by
+        a no-cache call's attention kernel (`layers.make_context`). Raises ValueError:
+        `routes` given (a dense model has no experts to route to), or inconsistent shapes
+        (`forward_context`)."""
         if routes is not None:
             raise ValueError("routes were given to a gemma3_text backbone, which has no experts")
         cfg = self.cfg
         input_ids, ctx = forward_context(cfg, input_ids, attention_mask, cache, cache_index,
-                                         paged, rope=True)
+                                         paged, rope=True, mesh=mesh)
         x, cache = scan_layers(cfg, self.layers, self.embed(input_ids), ctx, cache)
         return self.norm(x), cache, None
 

@@ -104,10 +104,9 @@ class GPT2Backbone(nnx.Module):
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *,
                  cache: KVCache | PagedKVCache | None = None, cache_index=None,
                  paged: PagedView | None = None, mesh=None):
-        del mesh  # the backbones' shared signature: only experts use a mesh
-        cfg = self.cfg
+        cfg = self.cfg  # mesh: read by a no-cache call's attention kernel (layers.make_context)
         input_ids, ctx = forward_context(cfg, input_ids, attention_mask, cache, cache_index,
-                                         paged, rope=False)
+                                         paged, rope=False, mesh=mesh)
         positions = jnp.minimum(ctx.positions, cfg.max_position_embeddings - 1)
         x = self.wte(input_ids) + self.wpe(positions)
         x, cache = scan_layers(cfg, self.layers, x.astype(cfg.jnp_dtype), ctx, cache)

@@ -95,9 +95,12 @@ class ValueModel(nnx.Module):
         self.value_head = nnx.Linear(cfg.hidden_size, 1, use_bias=True, param_dtype=jnp.float32,
                                      kernel_init=init, rngs=rngs)
 
-    def __call__(self, input_ids, attention_mask, *, cache: KVCache | None = None, cache_index=None):
-        """-> (values `[B, L]` float32, cache)."""
-        hidden, cache = self.backbone(input_ids, attention_mask, cache=cache, cache_index=cache_index)
+    def __call__(self, input_ids, attention_mask, *, cache: KVCache | None = None, cache_index=None,
+                 mesh=None):
+        """-> (values `[B, L]` float32, cache). mesh: the run's (static), for a no-cache
+        call's attention kernel (`layers.make_context`)."""
+        hidden, cache = self.backbone(input_ids, attention_mask, cache=cache,
+                                      cache_index=cache_index, mesh=mesh)
         v = _f32_head(hidden, self.value_head.kernel[...], self.value_head.bias[...])
         return v[..., 0], cache
 
@@ -150,9 +153,11 @@ class RewardModel(nnx.Module):
         self.score = nnx.Linear(cfg.hidden_size, 1, use_bias=False, param_dtype=jnp.float32,
                                 kernel_init=init, rngs=rngs)
 
-    def __call__(self, input_ids, attention_mask, *, cache: KVCache | None = None, cache_index=None):
-        """-> (scores `[B]` float32, cache)."""
-        hidden, cache = self.backbone(input_ids, attention_mask, cache=cache, cache_index=cache_index)
+    def __call__(self, input_ids, attention_mask, *, cache: KVCache | None = None, cache_index=None,
+                 mesh=None):
+        """-> (scores `[B]` float32, cache). mesh: as `ValueModel`'s."""
+        hidden, cache = self.backbone(input_ids, attention_mask, cache=cache,
+                                      cache_index=cache_index, mesh=mesh)
         idx = last_real_index(jnp.asarray(attention_mask), hidden.shape[1], cache_index)
         last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
         return self.scores_from_hidden(last), cache

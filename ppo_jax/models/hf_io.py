@@ -185,7 +185,8 @@ def _fresh_head(path: str, shape, std: float, seed: int) -> np.ndarray:
 
 
 def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
-               dtype: str = "float32", remat: str = "none", head_init_std: float = 0.0,
+               dtype: str = "float32", remat: str = "none", attention: str = "auto",
+               head_init_std: float = 0.0,
                seed: int = 0, sharding_fn: Callable | None = None, fresh_score_head: bool = False,
                lora: LoraSettings | None = None, adapters: Mapping[str, np.ndarray] | None = None):
     """Load a local HF checkpoint directory into `kind` ("causal_lm" | "value" | "reward" |
@@ -202,6 +203,7 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     - causal_lm_value: a causal LM with a fresh value head on its backbone, zeros or
       N(0, head_init_std^2): the shared actor-critic.
     sharding_fn(path_str, shape) -> jax.sharding.Sharding places each param as it is read.
+    attention: `ModelConfig.attention`, the kernel of no-cache calls (`attention_kernels`).
     lora: LoRA adapters on the projections it names. They are fresh, from `lora.init` and
     `seed`, with B = 0 so the model equals the checkpoint; or, when `adapters` is given, those:
     a `{param path: array}` dict such as `peft_io.load_adapter` returns. A reward adapter's
@@ -211,7 +213,8 @@ def load_model(path, kind: str = "causal_lm", *, param_dtype: str = "float32",
     """
     path = Path(path)
     lora = lora or LoraSettings()
-    cfg = load_model_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat, **lora.config_fields())
+    cfg = load_model_config(path, param_dtype=param_dtype, dtype=dtype, remat=remat,
+                            attention=attention, **lora.config_fields())
     reader = SafetensorsReader(path)
     cls = model_class(kind)
     kw = {} if cls is CausalLM else {"head_init_std": head_init_std}

@@ -17,6 +17,9 @@ import numpy as np
 from flax import nnx
 
 from ppo_jax.models.attention import MASK_VALUE, dot_attention  # noqa: F401 (re-exported)
+from ppo_jax.models.attention_kernels import cudnn_attention, sequence_kernel
+from ppo_jax.models.grouped_matmul import platform_of
+from ppo_jax.models.splash_attention import splash_attention
 from ppo_jax.models.config import ModelConfig
 from ppo_jax.models.kv_cache import KVCache, slot_layout
 from ppo_jax.models.paged_cache import (
@@ -147,7 +150,10 @@ class Context(NamedTuple):
     `paged` is the call's `PagedView` and allowed / q_slots / k_slots are None (the pages'
     mask follows `paged.positions` and `paged.kv_lens`). cos_local / sin_local: the
     sliding-window layers' tables when `cfg.rope_local_theta` is set (Gemma 3), else None
-    (`layer_rope` picks per layer).
+    (`layer_rope` picks per layer). kernel (static): the attention of a no-cache call,
+    "reference", "splash" or "cudnn" (`attention_kernels.sequence_kernel`); segments: its
+    `[B, S]` attention mask (the splash kernel's segment ids); mesh (static): the run's mesh or
+    None; windows (static): the model's `sliding_windows`.
     """
 
     positions: jax.Array
@@ -160,6 +166,10 @@ class Context(NamedTuple):
     paged: PagedView | None = None
     cos_local: jax.Array | None = None
     sin_local: jax.Array | None = None
+    kernel: str = "reference"
+    segments: jax.Array | None = None
+    mesh: object = None
+    windows: tuple = ()
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array, rope: bool) -> tuple:
@@ -181,12 +191,20 @@ def layer_rope(ctx: Context, window) -> tuple[jax.Array, jax.Array]:
     return jnp.where(local, ctx.cos_local, ctx.cos), jnp.where(local, ctx.sin_local, ctx.sin)
 
 
-def make_context(cfg: ModelConfig, attention_mask, length: int, cache_index, rope: bool) -> Context:
-    """Positions from the mask, the attention pattern and the RoPE tables for L new tokens."""
+def make_context(cfg: ModelConfig, attention_mask, length: int, cache_index, rope: bool,
+                 mesh=None, cached: bool = True) -> Context:
+    """Positions from the mask, the attention pattern and the RoPE tables for L new tokens;
+    without a cache (`cached` False) also the attention kernel (`attention_kernels`), which
+    reads `mesh` (static, None or the run's)."""
     positions, allowed, q_slots, k_slots = slot_layout(attention_mask, length, cache_index)
     cos, sin, cos_local, sin_local = rope_tables(cfg, positions, rope)
     idx = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
-    return Context(positions, allowed, q_slots, k_slots, cos, sin, idx, None, cos_local, sin_local)
+    kernel = "reference" if cached else sequence_kernel(
+        cfg.attention, mesh, rows=attention_mask.shape[0], length=length,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        dtype=cfg.jnp_dtype)
+    return Context(positions, allowed, q_slots, k_slots, cos, sin, idx, None, cos_local,
+                   sin_local, kernel, attention_mask, mesh, tuple(cfg.sliding_windows))
 
 
 def write_and_read_cache(cache: KVCache | None, layer, k_new, v_new, cache_index):
@@ -216,14 +234,26 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, layer, view: PagedView, w
                                      scale=scale)
 
 
+def sequence_attention(q, k, v, ctx: Context, window=None, scale: float | None = None):
+    """A no-cache call's attention on `ctx.kernel`: the splash kernel over the mask's segment
+    ids (Pallas interpret mode off TPU) or cuDNN; `[B, L, H * hd]` out (`attention_kernels`)."""
+    if ctx.kernel == "splash":
+        return splash_attention(q, k, v, ctx.segments, window, windows=ctx.windows, scale=scale,
+                                mesh=ctx.mesh, interpret=platform_of(ctx.mesh) != "tpu")
+    return cudnn_attention(q, k, v, ctx.allowed, window, ctx.q_slots, ctx.k_slots, scale=scale)
+
+
 def attend(cache, layer, q, k, v, ctx: Context, window=None, scale: float | None = None):
     """Write this call's `k, v [B, L, KVH, hd]` to the cache and attend `q [B, L, H, hd]` over
     it: the dense `KVCache` (or none) through `dot_attention`, a `PagedKVCache` through
-    `paged_attention`; scores scaled by `scale` (None: `hd ** -0.5`; Gemma 3 passes
+    `paged_attention`, a no-cache call on `ctx.kernel` (`sequence_attention`) unless it is the
+    reference; scores scaled by `scale` (None: `hd ** -0.5`; Gemma 3 passes
     `cfg.attn_scale`). Returns `(out [B, L, H * hd], cache)`."""
     if isinstance(cache, PagedKVCache):
         cache = write_pages(cache, layer, ctx.paged, k, v)
         return paged_attention(q, cache, layer, ctx.paged, window, scale), cache
+    if cache is None and ctx.kernel != "reference":
+        return sequence_attention(q, k, v, ctx, window, scale), None
     k_all, v_all, cache = write_and_read_cache(cache, layer, k, v, ctx.cache_index)
     out = dot_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), ctx.allowed,
                         window=window, q_slots=ctx.q_slots, k_slots=ctx.k_slots, scale=scale)
@@ -291,13 +321,15 @@ def scan_layer_run(cfg: ModelConfig, layers: nnx.Module, x: jax.Array, cache, ca
 
 
 def forward_context(cfg: ModelConfig, input_ids, attention_mask, cache, cache_index,
-                    paged: PagedView | None, rope: bool):
+                    paged: PagedView | None, rope: bool, mesh=None):
     """`(input_ids int32, ctx)` of one backbone call: checked (`check_inputs`) with positions
     from the attention mask, or, over a `PagedKVCache`, with positions from `paged` (the
-    attention mask is not read). Raises ValueError on inconsistent shapes."""
+    attention mask is not read). mesh: the run's (static), for a no-cache call's attention
+    kernel. Raises ValueError on inconsistent shapes."""
     if paged is None:
         input_ids, attention_mask = check_inputs(input_ids, attention_mask, cache, cache_index)
-        return input_ids, make_context(cfg, attention_mask, input_ids.shape[1], cache_index, rope)
+        return input_ids, make_context(cfg, attention_mask, input_ids.shape[1], cache_index, rope,
+                                       mesh, cached=cache is not None)
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if not isinstance(cache, PagedKVCache) or paged.positions.shape != input_ids.shape:
         raise ValueError(f"a PagedView needs a PagedKVCache and positions {paged.positions.shape}"

@@ -129,8 +129,8 @@ class LlamaBackbone(nnx.Module):
     without a cache. Over a `PagedKVCache`, `paged` (a `PagedView`) gives positions and pages
     and the mask is not read. `run(..., routes=None)` also returns the MoE `Routing` (None for
     a dense model). `mesh` (static, None or a `jax.sharding.Mesh`; over pages `paged.mesh` when
-    None) makes each device compute the experts of its own rows (`moe_dispatch`); a dense
-    model ignores it. Positions come from the mask, so left padding does not shift them; see
+    None) makes each device compute the experts of its own rows (`moe_dispatch`) and picks a
+    no-cache call's attention kernel (`layers.make_context`). Positions come from the mask, so left padding does not shift them; see
     `kv_cache.slot_layout`.
     """
 
@@ -163,7 +163,7 @@ class LlamaBackbone(nnx.Module):
         routes on a dense model, or a mesh without the axes of `parallel.make_mesh`."""
         cfg = self.cfg
         input_ids, ctx = forward_context(cfg, input_ids, attention_mask, cache, cache_index,
-                                         paged, rope=True)
+                                         paged, rope=True, mesh=mesh)
         x = self.embed_tokens(input_ids).astype(cfg.jnp_dtype)
         routes = _check_routes(cfg, routes, input_ids.shape)
         mask = _token_mask(attention_mask, input_ids.shape, cache_index, paged)

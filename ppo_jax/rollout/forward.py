@@ -202,8 +202,8 @@ def critic_values(graphdef, params, query_ids, query_mask, response_ids, respons
     """Values `[B, N]` float32 of a ValueModel for the states before each response token;
     with `packing`, over packed rows (`response_states`)."""
     model = nnx.merge(graphdef, params)
-    return response_states(lambda ids, mask, _: (model(ids, mask)[0], None), query_ids,
-                           query_mask, response_ids, response_mask, mesh=mesh,
+    return response_states(lambda ids, mask, _: (model(ids, mask, mesh=mesh)[0], None),
+                           query_ids, query_mask, response_ids, response_mask, mesh=mesh,
                            packing=packing)[0]
 
 
@@ -219,16 +219,17 @@ def end_with_eos(response_ids: jax.Array, response_mask: jax.Array, eos_id: int)
 
 
 def reward_model_scores(graphdef, params, query_ids, query_mask, response_ids, response_mask, *,
-                        eos_id: int | None = None):
+                        eos_id: int | None = None, mesh=None):
     """Scores `[B]` float32 of a RewardModel, read at the last real token of query + response.
 
     With `eos_id` (`reward.eos_at_end`) that token is first made EOS (`end_with_eos`), so the
     model reads every response at an EOS, as a reward model trained with
-    `reward_model.eos_after_truncated=true` saw its pairs."""
+    `reward_model.eos_after_truncated=true` saw its pairs. mesh: the run's, for the
+    attention kernel (`layers.make_context`)."""
     if eos_id is not None:
         response_ids = end_with_eos(response_ids, response_mask, eos_id)
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
-    scores, _ = nnx.merge(graphdef, params)(ids, mask)
+    scores, _ = nnx.merge(graphdef, params)(ids, mask, mesh=mesh)
     return scores
 
 
@@ -336,7 +337,8 @@ def rollout_scores(reward: Model, rollout: Rollout, s: ForwardSettings) -> jax.A
     `(score - mean) / std` with the mean / std measured when the reward model was trained
     (OpenRLHF's `normalize_reward`)."""
     scores = _chunked(lambda *r: reward_model_scores(reward.graphdef, reward.params, *r[:4],
-                                                     eos_id=s.reward_eos_id), rollout, s)
+                                                     eos_id=s.reward_eos_id, mesh=s.mesh),
+                      rollout, s)
     if s.score_normalizer is None:
         return scores
     mean, std = s.score_normalizer

@@ -78,6 +78,19 @@ class Placement:
                 f"set {key} to a multiple of {shards} (e.g. --set {key}={fit}), or put fewer "
                 "devices on mesh.data x mesh.fsdp (the rest on mesh.tensor)")
 
+    def check_attention(self, attention: str) -> None:
+        """Refuse `model.attention: cudnn` on a mesh that holds no GPU, before anything is
+        loaded or compiled (`models.attention_kernels`).
+
+        Raises:
+          ConfigError: naming the field, its value and the mesh's platform.
+        """
+        platform = next(iter(self.mesh.devices.flat)).platform
+        if attention == "cudnn" and platform not in ("gpu", "cuda"):
+            raise ConfigError(f"model.attention=cudnn needs GPU devices, but this run's mesh "
+                              f"holds {platform} devices: set model.attention to auto (the "
+                              "backend's kernel where the shapes allow) or reference")
+
     @property
     def constraint_mesh(self) -> Optional[Mesh]:
         """The mesh for in-jit sharding constraints; None on one device (plain single-device

@@ -152,6 +152,8 @@ def _code_accepts():
     from ppo_jax.trainer.rewards.functions import REWARD_KINDS
     from ppo_jax.trainer.stages import STAGES, trainer_class
 
+    from ppo_jax.models.attention_kernels import ATTENTION_KERNELS as SEQUENCE_ATTENTION
+
     model = tiny_config(64)
     tok = tiny_tokenizer()
     ones = jnp.ones((1, 3))
@@ -160,6 +162,7 @@ def _code_accepts():
         "stage": (STAGES, trainer_class),
         "model.param_dtype": dtype, "model.dtype": dtype, "model.frozen_param_dtype": dtype,
         "model.remat": (remat_policy_names(), lambda v: dataclasses.replace(model, remat=v)),
+        "model.attention": (SEQUENCE_ATTENTION, lambda v: dataclasses.replace(model, attention=v)),
         "model.lora.init": (INITS, lambda v: fresh_adapter("x/lora_a", (1, 4, 2), "float32", 0, v)),
         "data.truncation": (TRUNCATIONS, lambda v: tokenize_prompts(
             ["the bus was late"], tok, max_prompt_length=32, truncation=v, pad_token_id=0)),

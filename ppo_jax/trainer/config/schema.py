@@ -26,6 +26,7 @@ from ppo_jax.core.aggregation import LossAggregation
 from ppo_jax.core.kl import KLEstimator
 from ppo_jax.core.kl_control import KLControllerKind
 from ppo_jax.core.rollout_correction import RolloutCorrection
+from ppo_jax.models.attention_kernels import AttentionKernel
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
 from ppo_jax.models.packaged import PACKAGED
@@ -95,6 +96,11 @@ class ModelsConfig:
                                     "params")
     remat: RematPolicy = opt("none", "gradient checkpointing per decoder layer: none, full, or a "
                              "jax.checkpoint_policies name")
+    attention: AttentionKernel = opt(
+        "auto", "attention of the passes that read whole sequences (experience, update, eval, "
+        "sft, reward_model; not prefill or decode): auto (jax's Pallas splash kernel on TPU, "
+        "cuDNN's fused attention on GPU in bfloat16 / float16, where the shapes allow; else "
+        "reference), reference (XLA einsums), splash or cudnn (docs/attention.md)")
     offload_frozen: bool = opt(False, "keep the reference / reward-model params in host memory "
                                "between the phases that use them")
     logprob_chunk_size: int = opt(0, "log-probs and entropies (PPO experience, update, eval; the SFT "

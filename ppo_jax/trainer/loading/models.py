@@ -144,9 +144,9 @@ def build_models(cfg: Config, sharding_fn=None) -> Models:
     if m.critic and not m.shared_critic:
         check_same_vocabulary(critic_path, "model.critic", tokenizer, actor_path)
     trained_load = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
-                        sharding_fn=sharding_fn)
+                        attention=m.attention, sharding_fn=sharding_fn)
     frozen_load = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
-                       sharding_fn=sharding_fn)
+                       attention=m.attention, sharding_fn=sharding_fn)
     check_targets(cfg, actor_path, "model.actor")
     if m.lora.critic and critic_path != actor_path:
         check_targets(cfg, critic_path, "model.critic")
@@ -202,9 +202,9 @@ def abstract_models(cfg: Config, sharding_fn=None) -> Models:
     """
     m = cfg.model
     trained_load = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
-                        sharding_fn=sharding_fn)
+                        attention=m.attention, sharding_fn=sharding_fn)
     frozen_load = dict(param_dtype=m.frozen_param_dtype, dtype=m.dtype, remat="none",
-                       sharding_fn=sharding_fn)
+                       attention=m.attention, sharding_fn=sharding_fn)
     by_model = cfg.reward.kind == "model"
     sources = {"model.actor": m.actor, "model.reference": m.reference or m.actor,
                "model.critic": m.critic or (m.reward_model if by_model else m.actor)}

@@ -117,6 +117,7 @@ class SupervisedTrainer(StageTrainer):
         cfg, place, sec = self.cfg, self.place, self.section_cfg
         place.check_batch(f"{self.section}.batch_size", sec.batch_size)
         check_packing(self.section, sec, self.sequences_per_row, place.batch_shards)
+        place.check_attention(cfg.model.attention)
         model = self.abstract_model() if self.is_abstract else self.load_model()
         if not self.is_abstract:
             self._check_ids(model.cfg.vocab_size)
@@ -136,7 +137,8 @@ class SupervisedTrainer(StageTrainer):
         m, lora = self.cfg.model, lora_settings(self.cfg)
         dtype = m.frozen_param_dtype if lora else m.param_dtype  # a LoRA model's frozen base
         return load_split(self.model_path, self.model_kind, param_dtype=dtype, dtype=m.dtype,
-                          remat=m.remat, seed=self.cfg.train.seed, sharding_fn=self.place.sharding_fn,
+                          remat=m.remat, attention=m.attention, seed=self.cfg.train.seed,
+                          sharding_fn=self.place.sharding_fn,
                           lora=lora,
                           adapters=adapters_from(self.cfg, self.model_path, self.model_kind),
                           **self.load_kwargs())
@@ -153,7 +155,8 @@ class SupervisedTrainer(StageTrainer):
         lora = lora_settings(self.cfg)
         return abstract_split(source, key, self.model_kind,
                               param_dtype=m.frozen_param_dtype if lora else m.param_dtype,
-                              dtype=m.dtype, remat=m.remat, sharding_fn=self.place.sharding_fn,
+                              dtype=m.dtype, remat=m.remat, attention=m.attention,
+                              sharding_fn=self.place.sharding_fn,
                               **(lora.config_fields() if lora else {}))
 
     def batch_fields(self) -> dict:  # pragma: no cover - abstract
