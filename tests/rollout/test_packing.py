@@ -93,6 +93,7 @@ def test_packed_log_probs_entropy_and_gradients_equal_the_padded_pass(actor):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # default-run budget: the dense policy pass stays in it
 def test_packed_values_and_the_shared_critic_equal_the_padded_pass():
     batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS, seed=1))
     plan = jax.tree.map(lambda x: jnp.asarray(x[0]), plan_packing(
@@ -107,6 +108,7 @@ def test_packed_values_and_the_shared_critic_equal_the_padded_pass():
         np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # default-run budget
 def test_a_packed_moe_pass_replays_routes_and_counts_each_token_once():
     graphdef, params = split_model(init_model(tiny_config(VOCAB, **TINY_MOE), seed=6))
     batch = tuple(jnp.asarray(x) for x in rollout(Q_LENS, R_LENS, seed=2))

@@ -281,13 +281,15 @@ def probe_reward(cfg: Config, reward_fn: RewardFunction, texts: list[str], rows:
 def check_placement(cfg: Config, place, rollout_place=None) -> None:
     """`ppo.batch_size` on the mesh of `place` and of the rollout group's `rollout_place`
     (`generation.placement: split`; None: colocated) (`Placement.check_batch`), and the paged
-    engine's sizes on the sampler's data replicas (`check_engine`). Episodes run on any number
-    of processes: each plays its own rows (`stages.ppo.episodes`).
+    engine's sizes on the sampler's data replicas (`check_engine`), and `model.attention` on the
+    mesh's platform (`Placement.check_attention`). Episodes run on any number of processes:
+    each plays its own rows (`stages.ppo.episodes`).
 
     Raises:
       ConfigError: naming the key and what to set.
     """
     place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
+    place.check_attention(cfg.model.attention)
     sampler = place if rollout_place is None else rollout_place
     if rollout_place is not None:
         check_split_rows(cfg, place, rollout_place)

@@ -226,11 +226,11 @@ def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, packing=
       exp: `Experience` of B rows; B a multiple of `mini_batch_size`, itself a multiple of
         `micro_batch_size` (the config's checks).
       rng: PRNG key of the per-epoch permutations (`epoch_permutations`).
-      packing: None (padded rows), or a `rollout.packing.PackedBatch` (`stages.ppo.packing.
-        Packer.update`): each epoch's row order (the permutation of `rng`, each minibatch's
-        rows rearranged among its micro-batches) and every micro-batch's packed rows; the
-        forward and backward passes run over packed rows, with the same minibatches, losses,
-        gradients and stats.
+      packing: None (padded rows), or a `rollout.packing.PackedBatch`
+        (`stages.ppo.packing.Packer.update`): each epoch's row order (the permutation of
+        `rng`, each minibatch's rows rearranged among its micro-batches) and every
+        micro-batch's packed rows; the forward and backward passes run over packed rows, with
+        the same minibatches, losses, gradients and stats.
       actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
 
     Returns:
