@@ -15,7 +15,7 @@ packs only its own rows of the micro-batch (`shards`: the rows split over ("data
 contiguous blocks, as `parallel.shard_rows` splits them), so the gathers never cross devices.
 Right-padded token rows (stages 1 and 2: `sft.packing`, `reward_model.packing`) are planned by
 `plan_rows`; `unpack_last` reads each sequence's output at its last real token.
-The number of rows a shard packs into is rounded up to a power of two or the midpoint of two
+The number of rows a shard packs into is rounded up to one of four sizes an octave
 (`row_bucket`), so a run compiles a few shapes, not one per batch. Anchors that pack: verl
 `use_remove_padding`, OpenRLHF `packing_samples`, TRL `padding_free`.
 """
@@ -70,12 +70,12 @@ def first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
 
 
 def row_bucket(needed: int, most: int) -> int:
-    """Packed rows a shard compiles for: the least of 1, 2, 3, 4, 6, 8, 12, ... (powers of two
-    and their halfway points, 2 log2(most) shapes at most) that is >= `needed`, at most
-    `most` (`needed` <= `most`)."""
+    """Packed rows a shard compiles for: `needed` itself up to 8, above that rounded up to a
+    multiple of an eighth of the next power of two (9 -> 10, 17 -> 20, 33 -> 40: four shapes an
+    octave, at most 1/8 of a power of two wasted), at most `most` (`needed` <= `most`)."""
     power = 1 << max(needed - 1, 0).bit_length()  # the least power of two >= needed
-    between = 3 * power // 4  # halfway between power / 2 and power
-    return min(between if power >= 4 and needed <= between else power, most)
+    step = max(power // 8, 1)
+    return min(-(-needed // step) * step, most)
 
 
 def shard_plan(query_lengths, response_lengths, prompt_width: int, response_width: int,

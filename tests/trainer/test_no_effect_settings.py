@@ -50,6 +50,7 @@ CONDITIONS = {
     _when("sft.data").name: ([], ["stage=sft", "sft.data=x.jsonl"]),
     ne.ONE_SEQUENCE.name: (["stage=sft", "sft.data=x.jsonl", "sft.micro_batch_size=1"],
                            ["stage=sft", "sft.data=x.jsonl"]),
+    ne.ONE_ROLLOUT.name: (["ppo.micro_batch_size=1"], ["ppo.micro_batch_size=2"]),
     _when("reward_model.data").name: ([], ["stage=reward_model", "reward_model.data=x.jsonl",
                                            "model.reward_model=rm"]),
 }
@@ -59,6 +60,7 @@ SUPERVISED = {"data": "x.jsonl", "eval_data": "y.jsonl", "eval_fraction": "0.2",
               "packing": "true"}
 # key -> a value other than its default (and what else it needs, both where refused and not)
 VALUES = {
+    "ppo.packing": ["ppo.packing=true"],
     "model.shared_critic": ["model.shared_critic=true"],
     "ppo.critic_warmup_steps": ["ppo.critic_warmup_steps=1"],
     "model.critic": ["model.critic=somewhere"],

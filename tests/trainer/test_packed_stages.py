@@ -18,7 +18,8 @@ import optax
 import pytest
 
 from ppo_jax.trainer.config import ConfigError, load_config
-from ppo_jax.trainer.stages.supervised import check_packing, rows_of, supervised_update
+from ppo_jax.trainer.stages.packing import check_packing
+from ppo_jax.trainer.stages.supervised import rows_of, supervised_update
 from ppo_jax.trainer.state import TrainState
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -170,6 +170,10 @@ ONE_SEQUENCE = Condition("stage=sft with sft.micro_batch_size=1", ("sft.micro_ba
                          lambda cfg: cfg.stage == "sft" and cfg.sft.micro_batch_size == 1,
                          "runs one sequence a forward pass, alone in its row",
                          "raise sft.micro_batch_size")
+ONE_ROLLOUT = Condition("stage=ppo with ppo.micro_batch_size=1", ("ppo.micro_batch_size",),
+                        lambda cfg: cfg.stage == "ppo" and cfg.ppo.micro_batch_size == 1,
+                        "runs one sequence a forward pass, alone in its row",
+                        "raise ppo.micro_batch_size")
 
 
 def _other_stage(stage: str, what: str) -> Condition:
@@ -247,6 +251,8 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     *(NoEffect(f"distributed.{k}", NOT_DISTRIBUTED, _PROCESSES)
       for k in ("coordinator_address", "num_processes", "process_id")),
     NoEffect("sft.packing", ONE_SEQUENCE,
+             "it packs the sequences of a micro-batch several to a row"),
+    NoEffect("ppo.packing", ONE_ROLLOUT,
              "it packs the sequences of a micro-batch several to a row"),
     *_section("sft", "stage 1"),
     *_section("reward_model", "stage 2"),

@@ -51,6 +51,7 @@ from ppo_jax.trainer.rewards.calls import (
 )
 from ppo_jax.trainer.rewards.deadline import Expired, call_with_deadline
 from ppo_jax.trainer.rewards.functions import check_prompt_rows, get_reward_function, probes
+from ppo_jax.trainer.stages.packing import check_packing
 from ppo_jax.trainer.stages.ppo.evaluation import eval_rows_multiple
 from ppo_jax.trainer.stages.ppo.settings import engine_settings, settings_for
 
@@ -281,8 +282,9 @@ def probe_reward(cfg: Config, reward_fn: RewardFunction, texts: list[str], rows:
 def check_placement(cfg: Config, place, rollout_place=None) -> None:
     """`ppo.batch_size` on the mesh of `place` and of the rollout group's `rollout_place`
     (`generation.placement: split`; None: colocated) (`Placement.check_batch`), and the paged
-    engine's sizes on the sampler's data replicas (`check_engine`), and `model.attention` on the
-    mesh's platform (`Placement.check_attention`). Episodes run on any number of processes:
+    engine's sizes on the sampler's data replicas (`check_engine`), `model.attention` on the
+    mesh's platform (`Placement.check_attention`) and `ppo.packing` on its batch shards
+    (`stages.packing.check_packing`). Episodes run on any number of processes:
     each plays its own rows (`stages.ppo.episodes`).
 
     Raises:
@@ -290,6 +292,7 @@ def check_placement(cfg: Config, place, rollout_place=None) -> None:
     """
     place.check_batch("ppo.batch_size", cfg.ppo.batch_size)
     place.check_attention(cfg.model.attention)
+    check_packing("ppo", cfg.ppo, 1, place.batch_shards)
     sampler = place if rollout_place is None else rollout_place
     if rollout_place is not None:
         check_split_rows(cfg, place, rollout_place)

@@ -22,6 +22,7 @@ from ppo_jax.rollout.forward import Rollout
 from ppo_jax.rollout.packing import (
     PackedBatch, fill_figures, heavy_tailed_lengths, plan_packing,
 )
+from ppo_jax.trainer.stages.packing import packing_shards
 from ppo_jax.trainer.stages.ppo.update import epoch_permutations
 
 
@@ -36,9 +37,7 @@ class Packer:
     def __init__(self, place, *, micro_batch_size: int, mini_batch_size: int, ppo_epochs: int):
         self.place, self.epochs = place, ppo_epochs
         self.micro, self.mini = micro_batch_size, mini_batch_size
-        shards = place.batch_shards
-        # each device packs its own rows when the batch axes split a micro-batch evenly
-        self.shards = shards if micro_batch_size % shards == 0 else 1
+        self.shards = packing_shards(micro_batch_size, place.batch_shards)
         rep = place.replicated
         self._lengths = jax.jit(lambda qm, rm: (jnp.sum(qm != 0, 1), jnp.sum(rm != 0, 1)),
                                 out_shardings=rep)
