@@ -394,6 +394,8 @@ class StageTrainer:
             if cfg.export_hf and self.preempted_at is None:
                 self.export()  # collective; process 0 writes
         if self.preempted_at is not None:
-            print(f"preempted at step {self.preempted_at}; resume with --resume", file=sys.stderr,
+            # before the first checkpoint there is nothing to resume: `--resume auto` starts over
+            how = "--resume" if self.preempted_at else "--resume auto (no step was saved)"
+            print(f"preempted at step {self.preempted_at}; resume with {how}", file=sys.stderr,
                   flush=True)
         return history

@@ -177,10 +177,12 @@ def _async_refusal(cfg: Config) -> str | None:
     """Why `ppo.max_staleness` > 0 cannot run with `cfg` (None: it can)."""
     g, p = cfg.generation, cfg.ppo
     if g.placement != "split" or g.engine != "paged":
+        wanted = [f"{k}={v}" for k, v, now in (("generation.placement", "split", g.placement),
+                                                ("generation.engine", "paged", g.engine))
+                  if now != v]
         return (f"generation.placement={g.placement!r} and generation.engine={g.engine!r}: the "
-                "rollouts stream on a rollout group of their own (set generation.placement=split "
-                "and generation.engine=paged, the engine that keeps its slots full across "
-                "batches)")
+                "rollouts stream on a rollout group of their own, through the engine that keeps "
+                f"its slots full across batches (set {' and '.join(wanted)})")
     if p.rollout_correction == "none":
         return ("ppo.rollout_correction='none': a stale sample was drawn by an older policy "
                 "than PPO's pi_old; set tis or mis, the decoupled PPO objective's weight "
@@ -196,7 +198,7 @@ def _async_refusal(cfg: Config) -> str | None:
     except ValueError:  # an unknown name: `stages.ppo.load_checks` names it
         fn = None
     if fn is not None and needs_greedy_baseline(fn):
-        return (f"ppo.advantage_estimator={p.advantage_estimator!r} needs ReMax's greedy "
+        return (f"ppo.advantage_estimator={p.advantage_estimator!r}: its baseline is a greedy "
                 "response to each prompt under the weights that drew the batch, a second "
                 "generation the stream does not run")
     if cfg.model.router_replay == "rollout" and g.partial_rollouts and \
