@@ -90,6 +90,21 @@ def validate(cfg: Config) -> None:
                           "device (e.g. --set generation.rollout_devices=4)")
     _validate_optim_train(o, cfg.train)
     _validate_reward(cfg)
+    _validate_ppo_relations(cfg)
+    _validate_env(cfg)
+    _validate_async(cfg)
+    _validate_stage(cfg)
+    _validate_lora(cfg)
+    _validate_eval(cfg.eval)
+    _validate_task(cfg)
+    _validate_plain_instruction(cfg)
+    _validate_run(cfg)
+    check_no_effect(cfg)  # last: a value out of range is named as such first
+
+
+def _validate_ppo_relations(cfg: Config) -> None:
+    """PPO's settings against generation's, the reward's and the critic's."""
+    p, g = cfg.ppo, cfg.generation
     if p.critic_warmup_steps < 0:
         raise ConfigError(f"ppo.critic_warmup_steps={p.critic_warmup_steps!r} must be >= 0")
     _positive("generation.samples_per_prompt", g.samples_per_prompt)
@@ -102,10 +117,11 @@ def validate(cfg: Config) -> None:
                           f"ppo.overlong_penalty_factor={p.overlong_penalty_factor} be >= 0")
     _positive("ppo.max_sampling_rounds", p.max_sampling_rounds)
     if p.dynamic_sampling and (g.samples_per_prompt < 2 or cfg.reward.kind != "function"):
+        missing = [f"{k} (it is {v!r})" for k, v, ok in (
+            ("generation.samples_per_prompt > 1", g.samples_per_prompt, g.samples_per_prompt > 1),
+            ("reward.kind=function", cfg.reward.kind, cfg.reward.kind == "function")) if not ok]
         raise ConfigError("ppo.dynamic_sampling=true compares the rewards of a prompt's samples: "
-                          f"it needs generation.samples_per_prompt > 1 (it is "
-                          f"{g.samples_per_prompt}) and reward.kind=function (it is "
-                          f"{cfg.reward.kind!r})")
+                          f"it needs {' and '.join(missing)}")
     if cfg.stage == "ppo" and cfg.model.shared_critic and cfg.model.critic:
         raise ConfigError(f"model.critic={cfg.model.critic!r} cannot be used with "
                           "model.shared_critic=true (the value head sits on the actor)")
@@ -113,13 +129,10 @@ def validate(cfg: Config) -> None:
     if p.critic_warmup_steps and cfg.model.shared_critic:
         raise ConfigError("ppo.critic_warmup_steps needs a separate critic (model.shared_critic="
                           "false): a shared backbone cannot train the values alone")
-    _validate_env(cfg)
-    _validate_async(cfg)
-    _validate_stage(cfg)
-    _validate_lora(cfg)
-    _validate_eval(cfg.eval)
-    _validate_task(cfg)
-    _validate_plain_instruction(cfg)
+
+
+def _validate_run(cfg: Config) -> None:
+    """`train.steps`, `train.max_minutes` and the mesh's sizes."""
     _positive("train.steps", cfg.train.steps)
     if cfg.train.max_minutes is not None and not cfg.train.max_minutes > 0:
         raise ConfigError(f"train.max_minutes={cfg.train.max_minutes!r} must be > 0 minutes "
@@ -128,7 +141,6 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, name)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{name}={size!r} must be a positive size or -1")
-    check_no_effect(cfg)  # last: a value out of range is named as such first
 
 
 def _validate_reward(cfg: Config) -> None:
