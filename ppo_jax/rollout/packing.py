@@ -22,6 +22,8 @@ The number of rows a shard packs into is rounded up to one of four sizes an octa
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,17 +81,19 @@ def row_bucket(needed: int, most: int) -> int:
 
 
 def shard_plan(query_lengths, response_lengths, prompt_width: int, response_width: int,
-               width: int, rows: int):
+               width: int, rows: int, bins: list[list[int]] | None = None):
     """`(src [R, W], segments [R, W], dst [m, N])` of one shard's m sequences (`PackedRows`),
     from their real prompt lengths (right-aligned in P slots) and response lengths (from slot
-    0 of N), into `rows` rows of `width` slots.
+    0 of N), into `rows` rows of `width` slots: the rows `bins` (lists of sequence indices;
+    default `first_fit_decreasing`). A sequence in no bin is read from slot 0 (an absent
+    place of a token-budget micro-batch, `plan_token_budget`).
 
     Raises:
       ValueError: a sequence longer than `width`, or more rows needed than `rows`.
     """
     q, r = np.asarray(query_lengths, np.int64), np.asarray(response_lengths, np.int64)
     m, seq = len(q), prompt_width + response_width
-    bins = first_fit_decreasing(q + r, width)
+    bins = first_fit_decreasing(q + r, width) if bins is None else bins
     if len(bins) > rows:
         raise ValueError(f"{m} sequences need {len(bins)} packed rows; the plan has {rows}")
     src = np.full((rows, width), m * seq, np.int32)
@@ -178,10 +182,82 @@ class PackedBatch:
     """A batch's packing: `order`, the rows in the order its micro-batches take them (`[B]`
     int32; the update's: `[ppo_epochs, B]`, each epoch's), and `rows`, the micro-batches'
     `PackedRows` (leaves `[n_micro, ...]`; the update's: `[ppo_epochs, n_minibatches,
-    n_micro, ...]`)."""
+    n_micro, ...]`). `micro`: None (each micro-batch takes the next `micro_batch_size` rows of
+    `order`), or with a token budget each micro-batch's places, `[ppo_epochs, n_minibatches,
+    n_micro, K]` int32 indices into its minibatch's rows, the minibatch size on an absent
+    place (`plan_token_budget`)."""
 
     order: jax.Array
     rows: PackedRows
+    micro: Any = None
+
+
+def _deal(bins: list[list[int]], groups: int, per_group: int) -> list[list[list[int]]]:
+    """`bins` dealt to `groups` groups of at most `per_group` bins, the bins holding the most
+    sequences first, each to the group with the fewest sequences and room (LPT): every group's
+    sequence count, which sets the micro-batch's padded width K, stays near the mean."""
+    out, counts = [[] for _ in range(groups)], np.zeros(groups, np.int64)
+    for b in sorted(bins, key=len, reverse=True):
+        j = min((g for g in range(groups) if len(out[g]) < per_group), key=lambda g: counts[g])
+        out[j].append(b)
+        counts[j] += len(b)
+    return out
+
+
+def plan_token_budget(query_lengths, response_lengths, *, prompt_width: int,
+                      response_width: int, mini_batch_size: int, rows_per_micro: int,
+                      shards: int = 1) -> tuple[np.ndarray, PackedRows]:
+    """Micro-batches by a token budget (`ppo.micro_batch_tokens`; verl's dynamic batch size):
+    each minibatch's sequences packed first-fit decreasing into rows of P + N slots, and the
+    rows dealt to micro-batches of `rows_per_micro` rows a shard, so a micro-batch holds as
+    many sequences as fit its rows. Every micro-batch of the batch has the same shapes: the
+    largest number of micro-batches a minibatch needs and of sequences a shard holds, each
+    rounded up by `row_bucket`; an unneeded micro-batch is empty.
+
+    Args:
+      query_lengths, response_lengths: `[B]` int, real prompt / response tokens of each row, in
+        the order the minibatches take them (B a multiple of `mini_batch_size`).
+      prompt_width, response_width: P and N of the padded rows.
+      mini_batch_size: M, rows a minibatch.
+      rows_per_micro: packed rows (of P + N slots) a shard computes in one pass.
+      shards: S, the devices a micro-batch's rows are split over.
+
+    Returns:
+      `(micro [n_mb, n_micro, S * K] int32, plan)`: micro-batch j of minibatch g takes the
+      minibatch's rows `micro[g, j]` (M on an absent place), shard s the K from `s * K`;
+      `plan` the `PackedRows` of each, leaves `[n_mb, n_micro, S, ...]`.
+
+    Raises:
+      ValueError: a sequence longer than P + N, or sizes that do not divide.
+    """
+    q, r = np.asarray(query_lengths, np.int64), np.asarray(response_lengths, np.int64)
+    width, mini = prompt_width + response_width, mini_batch_size
+    if len(q) % mini or rows_per_micro < 1:
+        raise ValueError(f"batch {len(q)}, mini_batch_size {mini} and rows_per_micro "
+                         f"{rows_per_micro} do not divide")
+    per_micro = shards * rows_per_micro
+    dealt = []  # per minibatch: [n_micro * S] groups of bins (minibatch row indices)
+    for g in range(0, len(q), mini):
+        bins = [[g + i for i in b] for b in first_fit_decreasing((q + r)[g:g + mini], width)]
+        dealt.append(_deal(bins, -(-len(bins) // per_micro) * shards, rows_per_micro))
+    n_micro = row_bucket(max(len(d) for d in dealt) // shards, mini)
+    k = row_bucket(max(sum(map(len, grp)) for d in dealt for grp in d), mini)
+    micro = np.full((len(dealt), n_micro * shards, k), mini, np.int32)
+    planned = []
+    for g, groups in enumerate(dealt):
+        for j in range(n_micro * shards):
+            grp = groups[j] if j < len(groups) else []
+            rows = [i for b in grp for i in b]
+            at = {i: n for n, i in enumerate(rows)}
+            micro[g, j, :len(rows)] = np.asarray(rows, np.int64) - g * mini
+            lengths = [np.zeros(k, np.int64), np.zeros(k, np.int64)]
+            lengths[0][:len(rows)], lengths[1][:len(rows)] = q[rows], r[rows]
+            planned.append(shard_plan(*lengths, prompt_width, response_width, width,
+                                      rows_per_micro, bins=[[at[i] for i in b] for b in grp]))
+    n_mb = len(dealt)
+    src, seg, dst = (np.stack([p[f] for p in planned]).reshape(
+        n_mb, n_micro, shards, *planned[0][f].shape) for f in range(3))
+    return micro.reshape(n_mb, n_micro, shards * k), PackedRows(src=src, segments=seg, dst=dst)
 
 
 def heavy_tailed_lengths(n: int, longest: int, mean_over_max: float, seed: int = 0) -> np.ndarray:

@@ -12,7 +12,9 @@ import pytest
 from ppo_jax.models import init_model, split_model
 from ppo_jax.models.tiny_random import TINY_MOE, tiny_config
 from ppo_jax.rollout.forward import critic_values, policy_logprobs, policy_logprobs_and_values
-from ppo_jax.rollout.packing import balanced_order, first_fit_decreasing, pack, plan_packing, row_bucket
+from ppo_jax.rollout.packing import (
+    balanced_order, first_fit_decreasing, pack, plan_packing, plan_token_budget, row_bucket,
+)
 
 VOCAB, P, N = 64, 6, 10
 
@@ -121,3 +123,35 @@ def test_a_packed_moe_pass_replays_routes_and_counts_each_token_once():
                                                 with_aux=True, packing=pk) for pk in (None, plan))
     np.testing.assert_allclose(np.asarray(lp1)[real], np.asarray(lp0)[real], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(aux1, aux0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_token_budget_micro_batches_hold_each_row_once_within_the_budget(shards):
+    """`plan_token_budget`: each minibatch's rows are in exactly one of its micro-batches' places,
+    each shard's sequences fill at most `rows_per_micro` rows of P + N slots with exactly their
+    tokens, and the places past them are absent (index M)."""
+    rng = np.random.default_rng(0)
+    P, N, M, rpm = 5, 11, 8, 2
+    q, r = rng.integers(1, P + 1, 16), rng.integers(0, N + 1, 16)
+    micro, plan = plan_token_budget(q, r, prompt_width=P, response_width=N, mini_batch_size=M,
+                                    rows_per_micro=rpm, shards=shards)
+    n_mb, n_micro, places = micro.shape
+    assert n_mb == 2 and plan.src.shape[:4] == (n_mb, n_micro, shards, rpm)
+    k = places // shards
+    for g in range(n_mb):
+        held = micro[g][micro[g] < M]
+        assert sorted(held) == list(range(M))  # every row once
+        for j in range(n_micro):
+            for s in range(shards):
+                idx = micro[g, j, s * k:(s + 1) * k]
+                real = idx[idx < M] + g * M
+                seg = plan.segments[g, j, s]
+                assert (seg > 0).sum() == (q + r)[real].sum()
+                assert (idx[len(real):] == M).all()  # absent places come last
+    assert n_micro == row_bucket(n_micro, M)  # a bucketed shape
+
+
+def test_a_token_budget_with_no_row_of_room_is_refused():
+    with pytest.raises(ValueError, match="rows_per_micro 0"):
+        plan_token_budget([3], [4], prompt_width=4, response_width=4, mini_batch_size=1,
+                          rows_per_micro=0)

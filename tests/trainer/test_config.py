@@ -77,6 +77,10 @@ def test_missing_config_file():
     (["data.truncation=right"], "config key 'data.truncation': Invalid value 'right'"),
     (["model.logprob_chunk_size=-1"], "model.logprob_chunk_size=-1"),
     (["ppo.critic_lam=1.5"], "ppo.critic_lam=1.5 must lie in [0, 1]"),
+    (["ppo.packing=true", "ppo.micro_batch_tokens=40", "data.max_prompt_length=32",
+      "generation.max_new_tokens=16"],
+     "ppo.micro_batch_tokens=40 is less than the longest sequence, data.max_prompt_length + "
+     "generation.max_new_tokens = 48 tokens"),
     (["ppo.critic_lam=-0.1"], "ppo.critic_lam=-0.1 must lie in [0, 1]"),
     (["ppo.lam_length_alpha=-0.05"], "ppo.lam_length_alpha=-0.05 must be >= 0"),
     (["ppo.lam_length_alpha=inf"], "ppo.lam_length_alpha=inf must be a finite number"),

@@ -51,6 +51,7 @@ CONDITIONS = {
     ne.ONE_SEQUENCE.name: (["stage=sft", "sft.data=x.jsonl", "sft.micro_batch_size=1"],
                            ["stage=sft", "sft.data=x.jsonl"]),
     ne.ONE_ROLLOUT.name: (["ppo.micro_batch_size=1"], ["ppo.micro_batch_size=2"]),
+    ne.UNPACKED.name: ([], ["ppo.packing=true"]),
     _when("reward_model.data").name: ([], ["stage=reward_model", "reward_model.data=x.jsonl",
                                            "model.reward_model=rm"]),
 }
@@ -61,6 +62,7 @@ SUPERVISED = {"data": "x.jsonl", "eval_data": "y.jsonl", "eval_fraction": "0.2",
 # key -> a value other than its default (and what else it needs, both where refused and not)
 VALUES = {
     "ppo.packing": ["ppo.packing=true"],
+    "ppo.micro_batch_tokens": ["ppo.micro_batch_tokens=4096"],
     "model.shared_critic": ["model.shared_critic=true"],
     "ppo.critic_warmup_steps": ["ppo.critic_warmup_steps=1"],
     "model.critic": ["model.critic=somewhere"],

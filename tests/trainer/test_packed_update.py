@@ -141,8 +141,10 @@ def test_packing_with_the_shared_critic_and_a_multi_turn_action_mask(models, pac
     exps = [experience(models, packer, packed=p, shared=True, actions=action_mask())
             for p in (False, True)]
     assert_experience_equal(exps[1], exps[0], rollout().response_mask * action_mask())
-    assert_updates_equal(update(models, packer, exps[0][0], packed=True, shared=True),
-                         update(models, packer, exps[0][0], packed=False, shared=True))
+    padded = update(models, packer, exps[0][0], packed=False, shared=True)
+    assert_updates_equal(update(models, packer, exps[0][0], packed=True, shared=True), padded)
+    assert_updates_equal(update(models, budget_packer(18), exps[0][0], packed=True, shared=True),
+                         padded)
 
 
 def test_the_update_plan_keeps_each_minibatch_of_the_epochs_permutations(packer):
@@ -165,3 +167,30 @@ def test_the_update_plan_keeps_each_minibatch_of_the_epochs_permutations(packer)
     rows, width = batch.rows.src.shape[-2:]
     assert figures["packing/update_padded_fill"] == pytest.approx(seq.sum() / (B * (P + N)))
     assert figures["packing/update_fill"] == pytest.approx(seq.sum() / (B // MICRO * rows * width))
+
+
+def budget_packer(tokens):
+    place = Placement(make_mesh(data=1, devices=jax.devices()[:1]))
+    return Packer(place, micro_batch_size=MICRO, mini_batch_size=4, ppo_epochs=2,
+                  micro_batch_tokens=tokens)
+
+
+# P + N = 18 slots a row: 18 tokens is one packed row a micro-batch, 36 two
+@pytest.mark.parametrize("tokens, loss, mode", [
+    (18, "ppo_clip", "seq-mean-token-mean"),
+    *(pytest.param(18, *c, marks=pytest.mark.slow) for c in CASES if c[1] != "seq-mean-token-mean"
+      or c[0] != "ppo_clip"),
+    pytest.param(36, "ppo_clip", "token-mean", marks=pytest.mark.slow)])
+def test_micro_batches_by_tokens_give_the_padded_update(models, packer, tokens, loss, mode):
+    """`ppo.micro_batch_tokens`: micro-batches of as many sequences as fit the budget (a
+    varying count, absent places masked out) sum to the padded update's losses, gradients and
+    stats under every aggregation mode."""
+    exp = experience(models, packer, packed=False)[0]
+    fields = dict(policy_loss=loss, loss_aggregation=mode, entropy_coef=0.01, kl_loss_coef=0.05)
+    budget = budget_packer(tokens)
+    r = Rollout(exp.query_ids, exp.query_mask, exp.response_ids, exp.response_mask)
+    figures = budget.update(r, budget.lengths(r), jax.random.PRNGKey(3))[1]
+    if tokens == 18:  # one row a micro-batch: a minibatch of 4 takes several micro-batches
+        assert figures["packing/update_micro_batches"] >= 2
+    assert_updates_equal(update(models, budget, exp, packed=True, **fields),
+                         update(models, packer, exp, packed=False, **fields))

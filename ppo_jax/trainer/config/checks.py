@@ -116,6 +116,12 @@ def _validate_ppo_relations(cfg: Config) -> None:
                           f"generation.max_new_tokens={g.max_new_tokens}] and "
                           f"ppo.overlong_penalty_factor={p.overlong_penalty_factor} be >= 0")
     _positive("ppo.max_sampling_rounds", p.max_sampling_rounds)
+    longest = cfg.data.max_prompt_length + g.max_new_tokens
+    if p.micro_batch_tokens is not None and p.micro_batch_tokens < longest:
+        raise ConfigError(
+            f"ppo.micro_batch_tokens={p.micro_batch_tokens!r} is less than the longest sequence, "
+            f"data.max_prompt_length + generation.max_new_tokens = {longest} tokens: a "
+            f"micro-batch must hold one (raise it to at least {longest})")
     if p.dynamic_sampling and (g.samples_per_prompt < 2 or cfg.reward.kind != "function"):
         missing = [f"{k} (it is {v!r})" for k, v, ok in (
             ("generation.samples_per_prompt > 1", g.samples_per_prompt, g.samples_per_prompt > 1),

@@ -170,10 +170,14 @@ ONE_SEQUENCE = Condition("stage=sft with sft.micro_batch_size=1", ("sft.micro_ba
                          lambda cfg: cfg.stage == "sft" and cfg.sft.micro_batch_size == 1,
                          "runs one sequence a forward pass, alone in its row",
                          "raise sft.micro_batch_size")
-ONE_ROLLOUT = Condition("stage=ppo with ppo.micro_batch_size=1", ("ppo.micro_batch_size",),
-                        lambda cfg: cfg.stage == "ppo" and cfg.ppo.micro_batch_size == 1,
+ONE_ROLLOUT = Condition("stage=ppo with ppo.micro_batch_size=1 and no ppo.micro_batch_tokens",
+                        ("ppo.micro_batch_size", "ppo.micro_batch_tokens"),
+                        lambda cfg: cfg.stage == "ppo" and cfg.ppo.micro_batch_size == 1
+                        and cfg.ppo.micro_batch_tokens is None,
                         "runs one sequence a forward pass, alone in its row",
                         "raise ppo.micro_batch_size")
+UNPACKED = Condition("ppo.packing=false", ("ppo.packing",), lambda cfg: not cfg.ppo.packing,
+                     "runs padded rows", "set ppo.packing=true")
 
 
 def _other_stage(stage: str, what: str) -> Condition:
@@ -254,6 +258,8 @@ NO_EFFECT: tuple[NoEffect, ...] = (
              "it packs the sequences of a micro-batch several to a row"),
     NoEffect("ppo.packing", ONE_ROLLOUT,
              "it packs the sequences of a micro-batch several to a row"),
+    NoEffect("ppo.micro_batch_tokens", UNPACKED,
+             "it sizes the update's micro-batches of packed rows"),
     *_section("sft", "stage 1"),
     *_section("reward_model", "stage 2"),
 )

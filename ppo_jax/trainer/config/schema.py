@@ -177,6 +177,11 @@ class PPOConfig:
                         "several to a row of the padded width, attention kept within each "
                         "(docs/packing.md); the same losses and gradients, less compute "
                         "where response lengths vary")
+    micro_batch_tokens: Optional[int] = opt(
+        None, "with packing: the update's micro-batches by tokens, not rollouts: as many packed "
+        "rows of prompt + response width as fit this many token slots a device (verl's "
+        "dynamic batch size; docs/packing.md); at least data.max_prompt_length + "
+        "generation.max_new_tokens. null: micro_batch_size rollouts a micro-batch")
     kl_coef: float = opt(0.05, "initial coefficient of the per-token KL penalty in the reward")
     kl_controller: KLControllerKind = opt("fixed", "fixed, or adaptive (Ziegler et al. 2019: "
                                           "moves kl_coef toward target_kl)")

@@ -22,6 +22,8 @@ def check_packing(name: str, sec, sequences_per_row: int, batch_shards: int) -> 
       ConfigError: naming the key, micro_batch_size and the mesh's batch shards.
     """
     sequences = sec.micro_batch_size * sequences_per_row  # of a micro-batch
+    if getattr(sec, "micro_batch_tokens", None) is not None:
+        return  # the update's micro-batches hold as many sequences as fit: it packs
     if sec.packing and sequences == packing_shards(sec.micro_batch_size, batch_shards):
         raise ConfigError(
             f"{name}.packing=true has no effect: {name}.micro_batch_size={sec.micro_batch_size} "

@@ -10,6 +10,12 @@ add up to the minibatch's (the normalisers are the minibatch's): the same losses
 and stats as the padded update. One row count serves every micro-batch of a program (the
 largest needed, rounded: `rollout.packing.row_bucket`), so a run compiles a few shapes;
 balancing the micro-batches keeps that largest near the mean.
+
+With `ppo.micro_batch_tokens` the update's micro-batches are set by tokens instead
+(`rollout.packing.plan_token_budget`): each minibatch packed whole, its rows dealt to
+micro-batches of `micro_batch_tokens // (P + N)` rows a device. The shapes (micro-batches a
+minibatch, sequences a device) are rounded the same way; each distinct one is a compile of the
+update, counted in `packing/update_shapes`.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import numpy as np
 
 from ppo_jax.rollout.forward import Rollout
 from ppo_jax.rollout.packing import (
-    PackedBatch, fill_figures, heavy_tailed_lengths, plan_packing,
+    PackedBatch, PackedRows, fill_figures, heavy_tailed_lengths, plan_packing,
+    plan_token_budget,
 )
 from ppo_jax.trainer.stages.packing import packing_shards
 from ppo_jax.trainer.stages.ppo.update import epoch_permutations
@@ -31,13 +38,15 @@ class Packer:
 
     Args:
       place: the trainer's `Placement`: the plans go to its devices, replicated.
-      micro_batch_size, mini_batch_size, ppo_epochs: `ppo.*`.
+      micro_batch_size, mini_batch_size, ppo_epochs, micro_batch_tokens: `ppo.*`.
     """
 
-    def __init__(self, place, *, micro_batch_size: int, mini_batch_size: int, ppo_epochs: int):
-        self.place, self.epochs = place, ppo_epochs
+    def __init__(self, place, *, micro_batch_size: int, mini_batch_size: int, ppo_epochs: int,
+                 micro_batch_tokens: int | None = None):
+        self.place, self.epochs, self.tokens = place, ppo_epochs, micro_batch_tokens
         self.micro, self.mini = micro_batch_size, mini_batch_size
         self.shards = packing_shards(micro_batch_size, place.batch_shards)
+        self.shapes: set = set()  # the token-budget update's shapes so far: one compile each
         rep = place.replicated
         self._lengths = jax.jit(lambda qm, rm: (jnp.sum(qm != 0, 1), jnp.sum(rm != 0, 1)),
                                 out_shardings=rep)
@@ -70,13 +79,45 @@ class Packer:
         `update_key`, and its figures (`packing/update_`)."""
         q, r = lengths
         batch = len(q)
-        perms = np.asarray(jax.device_get(self._perms(update_key, batch))).reshape(-1)
+        perms = np.asarray(jax.device_get(self._perms(update_key, batch)))
+        if self.tokens is not None:
+            return self.budget(rollout, q, r, perms)
+        perms = perms.reshape(-1)
         order, plan = self.plan(q[perms], r[perms], rollout, balance=self.mini)
         shape = (self.epochs, batch // self.mini, self.mini // self.micro)
         stacked = jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan)
         rows = perms[order].reshape(self.epochs, batch).astype(np.int32)
         return (self.place.replicate(PackedBatch(rows, stacked)),
                 fill_figures(plan, (q + r)[perms], _width(rollout), "packing/update_"))
+
+
+    def budget_plan(self, q, r, rollout: Rollout, perms: np.ndarray) -> PackedBatch:
+        """The token-budget update's `PackedBatch` (`plan_token_budget`) for the epochs'
+        permutations `perms` `[ppo_epochs, B]` of lengths `q`, `r` `[B]`."""
+        flat = perms.reshape(-1)
+        micro, plan = plan_token_budget(
+            q[flat], r[flat], prompt_width=rollout.query_ids.shape[1],
+            response_width=rollout.response_ids.shape[1], mini_batch_size=self.mini,
+            rows_per_micro=self.tokens // _width(rollout), shards=self.place.batch_shards)
+        lead = (self.epochs, perms.shape[1] // self.mini)
+        stack = lambda x: x.reshape(*lead, *x.shape[1:])  # noqa: E731
+        return PackedBatch(perms.astype(np.int32), jax.tree.map(stack, plan), stack(micro))
+
+    def budget(self, rollout: Rollout, q, r, perms: np.ndarray) -> tuple[PackedBatch, dict]:
+        """`update` under `ppo.micro_batch_tokens`. Its figures add
+        `packing/update_micro_batches` (a minibatch's), `packing/update_sequences` (a
+        micro-batch's places, all devices) and `packing/update_shapes` (distinct update shapes
+        so far: its compiles)."""
+        packed = self.budget_plan(q, r, rollout, perms)
+        self.shapes.add((packed.micro.shape, packed.rows.src.shape))
+        flat_rows = PackedRows(*(x.reshape(-1, *x.shape[3:]) for x in (
+            packed.rows.src, packed.rows.segments, packed.rows.dst)))
+        figures = {**fill_figures(flat_rows, (q + r)[perms.reshape(-1)], _width(rollout),
+                                  "packing/update_"),
+                   "packing/update_micro_batches": float(packed.micro.shape[2]),
+                   "packing/update_sequences": float(packed.micro.shape[3]),
+                   "packing/update_shapes": float(len(self.shapes))}
+        return self.place.replicate(packed), figures
 
 
 def _width(rollout: Rollout) -> int:
@@ -97,12 +138,16 @@ def abstract_plans(packer: Packer, batch: int, prompt_width: int, new: int):
     rollout = Rollout(*(jax.ShapeDtypeStruct((batch, w), jnp.int32)
                         for w in (prompt_width, prompt_width, new, new)))
     exp = PackedBatch(*packer.plan(q, r, rollout, balance=batch))
-    perms = np.concatenate([np.random.default_rng(e).permutation(batch)
-                            for e in range(packer.epochs)])
-    order, plan = packer.plan(q[perms], r[perms], rollout, balance=packer.mini)
-    shape = (packer.epochs, batch // packer.mini, packer.mini // packer.micro)
-    upd = PackedBatch(order.reshape(packer.epochs, batch),
-                      jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan))
+    perms = np.stack([np.random.default_rng(e).permutation(batch)
+                      for e in range(packer.epochs)])
+    if packer.tokens is not None:
+        upd = packer.budget_plan(q, r, rollout, perms)
+    else:
+        order, plan = packer.plan(q[perms.reshape(-1)], r[perms.reshape(-1)], rollout,
+                                  balance=packer.mini)
+        shape = (packer.epochs, batch // packer.mini, packer.mini // packer.micro)
+        upd = PackedBatch(order.reshape(packer.epochs, batch),
+                          jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan))
     rep = packer.place.replicated
     return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), b)
                  for b in (exp, upd))

@@ -164,7 +164,8 @@ class PPOTrainer(StageTrainer):
         self.driver: Optional[AsyncRollout] = None
         self.packer = (None if not cfg.ppo.packing else Packer(
             self.place, micro_batch_size=cfg.ppo.micro_batch_size,
-            mini_batch_size=cfg.ppo.mini_batch_size, ppo_epochs=cfg.ppo.ppo_epochs))
+            mini_batch_size=cfg.ppo.mini_batch_size, ppo_epochs=cfg.ppo.ppo_epochs,
+            micro_batch_tokens=cfg.ppo.micro_batch_tokens))
 
     def ppo_models(self, actor_params, critic_params=None, ref_params=None,
                    reward_params=None) -> PPOModels:

@@ -147,14 +147,16 @@ def value_objective(batch: LossInputs, norms, s: UpdateSettings):
     return reduce_loss({"vf_loss": per_token}, stats, batch.mask, s.loss_aggregation, norms)
 
 
-def with_router_aux(loss, stats, aux, s: UpdateSettings):
+def with_router_aux(loss, stats, aux, m: Experience, s: UpdateSettings):
     """`loss + router_aux_loss_coef * aux`, with `router_aux_loss` among the stats. The aux
-    loss of a micro-batch is a mean over its tokens, so it is weighted by the micro-batch's
-    share of the minibatch's rows: the accumulated sum is the mean over micro-batches. A dense
-    actor (coefficient 0) gets neither term nor stat."""
+    loss of micro-batch `m` is a mean over its tokens, so it is weighted by the micro-batch's
+    share of the minibatch's rows (those with a prompt: a token-budget micro-batch's absent
+    places have none): the accumulated sum is the mean over micro-batches. A dense actor
+    (coefficient 0) gets neither term nor stat."""
+    rows = jnp.sum(jnp.any(m.query_mask != 0, axis=1), dtype=jnp.float32)
     if not s.router_aux_loss_coef:
         return loss, stats
-    aux = aux * (s.micro_batch_size / s.mini_batch_size)
+    aux = aux * (rows / s.mini_batch_size)
     return loss + s.router_aux_loss_coef * aux, {**stats, "router_aux_loss": aux}
 
 
@@ -179,7 +181,7 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
             with_aux=True, packing=packing)
         loss, stats = policy_objective(loss_inputs(m, g, logprobs=logprobs, entropy=entropy),
                                        norms, s)
-        return with_router_aux(loss, stats, aux, s)
+        return with_router_aux(loss, stats, aux, m, s)
 
     def critic_loss(params, mb, norms):
         (m, g), packing = mb
@@ -198,10 +200,25 @@ def loss_functions(s: UpdateSettings, actor_graphdef, critic_graphdef, frozen=No
         batch = loss_inputs(m, g, logprobs=logprobs, entropy=entropy, values=values)
         pg, p_stats = policy_objective(batch, norms, s)
         vf, v_stats = value_objective(batch, norms, s)
-        return with_router_aux(pg + s.vf_coef * vf, {**p_stats, **v_stats}, aux, s)
+        return with_router_aux(pg + s.vf_coef * vf, {**p_stats, **v_stats}, aux, m, s)
 
     return (loss_of_trained(actor_loss, actor_base), loss_of_trained(critic_loss, critic_base),
             loss_of_trained(joint_loss, actor_base))
+
+
+def budget_micro_batches(mb, micro: jax.Array):
+    """A minibatch `(exp, group_ids)` of M rows -> its token-budget micro-batches' rows in a
+    row, `[n_micro * K]`: row `micro[j, i]` at place `(j, i)` (`rollout.packing.
+    plan_token_budget`); an absent place (index M) is row 0 with its masks zeroed, so it is in
+    no loss, stat or packed row."""
+    exp, group_ids = mb
+    idx = micro.reshape(-1)
+    present = (idx < group_ids.shape[0])[:, None]
+    take = jnp.minimum(idx, group_ids.shape[0] - 1)
+    exp, group_ids = jax.tree.map(lambda x: x[take], (exp, group_ids))
+    masks = {k: jnp.where(present, getattr(exp, k), 0)
+             for k in ("query_mask", "response_mask", "action_mask")}
+    return exp.replace(**masks), group_ids
 
 
 def epoch_permutations(rng, ppo_epochs: int, batch: int) -> jax.Array:
@@ -228,9 +245,10 @@ def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, packing=
       rng: PRNG key of the per-epoch permutations (`epoch_permutations`).
       packing: None (padded rows), or a `rollout.packing.PackedBatch`
         (`stages.ppo.packing.Packer.update`): each epoch's row order (the permutation of
-        `rng`, each minibatch's rows rearranged among its micro-batches) and every
-        micro-batch's packed rows; the forward and backward passes run over packed rows, with
-        the same minibatches, losses, gradients and stats.
+        `rng`, each minibatch's rows rearranged among its micro-batches), every micro-batch's
+        packed rows and, with `ppo.micro_batch_tokens`, each micro-batch's rows of its
+        minibatch (`budget_micro_batches`); the forward and backward passes run over packed
+        rows, with the same minibatches, losses, gradients and stats.
       actor_graphdef, critic_graphdef, actor_tx, critic_tx, settings: static.
 
     Returns:
@@ -244,39 +262,42 @@ def ppo_update(actor_state, critic_state, frozen, exp: Experience, rng, packing=
     actor_loss, critic_loss, joint_loss = loss_functions(s, actor_graphdef, critic_graphdef, frozen)
     data = (exp, exp.group_ids)
 
-    def accumulate(loss_fn, params, mb, norms, plan):
+    def accumulate(loss_fn, params, mb, norms, plan, micro):
         """Sum of micro-batch gradients and stats (each exact under the minibatch's norms)."""
         if plan is None:
             return accumulate_gradients(lambda p, m: loss_fn(p, (m, None), norms), params, mb,
                                         micro_batch_size=s.micro_batch_size, mesh=s.mesh)
+        size = s.micro_batch_size
+        if micro is not None:  # token budget: each micro-batch's places, gathered in a row
+            mb, size = budget_micro_batches(mb, micro), micro.shape[-1]
         return accumulate_gradients(lambda p, m: loss_fn(p, m, norms), params, mb,
-                                    micro_batch_size=s.micro_batch_size, mesh=s.mesh,
-                                    per_micro=plan)
+                                    micro_batch_size=size, mesh=s.mesh, per_micro=plan)
 
     def minibatch_step(carry, xs):
-        (a_state, c_state), (idx, plan) = carry, xs
+        (a_state, c_state), (idx, plan, micro) = carry, xs
         mb = shard_rows_tree(jax.tree.map(lambda x: x[idx], data), s.mesh)
         norms = loss_normalizers(mb[0].action_mask, s.max_response_length)
         a_stats = {}
         if s.train_actor:
             a_grads, a_stats = accumulate(joint_loss if s.shared_critic else actor_loss,
-                                          a_state.params, mb, norms, plan)
+                                          a_state.params, mb, norms, plan, micro)
             a_stats["actor_grad_norm"] = optax.global_norm(a_grads)
             a_state = a_state.apply_gradients(a_grads, actor_tx)
         if s.shared_critic or c_state is None:  # value head on the actor, or no critic at all
             return (a_state, c_state), a_stats
-        c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, norms, plan)
+        c_grads, c_stats = accumulate(critic_loss, c_state.params, mb, norms, plan, micro)
         c_stats["critic_grad_norm"] = optax.global_norm(c_grads)
         c_state = c_state.apply_gradients(c_grads, critic_tx)
         return (a_state, c_state), {**a_stats, **c_stats}
 
     def epoch_step(carry, xs):
-        perm, plan = xs
-        return jax.lax.scan(minibatch_step, carry, (perm.reshape(n_mb, s.mini_batch_size), plan))
+        perm, plan, micro = xs
+        return jax.lax.scan(minibatch_step, carry,
+                            (perm.reshape(n_mb, s.mini_batch_size), plan, micro))
 
     if packing is None:
-        xs = (epoch_permutations(rng, s.ppo_epochs, batch), None)
+        xs = (epoch_permutations(rng, s.ppo_epochs, batch), None, None)
     else:
-        xs = (packing.order, packing.rows)
+        xs = (packing.order, packing.rows, packing.micro)
     (actor_state, critic_state), stats = jax.lax.scan(epoch_step, (actor_state, critic_state), xs)
     return actor_state, critic_state, stats
