@@ -24,7 +24,9 @@ from jax.sharding import Mesh
 from ppo_jax.core import chunked_logprobs_and_entropy, entropy_from_logits, logprobs_from_logits
 from ppo_jax.models.functional import Model
 from ppo_jax.parallel.mesh import shard_rows
-from ppo_jax.rollout.packing import PackedBatch, PackedRows, pack, packed_rows, unpack
+from ppo_jax.rollout.packing import (
+    PackedBatch, PackedRows, gather_response, pack, packed_rows, scatter_response, unpack,
+)
 from ppo_jax.parallel.rules import vocab_shards
 
 
@@ -117,12 +119,13 @@ def _response_slice(x: jax.Array, prompt_len: int, response_len: int) -> jax.Arr
 
 
 def response_states(run, query_ids, query_mask, response_ids, response_mask, *, routes=None,
-                    mesh=None, packing: Optional[PackedRows] = None):
+                    mesh=None, packing: Optional[PackedRows] = None, packed: bool = False):
     """`(out [B, N, ...], aux)`: `run(ids, mask, routes) -> (out [B, L, ...], aux)` over the
     sequences (a backbone's hidden states, a ValueModel's values), read for each response
     token before it (module doc). With `packing` it runs over the packed rows of the plan
     (`rollout.packing`) and its outputs come back to `[B, N, ...]`: equal to the padded pass's
-    on every real response token, to float32 rounding."""
+    on every real response token, to float32 rounding; with `packed` they stay in the packed
+    rows, `[S * R, W, ...]`."""
     ids, mask = _sequence(query_ids, query_mask, response_ids, response_mask)
     seq_routes = sequence_routes(routes, query_ids.shape[1])
     if packing is not None:
@@ -131,7 +134,34 @@ def response_states(run, query_ids, query_mask, response_ids, response_mask, *, 
     out, aux = run(ids, mask, seq_routes)
     if packing is None:
         return _response_slice(out, query_ids.shape[1], response_ids.shape[1]), aux
-    return shard_rows(unpack(out, packing), mesh), aux
+    return (out if packed else shard_rows(unpack(out, packing), mesh)), aux
+
+
+def response_head(model, packed_hidden, response_ids, packing: PackedRows, temperature: float,
+                  chunk_size: int, mesh=None):
+    """`(logprobs, entropy)` `[B, N]` float32 from the packed rows' hidden states
+    `[S * R, W, D]`, the LM head run over the real response tokens only
+    (`rollout.packing.gather_response`): a padded `[B, N]` head would pay for every padding
+    slot. Both are 0 on the other slots."""
+    hidden = shard_rows(gather_response(packed_hidden, packing), mesh)
+    s, per, n = packing.dst.shape
+    flat = response_ids.reshape(s, per * n)
+    tokens = jax.vmap(lambda t, i: t[jnp.minimum(i, per * n - 1)])(flat, packing.head_dst)
+    out = head_logprobs(model, hidden, tokens, temperature, chunk_size=chunk_size, mesh=mesh)
+    return tuple(shard_rows(scatter_response(x, packing), mesh) for x in out)
+
+
+def _head(model, states, response_ids, packing, temperature, chunk_size, mesh):
+    """`(logprobs, entropy, hidden [B, N, D])` of `response_states(..., packed=bool(packing))`'s
+    output: over the real response tokens where the plan lists them (`response_head`)."""
+    if packing is not None and packing.head_src is not None:
+        out = response_head(model, states, response_ids, packing, temperature, chunk_size, mesh)
+        return (*out, shard_rows(unpack(states, packing), mesh))
+    if packing is not None:
+        states = shard_rows(unpack(states, packing), mesh)
+    out = head_logprobs(model, states, response_ids, temperature, chunk_size=chunk_size,
+                        mesh=mesh)
+    return (*out, states)
 
 
 def head_logprobs(model, hidden: jax.Array, tokens: jax.Array, temperature: float = 1.0, *,
@@ -189,9 +219,10 @@ def policy_logprobs(graphdef, params, query_ids, query_mask, response_ids, respo
     model = nnx.merge(graphdef, params)
     h, aux = response_states(partial(backbone_pass, model, mesh=mesh), query_ids, query_mask,
                              response_ids, response_mask, routes=routes, mesh=mesh,
-                             packing=packing)
-    out = head_logprobs(model, h, response_ids, temperature, with_entropy=with_entropy,
-                        chunk_size=logprob_chunk_size, mesh=mesh)
+                             packing=packing, packed=True)
+    logprobs, entropy, _ = _head(model, h, response_ids, packing, temperature,
+                                 logprob_chunk_size, mesh)
+    out = (logprobs, entropy) if with_entropy else logprobs
     if not with_aux:
         return out
     return (*out, aux) if with_entropy else (out, aux)
@@ -274,9 +305,9 @@ def policy_logprobs_and_values(graphdef, params, query_ids, query_mask, response
     model = nnx.merge(graphdef, params)
     h, aux = response_states(partial(backbone_pass, model, mesh=mesh), query_ids, query_mask,
                              response_ids, response_mask, routes=routes, mesh=mesh,
-                             packing=packing)
-    logprobs, entropy = head_logprobs(model, h, response_ids, temperature,
-                                      chunk_size=logprob_chunk_size, mesh=mesh)
+                             packing=packing, packed=True)
+    logprobs, entropy, h = _head(model, h, response_ids, packing, temperature,
+                                 logprob_chunk_size, mesh)
     out = (logprobs, entropy, model.values_from_hidden(h))
     return (*out, aux) if with_aux else out
 

@@ -40,11 +40,18 @@ class PackedRows:
     segments: `[S, R, W]`, 1, 2, ... the sequence's number within its row; 0 on padding.
     dst: `[S, m / S, N]`, the packed slot (index into the shard's `[R * W]`) whose output is
       read for response token t: the slot of the token before it. Any slot past the response.
+    head_src, head_dst: `[S, C]`, the real response tokens only, C a shard's most (rounded by
+      `row_bucket`): the packed slot each is read at, and its index into the shard's
+      `[m / S * N]` response slots (`m / S * N` on padding). The LM head runs over these
+      (`gather_response`, `scatter_response`), not over the padded `[m, N]`. None in a plan
+      built by hand: the head then reads `unpack`'s `[m, N]`.
     """
 
     src: jax.Array
     segments: jax.Array
     dst: jax.Array
+    head_src: Any = None
+    head_dst: Any = None
 
 
 def first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
@@ -99,6 +106,7 @@ def shard_plan(query_lengths, response_lengths, prompt_width: int, response_widt
     src = np.full((rows, width), m * seq, np.int32)
     segments = np.zeros((rows, width), np.int32)
     dst = np.zeros((m, response_width), np.int32)
+    head = []  # (packed slot, response slot) of each real response token
     for row, members in enumerate(bins):
         at = 0
         for k, i in enumerate(members):
@@ -110,8 +118,25 @@ def shard_plan(query_lengths, response_lengths, prompt_width: int, response_widt
             # response token t is read where the sequence's token before it sits
             before = row * width + at + n_q - 1
             dst[i] = before + np.minimum(np.arange(response_width), max(n_r - 1, 0))
+            head.append(np.stack([before + np.arange(n_r), i * response_width + np.arange(n_r)], 1))
             at += n_q + n_r
-    return src, segments, dst
+    return src, segments, dst, np.concatenate(head or [np.zeros((0, 2), np.int64)])
+
+
+def _stacked(planned: list, lead: tuple) -> PackedRows:
+    """The `PackedRows` of `shard_plan` outputs, one a shard, leaves `[*lead, ...]`: the head's
+    token lists padded to the longest, rounded up by `row_bucket`."""
+    src, seg, dst = (np.stack([p[f] for p in planned]).reshape(*lead, *planned[0][f].shape)
+                     for f in range(3))
+    none = dst.shape[-2] * dst.shape[-1]  # a shard's m / S * N: the padding index
+    c = row_bucket(max(max(len(p[3]) for p in planned), 1), none)
+    head = np.zeros((len(planned), c, 2), np.int64)
+    head[..., 1] = none
+    for n, p in enumerate(planned):
+        head[n, :len(p[3])] = p[3]
+    head = head.reshape(*lead, c, 2).astype(np.int32)
+    return PackedRows(src=src, segments=seg, dst=dst, head_src=head[..., 0],
+                      head_dst=head[..., 1])
 
 
 def balanced_order(lengths, block: int) -> np.ndarray:
@@ -171,10 +196,7 @@ def plan_packing(query_lengths, response_lengths, *, prompt_width: int, response
     needed = max(len(first_fit_decreasing(a + b, width)) for a, b in blocks)
     rows = row_bucket(needed, max(per, needed))
     planned = [shard_plan(a, b, prompt_width, response_width, width, rows) for a, b in blocks]
-    n_micro = len(q) // micro_batch_size
-    src, seg, dst = (np.stack([p[k] for p in planned]).reshape(n_micro, shards, *planned[0][k].shape)
-                     for k in range(3))
-    return order, PackedRows(src=src, segments=seg, dst=dst)
+    return order, _stacked(planned, (len(q) // micro_batch_size, shards))
 
 
 @struct.dataclass
@@ -254,10 +276,8 @@ def plan_token_budget(query_lengths, response_lengths, *, prompt_width: int,
             lengths[0][:len(rows)], lengths[1][:len(rows)] = q[rows], r[rows]
             planned.append(shard_plan(*lengths, prompt_width, response_width, width,
                                       rows_per_micro, bins=[[at[i] for i in b] for b in grp]))
-    n_mb = len(dealt)
-    src, seg, dst = (np.stack([p[f] for p in planned]).reshape(
-        n_mb, n_micro, shards, *planned[0][f].shape) for f in range(3))
-    return micro.reshape(n_mb, n_micro, shards * k), PackedRows(src=src, segments=seg, dst=dst)
+    return (micro.reshape(len(dealt), n_micro, shards * k),
+            _stacked(planned, (len(dealt), n_micro, shards)))
 
 
 def heavy_tailed_lengths(n: int, longest: int, mean_over_max: float, seed: int = 0) -> np.ndarray:
@@ -356,3 +376,20 @@ def packed_rows(ids: jax.Array, plan: PackedRows) -> tuple[jax.Array, jax.Array]
     for a packed pass (the segment ids are its attention mask)."""
     s, rows, width = plan.segments.shape
     return pack(ids, plan), plan.segments.reshape(s * rows, width)
+
+
+def gather_response(y: jax.Array, plan: PackedRows) -> jax.Array:
+    """`[S * R, W, ...]` outputs of packed rows -> `[S, C, ...]`, the output each real response
+    token is read at (`PackedRows.head_src`; padding reads slot 0)."""
+    s, rows, width = plan.src.shape
+    flat = y.reshape(s, rows * width, *y.shape[2:])
+    return jax.vmap(lambda a, i: a[i])(flat, plan.head_src)
+
+
+def scatter_response(x: jax.Array, plan: PackedRows) -> jax.Array:
+    """`[S, C, ...]` per real response token -> `[m, N, ...]`, 0 on every other slot (the
+    padding of `head_dst` is dropped)."""
+    s, per, n = plan.dst.shape
+    out = jnp.zeros((s, per * n, *x.shape[2:]), x.dtype)
+    out = jax.vmap(lambda o, i, v: o.at[i].set(v, mode="drop"))(out, plan.head_dst, x)
+    return out.reshape(s * per, n, *x.shape[2:])

@@ -65,6 +65,16 @@ def test_the_plan_puts_every_real_token_once_in_its_own_shard(shards):
             rows = range(4 * j + s * per, 4 * j + (s + 1) * per)
             want = sorted(t for i in rows for t in ids[i][np.concatenate([qm[i], rm[i]]) == 1])
             assert sorted(packed[s][seg[s] > 0]) == want  # the shard's tokens, each once
+            # the LM head's list: each real response token once, read at the slot before it
+            head_src, head_dst = (np.asarray(x[s]) for x in (mb.head_src, mb.head_dst))
+            real = head_dst < per * N
+            want = [(i - rows[0]) * N + t for i in rows for t in range(R_LENS[i])]
+            assert sorted(head_dst[real]) == want
+            flat = np.asarray(packed[s])
+            for slot, d in zip(head_src[real], head_dst[real]):
+                i, t = rows[0] + d // N, d % N
+                before = r[i][t - 1] if t else q[i][-1]  # the token before response token t
+                assert flat[slot] == before
     assert plan.src.shape[2] <= 4 // shards
 
 
