@@ -1,6 +1,6 @@
 """Clip-Cov and KL-Cov: PPO losses that act on the few tokens whose log-prob / advantage
 covariance is largest, against entropy collapse (Cui et al. 2025, "The Entropy Mechanism of
-Reinforcement Learning for Reasoning Language Models", arXiv:2505.22617, sec. 5).
+Reinforcement Learning for Reasoning Language Models", arXiv:2505.22617).
 
 Each token's covariance term is ``cov_t = (A_t - mean A) (lp_t - mean lp)``, the means over the
 valid tokens of THE CALL, as verl centres them over its micro-batch. The trainer calls a loss
@@ -38,7 +38,12 @@ def token_covariance(logprobs: jax.Array, advantages: jax.Array, valid: jax.Arra
     """``[B, T]`` ``(A - mean A)(lp - mean lp)``, the means over ``valid`` tokens; 0 elsewhere.
 
     The log-probs enter under ``stop_gradient``: the term only selects tokens. Its mean is the
-    covariance of log-prob and advantage that drives the change of entropy (paper sec. 4).
+    covariance of log-prob and advantage that, by the paper's analysis, drives the change of the
+    policy's entropy.
+
+    Args:
+      logprobs, advantages: ``[B, T]`` float, 0 on masked slots.
+      valid: ``[B, T]`` bool.
     """
     lp = jax.lax.stop_gradient(logprobs)
     cov = (advantages - masked_mean(advantages, valid)) * (lp - masked_mean(lp, valid))
@@ -88,7 +93,7 @@ def clip_cov_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = No
     (module doc: deterministic where verl draws at random) and their ``l_t`` is multiplied
     by 0, value and gradient, as verl's ``corr`` does. The paper "detaches" their gradient:
     the same gradient, and a reported ``pg_loss`` without them. Source: Cui et al. 2025
-    (arXiv:2505.22617), sec. 5, Clip-Cov (paper's r = 2e-4, band [1, 5]). Checked against verl
+    (arXiv:2505.22617), Clip-Cov (paper's r = 2e-4, band [1, 5]). Checked against verl
     ``compute_policy_loss_clip_cov`` (core_algos.py lines 1517-1539).
 
     Args:
@@ -156,7 +161,7 @@ def kl_cov_loss(batch: LossInputs, *, cliprange: Any = None, kl_cov_ratio: Any =
     ``cliprange`` is taken and ignored (``reads_cliprange = False``). ``|x|`` is written as
     ``sign(x) x``: its gradient at ``x = 0`` is 0, as torch's ``abs`` (jnp.abs's is 1), so on
     the first minibatch (``lp = old``) the penalty adds no gradient, as in verl. Source: Cui
-    et al. 2025 (arXiv:2505.22617), sec. 5, KL-Cov (paper's k = 2e-4 for 32B, 2e-3 for 7B; beta
+    et al. 2025 (arXiv:2505.22617), KL-Cov (paper's k = 2e-4 for 32B, 2e-3 for 7B; beta
     = 1). Checked against verl ``compute_policy_loss_kl_cov`` (core_algos.py lines 1601-1614;
     ``ppo_kl_coef`` there is ``kl_cov_coef`` here).
 

@@ -216,8 +216,8 @@ def gmpo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None
     0 on clipped ones. NOTE: ``cliprange`` / ``cliprange_high`` bound the LOG-ratio here (the
     paper's ``(e^-0.4, e^0.4)`` is ``cliprange = 0.4``). With ``loss_aggregation:
     seq-mean-token-mean`` the loss is GMPO's ``(1/G) sum_i loss_i`` exactly (as ``gspo``).
-    Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673), sec. 3,
-    the GMPO objective with token-level clipping in log space. Checked against verl
+    Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673), the
+    GMPO objective with token-level clipping in log space. Checked against verl
     ``compute_policy_loss_geo_mean`` (core_algos.py lines 1684-1707), which takes the sign of
     each token's advantage where the paper takes the sequence's: the same for an outcome
     estimator (advantages constant over a row); here the paper's, the row advantage's sign.

@@ -51,8 +51,8 @@ def cispo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None
     constant, so the gradient is ``-w A grad lp`` on EVERY token, clipped or not: a clipped
     token keeps its gradient at the bounded weight, where PPO's clip drops it. The value is
     REINFORCE's surrogate ``-w A lp``, not a ratio times A.
-    Source: MiniMax-M1 (arXiv:2506.13585), sec. 3.1, the CISPO objective and its clipped IS
-    weight. The paper bounds only the high side in practice (a large eps_low): set
+    Source: MiniMax-M1 (arXiv:2506.13585), the CISPO objective ``J_CISPO`` and its clipped IS
+    weight ``r_hat``. The paper bounds only the high side in practice (a large eps_low): set
     ``cliprange >= 1`` for no lower bound. Checked against verl ``compute_policy_loss_cispo``
     (core_algos.py lines 1753-1758: the two-sided clamp with ``clip_ratio_low``, which defaults
     to ``clip_ratio``, as here); TRL (grpo_trainer.py lines 3081-3082) clamps at an absolute
@@ -113,7 +113,7 @@ def sapo_loss(batch: LossInputs, *, cliprange: Any = None, tau_pos: Any = 1.0,
     takes ``tau_neg > tau_pos``: negative updates spread over the vocabulary). No hard clip,
     so ``cliprange`` is taken (the trainer always passes it) and ignored
     (``reads_cliprange = False``). Source: Gao et al. 2025, "Soft Adaptive Policy
-    Optimization" (arXiv:2511.20347), sec. 3, the gate ``f_{i,t}`` and its temperatures
+    Optimization" (arXiv:2511.20347), the SAPO objective, its gate ``f_{i,t}`` and temperatures
     (defaults 1.0 / 1.05). Checked against verl ``compute_policy_loss_sapo`` (core_algos.py
     lines 1364-1388) and TRL (grpo_trainer.py lines 3093-3095), which agree.
 

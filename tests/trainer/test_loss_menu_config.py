@@ -125,6 +125,7 @@ RECIPES = {  # name -> (policy loss, the paper's settings the recipe takes)
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_each_recipe_loads_on_dapo_and_its_loss_runs_with_its_arguments(name):
     from ppo_jax.trainer.config.loss_checks import policy_call_kwargs
+    from ppo_jax.trainer.stages.ppo.load_checks import check_names
 
     cfg = load_config(ROOT / f"configs/rlvr/{name}.yaml")
     dapo = load_config(ROOT / "configs/rlvr/dapo.yaml")
@@ -140,3 +141,4 @@ def test_each_recipe_loads_on_dapo_and_its_loss_runs_with_its_arguments(name):
                             advantages=jnp.asarray([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]))
     per_token, stats = core.get_policy_loss(loss)(batch, **policy_call_kwargs(cfg.ppo))
     assert per_token.shape == (2, 3) and bool(jnp.all(jnp.isfinite(per_token)))
+    check_names(cfg)  # and the trainer's start-up check takes it
