@@ -1,6 +1,7 @@
 """ppo_jax.core: the pure, jit-able math of PPO for language models.
 
-Rewards, KL, GAE, reward shaping, per-token losses (PPO, GSPO; SFT next-token NLL; Bradley-Terry)
+Rewards, KL, GAE, reward shaping, per-token losses (PPO, GSPO, GSPO-token, GMPO, CISPO, SAPO,
+Clip-Cov, KL-Cov; SFT next-token NLL; Bradley-Terry)
 and their one reduction (loss aggregation), DAPO's overlong penalty and dynamic-sampling group
 selection, masked statistics, KL controllers, name registries, the rollout / trainer
 log-prob mismatch (measured, and corrected by importance weights), and the staleness of
@@ -67,6 +68,7 @@ from ppo_jax.core.registry import (
     unregister,
 )
 from ppo_jax.core.rollout_correction import (
+    ICEPOP_BAND,
     ROLLOUT_CORRECTIONS,
     check_rollout_correction,
     rollout_correction_weights,
@@ -75,7 +77,10 @@ from ppo_jax.core.rollout_correction import (
 from ppo_jax.core.rewards import (
     compute_rewards, compute_rewards_from_kl, ended_rows, last_valid_onehot,
 )
-from ppo_jax.core.sequence_losses import gspo_loss, sequence_log_ratio
+from ppo_jax.core.sequence_losses import gmpo_loss, gspo_loss, gspo_token_loss, sequence_log_ratio
+from ppo_jax.core.token_losses import cispo_loss, sapo_loss
+from ppo_jax.core.covariance_losses import clip_cov_loss, kl_cov_loss, token_covariance
+from ppo_jax.core.loss_kwargs import LossKwargError, check_loss_kwargs, reads_cliprange
 from ppo_jax.core.staleness import sample_staleness, staleness_metrics
 from ppo_jax.core.shaping import kl_penalty_shaping
 from ppo_jax.core.dapo import group_rows, informative_groups, overlong_penalty, select_groups
@@ -86,9 +91,11 @@ __all__ = [
     "GAE_METHODS",
     "KLControllerState",
     "KL_CONTROLLER_KINDS",
+    "ICEPOP_BAND",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LossInputs",
+    "LossKwargError",
     "Normalizers",
     "ROLLOUT_CORRECTIONS",
     "Registry",
@@ -97,6 +104,9 @@ __all__ = [
     "bradley_terry_loss",
     "check_aggregation",
     "check_estimator",
+    "check_loss_kwargs",
+    "cispo_loss",
+    "clip_cov_loss",
     "check_rollout_correction",
     "chunked_logprobs_and_entropy",
     "clipped_value_loss",
@@ -113,12 +123,15 @@ __all__ = [
     "get_policy_loss",
     "get_reward_shaping",
     "get_value_loss",
+    "gmpo_loss",
     "group_baseline_explained_variance",
     "group_rows",
     "gspo_loss",
+    "gspo_token_loss",
     "informative_groups",
     "init_kl_controller",
     "kl_penalty",
+    "kl_cov_loss",
     "kl_penalty_shaping",
     "sequence_kl",
     "ended_rows",
@@ -139,6 +152,7 @@ __all__ = [
     "policy_loss",
     "policy_regularizers",
     "ppo_clip_loss",
+    "reads_cliprange",
     "reduce_loss",
     "register_advantage_estimator",
     "register_policy_loss",
@@ -148,11 +162,13 @@ __all__ = [
     "rollout_correction_weights",
     "rollout_mismatch",
     "safe_divide",
+    "sapo_loss",
     "sample_staleness",
     "select_groups",
     "sequence_log_ratio",
     "shift_for_next_token",
     "staleness_metrics",
+    "token_covariance",
     "token_mean_stats",
     "unregister",
     "update_kl_controller",

@@ -33,7 +33,11 @@ at start-up that the signature accepts the call and that the outputs have the ri
 - policy loss: ``fn(batch: LossInputs, *, cliprange, **policy_loss_kwargs)
   -> (per_token_loss [B, T], stats dict[str, [B, T]])``; ``cliprange_high`` and ``dual_clip``
   are passed too when the config sets them. Built-in: ``"ppo_clip"`` (``ppo_clip_loss``),
-  ``"gspo"`` (``gspo_loss``, sequence-level ratio and clip; no ``dual_clip``).
+  ``"gspo"`` (``gspo_loss``, sequence-level ratio and clip; no ``dual_clip``), and the loss
+  menu of docs/forks.md: ``"gspo_token"``, ``"gmpo"``, ``"cispo"``, ``"sapo"``,
+  ``"clip_cov"``, ``"kl_cov"``. A loss may carry ``fn.check_kwargs(**kwargs)``, the validator
+  of its hyper-parameters, and ``fn.reads_cliprange = False`` when it ignores ``cliprange``
+  (``ppo_jax.core.loss_kwargs``); the config runs both when it loads.
 - value loss: ``fn(batch: LossInputs, *, cliprange_value, **value_loss_kwargs)
   -> (per_token_loss [B, T], stats dict[str, [B, T]])``.
   Built-in: ``"clipped_mse"`` (``clipped_value_loss``).

@@ -1,4 +1,6 @@
-"""Sequence-level policy losses: GSPO (one importance ratio and one clip decision per response).
+"""Sequence-level policy losses: GSPO (one importance ratio and one clip decision per response),
+GSPO-token (the sequence ratio with per-token advantages) and GMPO (the geometric mean of the
+token ratios, clipped in log space).
 
 Like every registered policy loss, ``gspo_loss`` returns a PER-TOKEN ``[B, T]`` loss and the
 trainer reduces it once (``ppo_jax.core.aggregation``); here the per-token value is the row's
@@ -17,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ppo_jax.core import loss_kwargs as K
 from ppo_jax.core import validation as V
 from ppo_jax.core.loss_inputs import LossInputs
 from ppo_jax.core.losses import _prepare
@@ -79,7 +82,8 @@ def gspo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None,
     per-token loss has the same value ``loss_i`` and, under any reduction that weighs the
     tokens of a row alike (all three here), the same gradient as this loss: here every token of
     row ``i`` carries ``d loss_i / d lp_{i,u} = -A_i s_i / |y_i|`` for all ``u``, and the
-    ``|y_i|`` tokens add up to ``-A_i s_i`` per ``u``, GSPO-token's per-token gradient.
+    ``|y_i|`` tokens add up to ``-A_i s_i`` per ``u``, GSPO-token's per-token gradient
+    (``gspo_token_loss``, registered as ``gspo_token``).
 
     Args:
       batch: ``LossInputs`` with ``logprobs`` (differentiated), ``old_logprobs``,
@@ -128,3 +132,127 @@ def gspo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None,
     stats.update(token_ratio=jnp.where(valid, jnp.exp(log_ratio), 0),
                  approxkl=0.5 * log_ratio * log_ratio, policykl=-log_ratio)
     return _on_tokens(seq_loss, valid, dtype), jax.lax.stop_gradient(stats)
+
+
+def check_sequence_clip_kwargs(*, cliprange: Any = 0.2, cliprange_high: Any = None) -> None:
+    """The clip ranges of ``gspo_token`` and ``gmpo``: ``cliprange``, ``cliprange_high`` >= 0.
+
+    Raises:
+      LossKwargError: naming the key.
+    """
+    K.check_clip_ranges({"cliprange": cliprange, "cliprange_high": cliprange_high})
+
+
+def _clip_bounds(cliprange: Any, cliprange_high: Any, dtype):
+    low = V.as_scalar("cliprange", cliprange).astype(dtype)
+    high = low if cliprange_high is None else V.as_scalar("cliprange_high", cliprange_high).astype(dtype)
+    return low, high
+
+
+@register_policy_loss("gspo_token")
+def gspo_token_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """GSPO-token per token (to minimise): GSPO's sequence ratio with per-token advantages.
+
+    ``s_{i,t} = sg[s_i] pi_t / sg[pi_t]``, i.e. ``log s_{i,t} = sg[log s_i] + lp - sg[lp]``
+    (``s_i`` of ``sequence_log_ratio``): its value is ``s_i`` on every token of row ``i`` and
+    its gradient ``s_i grad lp_t``. ``l_t = max(-A_t s_{i,t}, -A_t clip(s_{i,t},
+    1 - cliprange, 1 + cliprange_high))``, so the clip decision is per token (by the sign of
+    ``A_t``). With advantages constant over a row (any outcome estimator) the per-token loss and
+    its gradient equal ``gspo_loss``'s under every aggregation; with advantages that vary
+    within a row (GAE, a process reward) each token gets its own. Source: Zheng et al. 2025
+    (arXiv:2507.18071), sec. 4.3, the GSPO-token objective and ratio. Checked against verl
+    ``compute_policy_loss_gspo`` (core_algos.py lines 1291-1304; verl's "gspo" IS this form, and
+    clamps the log-ratio at 10, which is not done here) and TRL
+    ``importance_sampling_level="sequence_token"`` (trl/experimental/gspo_token/grpo_trainer.py
+    lines 78-82).
+
+    Args:
+      batch: ``LossInputs`` with ``logprobs`` (differentiated), ``old_logprobs``,
+        ``advantages`` (constants) and ``mask``, all ``[B, T]``.
+      cliprange, cliprange_high: as ``gspo_loss`` (no ``dual_clip``).
+
+    Returns:
+      ``per_token_loss [B, T]``, 0 on masked slots, and ``stop_gradient``-ed per-token stats:
+      ``clipfrac`` (1 where the clipped term is the larger), ``ratio`` (``s_i``),
+      ``token_ratio``, ``approxkl``, ``policykl``.
+
+    Raises:
+      ValueError: a missing field, wrong ranks / dtypes / shapes; ``LossKwargError`` for a
+        static clip range < 0.
+    """
+    check_sequence_clip_kwargs(cliprange=cliprange, cliprange_high=cliprange_high)
+    (lp, old, adv), valid, dtype = _prepare(
+        ("logprobs", "old_logprobs", "advantages"),
+        (batch.logprobs, batch.old_logprobs, batch.advantages), batch.mask)
+    old, adv = jax.lax.stop_gradient(old), jax.lax.stop_gradient(adv)
+    low, high = _clip_bounds(cliprange, cliprange_high, dtype)
+    log_ratio = lp - old  # 0 on masked slots
+    seq_log = jax.lax.stop_gradient(masked_mean(log_ratio, valid, axis=1))  # [B]
+    ratio = jnp.exp(seq_log[:, None] + lp - jax.lax.stop_gradient(lp))
+    pg1 = -adv * ratio
+    pg2 = -adv * jnp.clip(ratio, 1.0 - low, 1.0 + high)
+    per_token = jnp.where(valid, jnp.maximum(pg1, pg2), 0)
+    stats = {"clipfrac": (valid & (pg2 > pg1)).astype(dtype),
+             "ratio": jnp.where(valid, ratio, 0), "token_ratio": jnp.where(valid, jnp.exp(log_ratio), 0),
+             "approxkl": 0.5 * log_ratio * log_ratio, "policykl": -log_ratio}
+    return per_token, jax.lax.stop_gradient(stats)
+
+
+gspo_token_loss.check_kwargs = check_sequence_clip_kwargs
+
+
+@register_policy_loss("gmpo")
+def gmpo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """GMPO per token (to minimise): the geometric mean of token ratios, clipped in log space.
+
+    For row ``i`` with valid tokens ``t``, ``x_t = lp - old``, the row advantage
+    ``A_i = mean_t advantages`` and ``g = sign(A_i)``:
+    ``c_t = g min(g x_t, g clip(x_t, -cliprange, cliprange_high))`` (a token clipped only on
+    the side that would enlarge the objective, PPO's pessimism in log space; ``c_t = 0``
+    where ``A_i = 0``), ``rho_i = exp(mean_t c_t)`` and ``loss_i = -A_i rho_i``, written on
+    every valid token of row ``i``. Gradient: ``-A_i rho_i / |y_i|`` on each unclipped token,
+    0 on clipped ones. NOTE: ``cliprange`` / ``cliprange_high`` bound the LOG-ratio here (the
+    paper's ``(e^-0.4, e^0.4)`` is ``cliprange = 0.4``). With ``loss_aggregation:
+    seq-mean-token-mean`` the loss is GMPO's ``(1/G) sum_i loss_i`` exactly (as ``gspo``).
+    Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673), the
+    GMPO objective with token-level clipping in log space. Checked against verl
+    ``compute_policy_loss_geo_mean`` (core_algos.py lines 1684-1707), which takes the sign of
+    each token's advantage where the paper takes the sequence's: the same for an outcome
+    estimator (advantages constant over a row); here the paper's, the row advantage's sign.
+
+    Args:
+      batch: ``LossInputs`` with ``logprobs`` (differentiated), ``old_logprobs``,
+        ``advantages`` (constants) and ``mask``, all ``[B, T]``.
+      cliprange: the log-ratio's low bound ``-cliprange``.
+      cliprange_high: its high bound; None: ``cliprange``.
+
+    Returns:
+      ``per_token_loss [B, T]``, ``loss_i`` on row ``i``'s valid tokens, 0 elsewhere, and
+      ``stop_gradient``-ed per-token stats: ``clipfrac`` (tokens clipped), ``ratio``
+      (``rho_i``), ``token_ratio``, ``approxkl``, ``policykl``.
+
+    Raises:
+      ValueError: a missing field, wrong ranks / dtypes / shapes; ``LossKwargError`` for a
+        static clip range < 0.
+    """
+    check_sequence_clip_kwargs(cliprange=cliprange, cliprange_high=cliprange_high)
+    (lp, old, adv), valid, dtype = _prepare(
+        ("logprobs", "old_logprobs", "advantages"),
+        (batch.logprobs, batch.old_logprobs, batch.advantages), batch.mask)
+    old = jax.lax.stop_gradient(old)
+    low, high = _clip_bounds(cliprange, cliprange_high, dtype)
+    log_ratio = lp - old  # 0 on masked slots
+    seq_adv = jax.lax.stop_gradient(masked_mean(adv, valid, axis=1))  # [B]
+    sign = jnp.sign(seq_adv)[:, None]
+    clipped_log = sign * jnp.minimum(sign * log_ratio, sign * jnp.clip(log_ratio, -low, high))
+    seq_ratio = jnp.exp(masked_mean(clipped_log, valid, axis=1))  # [B], 1 on an empty row
+    clipped = valid & (((sign > 0) & (log_ratio > high)) | ((sign < 0) & (log_ratio < -low)))
+    stats = {"clipfrac": clipped.astype(dtype), "ratio": _on_tokens(seq_ratio, valid, dtype),
+             "token_ratio": jnp.where(valid, jnp.exp(log_ratio), 0),
+             "approxkl": 0.5 * log_ratio * log_ratio, "policykl": -log_ratio}
+    return _on_tokens(-seq_adv * seq_ratio, valid, dtype), jax.lax.stop_gradient(stats)
+
+
+gmpo_loss.check_kwargs = check_sequence_clip_kwargs

@@ -24,10 +24,11 @@ D = np.array([[math.log(3.0), -math.log(2.0), NAN], [0.4, 0.4, 0.0]])
 ROLLOUT = np.where(MASK > 0, 0.0, np.inf)  # inf in the masked slot too
 
 
-def weights_of(mode, old=D, rollout=ROLLOUT, mask=MASK, cap=2.0, normalizers=None):
+def weights_of(mode, old=D, rollout=ROLLOUT, mask=MASK, cap=2.0, normalizers=None,
+               band=core.ICEPOP_BAND):
     return core.rollout_correction_weights(jnp.asarray(old, jnp.float32),
                                            jnp.asarray(rollout, jnp.float32), jnp.asarray(mask),
-                                           mode=mode, cap=cap, normalizers=normalizers)
+                                           mode=mode, cap=cap, band=band, normalizers=normalizers)
 
 
 class HandCheckedTest(chex.TestCase):
@@ -48,6 +49,20 @@ class HandCheckedTest(chex.TestCase):
         np.testing.assert_allclose(w, [[1.5, 1.5, 0.0], [0.0, 0.0, 0.0]], rtol=1e-6)
         np.testing.assert_allclose(stats["rollout_correction/weight_mean"], 3.0 / 5, rtol=1e-6)
         np.testing.assert_allclose(stats["rollout_correction/truncated_fraction"], 1 / 2)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_icepop_keeps_a_token_ratio_inside_the_band_and_zeroes_one_outside(self):
+        # IcePop's band [0.5, 5]: 3 and 0.5 (the low end, inclusive) kept; [0.6, 2.5]: both out
+        w, stats = self.variant(lambda o: weights_of("icepop", o))(jnp.asarray(D, jnp.float32))
+        e = math.exp(0.4)
+        np.testing.assert_allclose(w, [[3.0, 0.5, 0.0], [e, e, 1.0]], rtol=1e-6)
+        assert float(stats["rollout_correction/truncated_fraction"]) == 0.0
+        w, stats = self.variant(lambda o: weights_of("icepop", o, band=(0.6, 2.5)))(
+            jnp.asarray(D, jnp.float32))
+        np.testing.assert_allclose(w, [[0.0, 0.0, 0.0], [e, e, 1.0]], rtol=1e-6)
+        np.testing.assert_allclose(stats["rollout_correction/weight_mean"], (2 * e + 1) / 5,
+                                   rtol=1e-6)
+        np.testing.assert_allclose(stats["rollout_correction/truncated_fraction"], 2 / 5)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_none_weighs_every_real_token_one(self):
@@ -82,11 +97,13 @@ class HandCheckedTest(chex.TestCase):
 
 # --- float64 numpy reference -------------------------------------------------------------
 
-def reference(old, rollout, mask, mode, cap):
-    """Plain loops: weights [B, T], weight_mean, truncated_fraction (rows over all B)."""
+def reference(old, rollout, mask, mode, cap, band=(0.8, 1.3)):
+    """Plain loops: weights [B, T], weight_mean, truncated_fraction (rows over all B). icepop:
+    the IcePop paper's M(k) = k inside [low, high], else 0; OpenRLHF openrlhf/models/loss.py
+    lines 200-205 (commit 3c3be623) agrees."""
     b, t = mask.shape
     w = np.zeros((b, t))
-    tokens, at_cap, rejected = 0, 0, 0
+    tokens, at_cap, rejected, dropped = 0, 0, 0, 0
     for i in range(b):
         log_rho = 0.0
         for j in range(t):
@@ -102,10 +119,14 @@ def reference(old, rollout, mask, mode, cap):
             elif mode == "tis":
                 w[i, j] = min(ratio, cap)
                 at_cap += ratio >= cap
+            elif mode == "icepop":
+                inside = band[0] <= ratio <= band[1]
+                w[i, j] = ratio if inside else 0.0
+                dropped += not inside
             else:
                 w[i, j] = math.exp(log_rho) if log_rho <= math.log(cap) else 0.0
         rejected += mode == "mis" and mask[i].any() and log_rho > math.log(cap)
-    frac = at_cap / tokens if mode == "tis" else rejected / b if mode == "mis" else 0.0
+    frac = {"tis": at_cap / tokens, "mis": rejected / b, "icepop": dropped / tokens}.get(mode, 0.0)
     return w, w.sum() / tokens, frac
 
 
@@ -126,12 +147,13 @@ def random_batch(seed=0):
     return np.where(mask > 0, old, NAN), np.where(mask > 0, rollout, -np.inf), mask
 
 
-@pytest.mark.parametrize("mode", ["none", "tis", "mis"])
+@pytest.mark.parametrize("mode", ["none", "tis", "mis", "icepop"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_weights_and_stats_match_the_float64_reference(x64, mode, jit):
     old, rollout, mask = random_batch()
     cap = 1.3
-    fn = lambda o, r: core.rollout_correction_weights(o, r, mask, mode=mode, cap=cap)  # noqa: E731
+    fn = lambda o, r: core.rollout_correction_weights(o, r, mask, mode=mode, cap=cap,  # noqa: E731
+                                                      band=(0.8, 1.3))
     w, stats = (jax.jit(fn) if jit else fn)(jnp.asarray(old), jnp.asarray(rollout))
     want_w, want_mean, want_frac = reference(old, rollout, mask, mode, cap)
     assert w.dtype == jnp.float64
@@ -162,7 +184,7 @@ def test_an_empty_mask_gives_ratio_one_and_zero_means():
     assert all(float(v) == 0.0 for v in wst.values())
 
 
-@pytest.mark.parametrize("mode", ["none", "tis", "mis"])
+@pytest.mark.parametrize("mode", ["none", "tis", "mis", "icepop"])
 def test_micro_batch_stats_with_minibatch_normalizers_add_up_to_the_whole(mode):
     old, rollout, mask = random_batch(2)
     norms = core.loss_normalizers(mask)
@@ -176,7 +198,7 @@ def test_micro_batch_stats_with_minibatch_normalizers_add_up_to_the_whole(mode):
 
 # --- NaN / inf safety -----------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["none", "tis", "mis"])
+@pytest.mark.parametrize("mode", ["none", "tis", "mis", "icepop"])
 def test_nan_and_inf_in_masked_slots_reach_no_weight_stat_or_gradient(mode):
     old, rollout, mask = random_batch(3)
     old = np.where(mask > 0, old, np.inf).astype(np.float32)
@@ -225,7 +247,7 @@ def test_masked_inputs_zero_rollout_logprobs_like_every_per_token_field():
 # --- validation -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode, cap, match", [
-    ("is", 2.0, "unknown rollout correction 'is'; known: none, tis, mis"),
+    ("is", 2.0, "unknown rollout correction 'is'; known: none, tis, mis, icepop"),
     ("tis", 0.5, "cap must be a finite number >= 1 for 'tis', got 0.5"),
     ("mis", float("inf"), "cap must be a finite number >= 1 for 'mis', got inf"),
     ("mis", float("nan"), "got nan"),
@@ -239,6 +261,27 @@ def test_bad_modes_and_caps_are_refused_naming_the_value(mode, cap, match):
     with pytest.raises(ValueError, match=match):
         core.rollout_correction_weights(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)),
                                         mode=mode, cap=cap)
+
+
+@pytest.mark.parametrize("band, match", [
+    ((2.0, 0.5), r"low must be >= 0 and <= high"), ((-0.1, 5.0), r"low must be >= 0"),
+    ((1.2, 5.0), r"must hold 1"), ((0.5, 0.9), r"must hold 1"),
+    ((0.5, float("inf")), "must be finite"), ((0.5, "x"), "band high must be a numeric scalar"),
+])
+def test_bad_icepop_bands_are_refused_naming_the_band(band, match):
+    with pytest.raises(ValueError, match=match):
+        core.check_rollout_correction("icepop", 2.0, band)
+    with pytest.raises(ValueError, match=match):
+        core.rollout_correction_weights(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)),
+                                        mode="icepop", band=band)
+
+
+def test_a_band_of_zero_to_infinity_like_bounds_is_accepted_and_drops_nan():
+    core.check_rollout_correction("icepop", 2.0, (0.0, 1.0))
+    core.check_rollout_correction("tis", 2.0, (3.0, 1.0))  # a band tis never reads
+    w, _ = core.rollout_correction_weights(jnp.asarray([[0.0, jnp.nan, 50.0]]), jnp.zeros((1, 3)),
+                                           jnp.ones((1, 3)), mode="icepop", band=(0.0, 1.0))
+    np.testing.assert_array_equal(w, [[1.0, 0.0, 0.0]])  # NaN and e^50 dropped, no NaN weight
 
 
 def test_cap_one_and_an_unused_cap_of_none_are_accepted():

@@ -273,7 +273,8 @@ def test_a_bad_rollout_correction_is_refused_at_load_and_a_good_one_reaches_the_
     from ppo_jax.trainer.config.checks import validate
     from ppo_jax.trainer.stages.ppo.settings import settings_for
 
-    with pytest.raises(ConfigError, match=r"ppo.rollout_correction.*'is'.*\['none', 'tis', 'mis'\]"):
+    with pytest.raises(ConfigError, match=r"ppo.rollout_correction.*'is'.*\['none', 'tis', 'mis', "
+                                          r"'icepop'\]"):
         load_config(None, ["ppo.rollout_correction=is"])
     with pytest.raises(ConfigError, match=r"ppo.rollout_correction='tis', "
                                           r"ppo.rollout_correction_cap=0.9: .*>= 1"):

@@ -17,6 +17,7 @@ from ppo_jax.core.registry import get_advantage_estimator
 from ppo_jax.core.rollout_correction import check_rollout_correction
 from ppo_jax.models.config import LORA_TARGETS
 from ppo_jax.trainer.config.help import leaves
+from ppo_jax.trainer.config.loss_checks import check_policy_loss
 from ppo_jax.trainer.config.no_effect import check_no_effect
 from ppo_jax.trainer.config.schema import (
     Config, ConfigError, EvalConfig, OptimConfig, PPOConfig, TrainConfig,
@@ -203,7 +204,7 @@ def _async_refusal(cfg: Config) -> str | None:
                 f"its slots full across batches (set {' and '.join(wanted)})")
     if p.rollout_correction == "none":
         return ("ppo.rollout_correction='none': a stale sample was drawn by an older policy "
-                "than PPO's pi_old; set tis or mis, the decoupled PPO objective's weight "
+                "than PPO's pi_old; set tis, mis or icepop, the decoupled PPO objective's weight "
                 "pi_old / pi_rollout over the recorded log-probs (docs/async_rl.md)")
     if cfg.env.name is not None:
         return (f"env.name={cfg.env.name!r}: a multi-turn episode waits for its environment "
@@ -311,16 +312,20 @@ def _validate_optim_train(o: OptimConfig, t: TrainConfig) -> None:
 
 
 def _validate_loss_terms(p: PPOConfig) -> None:
-    """ppo.loss_aggregation, the built-in loss terms (entropy bonus, KL in the loss) and the
-    rollout correction."""
+    """ppo.loss_aggregation, the built-in loss terms (entropy bonus, KL in the loss), the
+    rollout correction, and the policy loss's kwargs (`config.loss_checks`)."""
     for name in ("entropy_coef", "kl_loss_coef"):
         if getattr(p, name) < 0:
             raise ConfigError(f"ppo.{name}={getattr(p, name)!r} must be >= 0")
+    band = (p.rollout_correction_band_low, p.rollout_correction_band_high)
     try:
-        check_rollout_correction(p.rollout_correction, p.rollout_correction_cap)
+        check_rollout_correction(p.rollout_correction, p.rollout_correction_cap, band)
     except ValueError as e:
-        raise ConfigError(f"ppo.rollout_correction={p.rollout_correction!r}, "
-                          f"ppo.rollout_correction_cap={p.rollout_correction_cap!r}: {e}") from None
+        setting = (f"ppo.rollout_correction_band_low={band[0]!r}, ppo.rollout_correction_band_high="
+                   f"{band[1]!r}" if p.rollout_correction == "icepop" else
+                   f"ppo.rollout_correction_cap={p.rollout_correction_cap!r}")
+        raise ConfigError(f"ppo.rollout_correction={p.rollout_correction!r}, {setting}: {e}") from None
+    check_policy_loss(p)
 
 
 def _validate_lora(cfg: Config) -> None:

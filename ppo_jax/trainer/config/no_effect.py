@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ppo_jax.core import estimators as _estimators
-from ppo_jax.core.registry import get_advantage_estimator, registered_names
+from ppo_jax.core.loss_kwargs import reads_cliprange
+from ppo_jax.core.registry import get_advantage_estimator, get_policy_loss, registered_names
 from ppo_jax.trainer.config.fields import ConfigError
 from ppo_jax.trainer.config.help import leaves
 from ppo_jax.trainer.config.schema import Config, SupervisedConfig
@@ -131,6 +132,32 @@ NO_OVERLONG = Condition("ppo.overlong_buffer=0", ("ppo.overlong_buffer",),
 NO_CORRECTION = Condition("ppo.rollout_correction=none", ("ppo.rollout_correction",),
                           _ppo(lambda cfg: cfg.ppo.rollout_correction == "none"),
                           "weights no policy-loss token", "set ppo.rollout_correction=tis or mis")
+CAPLESS_CORRECTION = Condition(
+    "ppo.rollout_correction=icepop", ("ppo.rollout_correction",),
+    _ppo(lambda cfg: cfg.ppo.rollout_correction == "icepop"),
+    "keeps a token's weight inside its band and drops it outside", "set ppo.rollout_correction=tis "
+    "or mis")
+NOT_ICEPOP = Condition(
+    "ppo.rollout_correction is not icepop", ("ppo.rollout_correction",),
+    _ppo(lambda cfg: cfg.ppo.rollout_correction != "icepop"), "masks no token by a band",
+    "set ppo.rollout_correction=icepop")
+
+
+def _policy_loss(cfg: Config) -> Optional[Callable]:
+    """The configured policy loss, or None for a name not registered (yet)."""
+    try:
+        return get_policy_loss(cfg.ppo.policy_loss)
+    except ValueError:
+        return None
+
+
+_NO_CLIP_BUILTINS = ", ".join(n for n in registered_names()["policy loss"]
+                              if not reads_cliprange(get_policy_loss(n)))
+NO_CLIP = Condition(
+    f"a ppo.policy_loss that reads no cliprange ({_NO_CLIP_BUILTINS}, or a fork's with "
+    "reads_cliprange = False)", ("ppo.policy_loss",),
+    _ppo(lambda cfg: (fn := _policy_loss(cfg)) is not None and not reads_cliprange(fn)),
+    "clips no ratio", "use a loss that clips (ppo_clip, gspo, cispo, ...)")
 NO_KL_LOSS = Condition("ppo.kl_loss_coef=0", ("ppo.kl_loss_coef",),
                        _ppo(lambda cfg: cfg.ppo.kl_loss_coef == 0),
                        "adds no KL term to the policy loss", "set ppo.kl_loss_coef > 0")
@@ -225,6 +252,11 @@ NO_EFFECT: tuple[NoEffect, ...] = (
              "it caps the batches dynamic sampling draws per step"),
     NoEffect("ppo.overlong_penalty_factor", NO_OVERLONG, "it scales the overlong penalty"),
     NoEffect("ppo.rollout_correction_cap", NO_CORRECTION, "the cap C of the tis / mis weights"),
+    NoEffect("ppo.rollout_correction_cap", CAPLESS_CORRECTION,
+             "the cap C of the tis / mis weights"),
+    NoEffect("ppo.rollout_correction_band_low", NOT_ICEPOP, "the low end of icepop's band"),
+    NoEffect("ppo.rollout_correction_band_high", NOT_ICEPOP, "the high end of icepop's band"),
+    NoEffect("ppo.cliprange", NO_CLIP, "the clip range of the importance ratio"),
     NoEffect("ppo.kl_loss_estimator", NO_KL_LOSS, "the estimator of that KL term"),
     *(NoEffect(f"generation.{k}", STATIC_ENGINE, _ENGINE + what) for k, what in (
         ("page_size", "tokens per KV page"), ("num_pages", "the KV page pool"),

@@ -25,7 +25,7 @@ from typing import Any, Dict, Literal, Optional
 from ppo_jax.core.aggregation import LossAggregation
 from ppo_jax.core.kl import KLEstimator
 from ppo_jax.core.kl_control import KLControllerKind
-from ppo_jax.core.rollout_correction import RolloutCorrection
+from ppo_jax.core.rollout_correction import ICEPOP_BAND, RolloutCorrection
 from ppo_jax.models.attention_kernels import AttentionKernel
 from ppo_jax.models.config import Dtype, RematPolicy
 from ppo_jax.models.lora import LoraInit
@@ -230,7 +230,8 @@ class PPOConfig:
     advantage_estimator: str = opt("gae", "registered estimator: gae, grpo, rloo, "
                                    "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, "
                                    "or a fork's")
-    policy_loss: str = opt("ppo_clip", "registered policy loss")
+    policy_loss: str = opt("ppo_clip", "registered policy loss: ppo_clip, gspo, gspo_token, "
+                           "gmpo, cispo, sapo, clip_cov, kl_cov (docs/forks.md), or a fork's")
     value_loss: str = opt("clipped_mse", "registered value loss")
     loss_aggregation: LossAggregation = opt(
         "token-mean", "reduction of the per-token losses: token-mean, seq-mean-token-mean, "
@@ -244,20 +245,28 @@ class PPOConfig:
     rollout_correction: RolloutCorrection = opt(
         "none", "weights on pg_loss for the sampler / trainer log-prob mismatch: none, tis "
         "(token min(ratio, cap); Yao et al. 2025), mis (sequence ratio, 0 above cap; Liu, Li "
-        "et al. 2025)")
+        "et al. 2025), icepop (token ratio inside [band_low, band_high], 0 outside; IcePop, "
+        "arXiv:2510.18855)")
     rollout_correction_cap: float = opt(2.0, "tis / mis cap C on pi_old / pi_rollout, >= 1")
+    rollout_correction_band_low: float = opt(
+        ICEPOP_BAND[0], "icepop: the low end of the band of pi_old / pi_rollout whose tokens keep "
+        "their weight (0 outside it), in [0, 1] (IcePop: 0.5)")
+    rollout_correction_band_high: float = opt(
+        ICEPOP_BAND[1], "icepop: the band's high end, >= 1 and >= band_low (IcePop: 5.0)")
     max_staleness: int = opt(0, "asynchronous RL (docs/async_rl.md): the rollout group keeps "
                              "up to max_staleness + 1 batches generating while the trainer "
                              "updates, and a sample whose oldest token is more than this many "
                              "policy versions behind the trainer's is refused (left out of the "
                              "loss); 0 = the synchronous step. > 0 needs generation.placement="
-                             "split, generation.engine=paged and ppo.rollout_correction tis or "
-                             "mis (the decoupled PPO objective)")
+                             "split, generation.engine=paged and ppo.rollout_correction tis, "
+                             "mis or icepop (the decoupled PPO objective)")
     reward_shaping_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of reward_shaping "
                                                 "(scalars or strings)", factory=dict)
     advantage_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of the estimator, e.g. "
                                            "{method: scan} for gae", factory=dict)
-    policy_loss_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of policy_loss",
+    policy_loss_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of policy_loss, "
+                                             "e.g. {tau_pos: 1.0, tau_neg: 1.05} for sapo; a key "
+                                             "the loss does not take is refused at load",
                                              factory=dict)
     value_loss_kwargs: Dict[str, Any] = opt(help="extra keyword arguments of value_loss",
                                             factory=dict)

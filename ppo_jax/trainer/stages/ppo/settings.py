@@ -98,6 +98,7 @@ def update_settings(cfg: Config, *, shared_critic: bool, mesh=None,
         mesh=mesh, train_actor=True, logprob_chunk_size=cfg.model.logprob_chunk_size,
         max_response_length=cfg.generation.max_new_tokens,
         rollout_correction=p.rollout_correction, rollout_correction_cap=p.rollout_correction_cap,
+        rollout_correction_band=(p.rollout_correction_band_low, p.rollout_correction_band_high),
         router_aux_loss_coef=router_aux_loss_coef)
 
 

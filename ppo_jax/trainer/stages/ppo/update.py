@@ -12,7 +12,7 @@ loss returns a per-token loss, to which the built-in terms are added (`ppo.entro
 the accumulated gradients and stats equal those of the whole minibatch at once in every mode,
 never means of means. Stats: each loss term's aggregate (`pg_loss`, `entropy_loss`, `kl_loss`,
 `vf_loss`; 0 for a term that is off) and each per-token stat's minibatch token mean.
-With `ppo.rollout_correction` "tis" / "mis" the registered loss's per-token `pg_loss` (not the
+With `ppo.rollout_correction` "tis" / "mis" / "icepop" the registered loss's per-token `pg_loss` (not the
 built-in terms) is multiplied by `core.rollout_correction_weights` (old vs the sampler's
 log-probs), whose `rollout_correction/*` stats are minibatch-exact too.
 """
@@ -57,6 +57,8 @@ class UpdateSettings:
     max_response_length: `generation.max_new_tokens`, the constant T of seq-mean-token-sum.
       It is pinned so that cutting all-pad response columns changes no loss; None uses the
       response width.
+    rollout_correction_band: `(ppo.rollout_correction_band_low, ppo.rollout_correction_band_high)`,
+      icepop's band.
     router_aux_loss_coef: the weight of an MoE actor's load-balancing loss in its loss
       (`model.router_aux_loss_coef`, else the checkpoint's); 0 for a dense actor."""
 
@@ -84,6 +86,7 @@ class UpdateSettings:
     max_response_length: Optional[int]
     rollout_correction: str
     rollout_correction_cap: float
+    rollout_correction_band: tuple
     router_aux_loss_coef: float
 
     def policy_fixed_kwargs(self) -> dict:
@@ -126,7 +129,7 @@ def policy_objective(batch: LossInputs, norms, s: UpdateSettings):
     if s.rollout_correction != "none":  # "none": the loss exactly as without the feature
         weights, correction = rollout_correction_weights(
             batch.old_logprobs, batch.rollout_logprobs, batch.mask, mode=s.rollout_correction,
-            cap=s.rollout_correction_cap, normalizers=norms)
+            cap=s.rollout_correction_cap, band=s.rollout_correction_band, normalizers=norms)
         per_token = per_token * weights
     terms = {"pg_loss": per_token, **policy_regularizers(
         batch, entropy_coef=s.entropy_coef, kl_loss_coef=s.kl_loss_coef,
