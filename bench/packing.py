@@ -3,7 +3,8 @@ of one jitted `ppo_update` (critic-free, one epoch) on a heavy-tailed batch, Smo
 shape with random float32 weights, the same experience on both sides.
 
 Useful tokens are the batch's real prompt and response tokens; both sides compute the same
-losses and gradients on them (tests/trainer/test_packed_update.py). Response lengths are
+losses and gradients on them (tests/trainer/test_packed_update.py). A third row, packed with
+the LM head over the padded `[B, N]` responses, measures the head over real tokens only. Response lengths are
 lognormal, scaled so that the longest is `--new-tokens` and the mean over the max is
 `--mean-over-max` (0.5: half of a padded batch's response slots are padding); prompts are 8 to
 `--prompt` tokens. Each round times both sides, in alternating order, after a warm-up call
@@ -95,20 +96,24 @@ def build(args):
         return lambda: jax.block_until_ready(update(state, exp, key, p))
     figures.update(useful_tokens=int(q_lens.sum() + r_lens.sum()),
                    response_mean_over_max=float(r_lens.mean() / args.new_tokens))
-    return {"padded": call(None), "packed": call(plan)}, figures
+    # the LM head over the padded [B, N] responses, as before it ran over the real tokens only
+    padded_head = plan.replace(rows=plan.rows.replace(head_src=None, head_dst=None))
+    return {"padded": call(None), "packed": call(plan), "packed_padded_head": call(padded_head)}, figures
 
 
 def render(d: dict) -> str:
     rows = ["| rows | update s (median, min-max) | useful tokens/s | slots filled |",
             "| --- | --- | --- | --- |"]
-    for name in ("padded", "packed"):
+    for name in d["times"]:
         st, fill = d["times"][name], d["figures"][f"packing/update_{'padded_' if name == 'padded' else ''}fill"]
         rows.append(f"| {name} | {fmt(st['median'])} ({fmt(st['min'])}-{fmt(st['max'])}) | "
                     f"{fmt(d['useful_tokens_per_s'][name])} | {fill:.2f} |")
     return "\n".join(rows) + (f"\n\npacked / padded useful tokens/s: **x{d['ratio']:.2f}**; batch "
                               f"{d['args']['batch']} x ({d['args']['prompt']} + "
                               f"{d['args']['new_tokens']}), micro-batches of {d['args']['micro']}, "
-                              f"response mean / max {d['figures']['response_mean_over_max']:.2f}")
+                              f"response mean / max {d['figures']['response_mean_over_max']:.2f}; "
+                              f"the LM head over real tokens only against over the padded "
+                              f"responses: x{d['head_ratio']:.2f}")
 
 
 def main():
@@ -120,7 +125,8 @@ def main():
     tps = {k: figures["useful_tokens"] / med[k]["median"] for k in med}
     log(f"packed rows: {figures['packing/update_rows']:.0f} a micro-batch of {args.micro}")
     finish({"args": vars(args), "figures": figures, "times": med, "useful_tokens_per_s": tps,
-            "ratio": tps["packed"] / tps["padded"]}, render, args.json)
+            "ratio": tps["packed"] / tps["padded"],
+            "head_ratio": tps["packed"] / tps["packed_padded_head"]}, render, args.json)
 
 
 if __name__ == "__main__":

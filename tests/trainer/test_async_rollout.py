@@ -152,7 +152,7 @@ def test_the_driver_submits_ahead_with_the_synchronous_prompts_and_keys():
      r"ppo.max_staleness=1 .* generation.placement='colocated'"),
     (["generation.engine=static", "generation.page_size=16"],
      r"generation.engine='static'"),
-    (["ppo.rollout_correction=none"], r"ppo.rollout_correction='none'.* tis or mis"),
+    (["ppo.rollout_correction=none"], r"ppo.rollout_correction='none'.* tis, mis or icepop"),
     (["ppo.advantage_estimator=remax"], r"'remax': its baseline is a greedy response"),
     (["ppo.dynamic_sampling=true", "generation.samples_per_prompt=2", "ppo.batch_size=4"],
      r"ppo.dynamic_sampling=true draws and scores rounds"),
