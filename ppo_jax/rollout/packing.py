@@ -232,7 +232,9 @@ def plan_token_budget(query_lengths, response_lengths, *, prompt_width: int,
     """Micro-batches by a token budget (`ppo.micro_batch_tokens`; verl's dynamic batch size):
     each minibatch's sequences packed first-fit decreasing into rows of P + N slots, and the
     rows dealt to micro-batches of `rows_per_micro` rows a shard, so a micro-batch holds as
-    many sequences as fit its rows. Every micro-batch of the batch has the same shapes: the
+    many sequences as fit its rows; of fewer rows where the largest minibatch packs into fewer
+    (its rows over the shards, rounded up by `row_bucket`), so a budget above a minibatch
+    computes no empty rows. Every micro-batch of the batch has the same shapes: the
     largest number of micro-batches a minibatch needs and of sequences a shard holds, each
     rounded up by `row_bucket`; an unneeded micro-batch is empty.
 
@@ -257,11 +259,14 @@ def plan_token_budget(query_lengths, response_lengths, *, prompt_width: int,
     if len(q) % mini or rows_per_micro < 1:
         raise ValueError(f"batch {len(q)}, mini_batch_size {mini} and rows_per_micro "
                          f"{rows_per_micro} do not divide")
+    binned = [[[g + i for i in b] for b in first_fit_decreasing((q + r)[g:g + mini], width)]
+              for g in range(0, len(q), mini)]
+    # a budget above the largest minibatch would compile rows no sequence fills
+    rows_per_micro = min(rows_per_micro,
+                         row_bucket(-(-max(map(len, binned)) // shards), -(-mini // shards)))
     per_micro = shards * rows_per_micro
-    dealt = []  # per minibatch: [n_micro * S] groups of bins (minibatch row indices)
-    for g in range(0, len(q), mini):
-        bins = [[g + i for i in b] for b in first_fit_decreasing((q + r)[g:g + mini], width)]
-        dealt.append(_deal(bins, -(-len(bins) // per_micro) * shards, rows_per_micro))
+    # per minibatch: [n_micro * S] groups of bins (minibatch row indices)
+    dealt = [_deal(bins, -(-len(bins) // per_micro) * shards, rows_per_micro) for bins in binned]
     n_micro = row_bucket(max(len(d) for d in dealt) // shards, mini)
     k = row_bucket(max(sum(map(len, grp)) for d in dealt for grp in d), mini)
     micro = np.full((len(dealt), n_micro * shards, k), mini, np.int32)

@@ -165,3 +165,33 @@ def test_a_token_budget_with_no_row_of_room_is_refused():
     with pytest.raises(ValueError, match="rows_per_micro 0"):
         plan_token_budget([3], [4], prompt_width=4, response_width=4, mini_batch_size=1,
                           rows_per_micro=0)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_token_budget_above_the_minibatch_compiles_only_the_rows_it_fills(shards):
+    """A budget of 10**6 rows plans exactly as a budget of the largest minibatch's packed rows a
+    shard (counted here from the bins' token sums, greedy first-fit decreasing), instead of a
+    plan of 10**6 empty rows (an update that ran out of memory on a tiny model)."""
+    rng = np.random.default_rng(1)
+    P, N, M = 5, 11, 8
+    q, r = rng.integers(1, P + 1, 16), rng.integers(0, N + 1, 16)
+    most = 0
+    for g in range(0, 16, M):  # first-fit decreasing, written out: rows of P + N slots
+        free = []
+        for n in sorted((q + r)[g:g + M], reverse=True):
+            j = next((j for j, f in enumerate(free) if f >= n), None)
+            if j is None:
+                free.append(P + N - n)
+            else:
+                free[j] -= n
+        most = max(most, len(free))
+    needed = -(-most // shards)
+    huge = plan_token_budget(q, r, prompt_width=P, response_width=N, mini_batch_size=M,
+                             rows_per_micro=10**6, shards=shards)
+    exact = plan_token_budget(q, r, prompt_width=P, response_width=N, mini_batch_size=M,
+                              rows_per_micro=needed, shards=shards)
+    assert huge[1].src.shape[3] == row_bucket(needed, -(-M // shards)) == needed
+    assert huge[0].shape[1] == 1  # one micro-batch a minibatch
+    np.testing.assert_array_equal(huge[0], exact[0])
+    for a, b in zip(jax.tree.leaves(huge[1]), jax.tree.leaves(exact[1])):
+        np.testing.assert_array_equal(a, b)

@@ -44,9 +44,11 @@ TINY = ROOT / "configs/tiny.yaml"
     (["ppo.policy_loss=cispo", "ppo.policy_loss_kwargs.clip_cov_ratio=0.1"],
      r"^ppo.policy_loss_kwargs.clip_cov_ratio=0.1: ppo.policy_loss='cispo' takes no"),
     (["ppo.policy_loss=sapo", "ppo.cliprange_high=0.28"],
-     r"^ppo.cliprange_high=0.28: ppo.policy_loss='sapo' takes no cliprange_high"),
+     r"^ppo.cliprange_high=0.28: ppo.policy_loss='sapo' takes no cliprange_high \(it reads "
+     r"none of ppo.cliprange, ppo.cliprange_high, ppo.dual_clip\)"),
     (["ppo.policy_loss=cispo", "ppo.dual_clip=3.0"],
-     r"^ppo.dual_clip=3.0: ppo.policy_loss='cispo' takes no dual_clip"),
+     r"^ppo.dual_clip=3.0: ppo.policy_loss='cispo' takes no dual_clip \(it reads "
+     r"ppo.cliprange and ppo.cliprange_high\)"),
     (["ppo.policy_loss_kwargs.cliprange_high=0.3"],
      r"^ppo.policy_loss_kwargs.cliprange_high: the trainer passes cliprange_high itself"),
     # icepop's band

@@ -168,6 +168,13 @@ def test_the_critic_free_error_line():
                               "use 'gae'")
 
 
+def test_packing_one_rollout_a_micro_batch_names_both_fixes():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["ppo.packing=true", "ppo.micro_batch_size=1"])
+    assert str(err.value).endswith("drop it or raise ppo.micro_batch_size or set "
+                                   "ppo.micro_batch_tokens")
+
+
 def test_train_py_exits_2_with_one_error_line_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run(

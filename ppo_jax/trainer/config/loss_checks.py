@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Optional
 
-from ppo_jax.core.loss_kwargs import LossKwargError, check_loss_kwargs
+from ppo_jax.core.loss_kwargs import LossKwargError, check_loss_kwargs, reads_cliprange
 from ppo_jax.core.registry import get_policy_loss
 from ppo_jax.trainer.config.fields import ConfigError
 from ppo_jax.trainer.config.schema import PPOConfig
@@ -60,6 +60,17 @@ def _takes(fn: Callable) -> tuple[Optional[set], list[str]]:
     return names, sorted(names - set(TRAINER_KEYS))
 
 
+def _what_it_takes(fn: Callable, key: str, names: set, own: list[str]) -> str:
+    """The keys of the kind of `key` that `fn` reads: the trainer's `ppo.*` ones for a trainer
+    key (`ppo.cliprange` only where `reads_cliprange`), else its `ppo.policy_loss_kwargs`."""
+    if key not in TRAINER_KEYS:
+        return f"its ppo.policy_loss_kwargs: {', '.join(own) or 'none'}"
+    reads = [f"ppo.{k}" for k in TRAINER_KEYS
+             if k in names and (k != "cliprange" or reads_cliprange(fn))]
+    return (f"it reads {' and '.join(reads)}" if reads else
+            f"it reads none of {', '.join(f'ppo.{k}' for k in TRAINER_KEYS)}")
+
+
 def check_policy_loss(p: PPOConfig) -> None:
     """`ppo.policy_loss_kwargs` (and `ppo.cliprange_high` / `ppo.dual_clip`) against the
     configured policy loss's signature and validator.
@@ -80,11 +91,10 @@ def check_policy_loss(p: PPOConfig) -> None:
     if names is not None:
         for key, value in kwargs.items():
             if key not in names:
-                takes = ", ".join(own) or "none"
                 raise ConfigError(
                     f"{_full_key(p, key)}={value!r}: ppo.policy_loss={p.policy_loss!r} takes no "
-                    f"{key} (its ppo.policy_loss_kwargs: {takes}); drop it or pick a loss that "
-                    "reads it (docs/forks.md)")
+                    f"{key} ({_what_it_takes(fn, key, names, own)}); drop it or pick a loss "
+                    "that reads it (docs/forks.md)")
     try:
         check_loss_kwargs(fn, kwargs)
     except LossKwargError as e:

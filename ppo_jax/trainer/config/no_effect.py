@@ -202,7 +202,7 @@ ONE_ROLLOUT = Condition("stage=ppo with ppo.micro_batch_size=1 and no ppo.micro_
                         lambda cfg: cfg.stage == "ppo" and cfg.ppo.micro_batch_size == 1
                         and cfg.ppo.micro_batch_tokens is None,
                         "runs one sequence a forward pass, alone in its row",
-                        "raise ppo.micro_batch_size")
+                        "raise ppo.micro_batch_size or set ppo.micro_batch_tokens")
 UNPACKED = Condition("ppo.packing=false", ("ppo.packing",), lambda cfg: not cfg.ppo.packing,
                      "runs padded rows", "set ppo.packing=true")
 
