@@ -137,6 +137,8 @@ def clip_cov_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = No
 
 
 clip_cov_loss.check_kwargs = check_clip_cov_kwargs
+# its value depends on which rows a call holds: packing keeps the padded micro-batches
+clip_cov_loss.per_micro_batch = True
 
 
 def check_kl_cov_kwargs(*, cliprange: Any = None, kl_cov_ratio: Any = 2e-4,
@@ -199,4 +201,5 @@ def kl_cov_loss(batch: LossInputs, *, cliprange: Any = None, kl_cov_ratio: Any =
 
 
 kl_cov_loss.check_kwargs = check_kl_cov_kwargs
+kl_cov_loss.per_micro_batch = True
 kl_cov_loss.reads_cliprange = False

@@ -13,7 +13,8 @@ import optax
 import pytest
 from flax import nnx
 
-from ppo_jax.core import init_kl_controller
+from ppo_jax.core import get_policy_loss, init_kl_controller
+from ppo_jax.core.registry import registered_names
 from ppo_jax.core.aggregation import LOSS_AGGREGATIONS
 from ppo_jax.models import Model, load_model, split_model
 from ppo_jax.parallel.mesh import make_mesh
@@ -124,15 +125,31 @@ def assert_updates_equal(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
-CASES = [(loss, mode) for loss in ("ppo_clip", "gspo") for mode in LOSS_AGGREGATIONS]
+LOSSES = ("ppo_clip", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "clip_cov", "kl_cov")
+CASES = [(loss, mode) for loss in LOSSES for mode in LOSS_AGGREGATIONS]
+# the covariance losses select tokens over the whole call: a ratio this batch reaches
+COVARIANCE_KWARGS = {"clip_cov": (("clip_cov_ratio", 0.2), ("clip_cov_lb", -1.0)),
+                     "kl_cov": (("kl_cov_ratio", 0.2),)}
+
+
+def test_every_registered_policy_loss_is_in_the_grid():
+    builtin = {n for n in registered_names()["policy loss"]
+               if get_policy_loss(n).__module__.startswith("ppo_jax.core")}
+    assert set(LOSSES) == builtin
 
 
 @pytest.mark.parametrize("loss, mode", [
     CASES[0], *(pytest.param(*c, marks=pytest.mark.slow) for c in CASES[1:])])
 def test_the_packed_update_equals_the_padded_one(models, packer, loss, mode):
+    """Every registered loss. Clip-Cov and KL-Cov centre over each call's tokens
+    (`per_micro_batch`), so their packed micro-batches keep the padded ones' rows."""
     exp = experience(models, packer, packed=False)[0]
-    fields = dict(policy_loss=loss, loss_aggregation=mode, entropy_coef=0.01, kl_loss_coef=0.05)
-    assert_updates_equal(update(models, packer, exp, packed=True, **fields),
+    fields = dict(policy_loss=loss, loss_aggregation=mode, entropy_coef=0.01, kl_loss_coef=0.05,
+                  policy_loss_kwargs=COVARIANCE_KWARGS.get(loss, ()))
+    keep = getattr(get_policy_loss(loss), "per_micro_batch", False)
+    plans = packer if not keep else Packer(packer.place, micro_batch_size=MICRO,
+                                           mini_batch_size=4, ppo_epochs=2, keep_micro_batches=True)
+    assert_updates_equal(update(models, plans, exp, packed=True, **fields),
                          update(models, packer, exp, packed=False, **fields))
 
 

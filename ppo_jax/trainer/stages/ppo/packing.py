@@ -39,11 +39,15 @@ class Packer:
     Args:
       place: the trainer's `Placement`: the plans go to its devices, replicated.
       micro_batch_size, mini_batch_size, ppo_epochs, micro_batch_tokens: `ppo.*`.
+      keep_micro_batches: the update's micro-batches keep the padded update's rows (no
+        balancing): for a policy loss computed over each call's tokens (`per_micro_batch`,
+        Clip-Cov, KL-Cov), whose value depends on which rows meet.
     """
 
     def __init__(self, place, *, micro_batch_size: int, mini_batch_size: int, ppo_epochs: int,
-                 micro_batch_tokens: int | None = None):
+                 micro_batch_tokens: int | None = None, keep_micro_batches: bool = False):
         self.place, self.epochs, self.tokens = place, ppo_epochs, micro_batch_tokens
+        self.keep = keep_micro_batches
         self.micro, self.mini = micro_batch_size, mini_batch_size
         self.shards = packing_shards(micro_batch_size, place.batch_shards)
         self.shapes: set = set()  # the token-budget update's shapes so far: one compile each
@@ -83,7 +87,8 @@ class Packer:
         if self.tokens is not None:
             return self.budget(rollout, q, r, perms)
         perms = perms.reshape(-1)
-        order, plan = self.plan(q[perms], r[perms], rollout, balance=self.mini)
+        order, plan = self.plan(q[perms], r[perms], rollout,
+                                balance=None if self.keep else self.mini)
         shape = (self.epochs, batch // self.mini, self.mini // self.micro)
         stacked = jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), plan)
         rows = perms[order].reshape(self.epochs, batch).astype(np.int32)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import jax
 
+from ppo_jax.core import get_policy_loss
 from ppo_jax.models.functional import Model
 from ppo_jax.trainer.stages.ppo.experience import PPOModels, RolloutBatch
 from ppo_jax.rollout.forward import Rollout, aux_loss_weight
@@ -165,7 +166,8 @@ class PPOTrainer(StageTrainer):
         self.packer = (None if not cfg.ppo.packing else Packer(
             self.place, micro_batch_size=cfg.ppo.micro_batch_size,
             mini_batch_size=cfg.ppo.mini_batch_size, ppo_epochs=cfg.ppo.ppo_epochs,
-            micro_batch_tokens=cfg.ppo.micro_batch_tokens))
+            micro_batch_tokens=cfg.ppo.micro_batch_tokens, keep_micro_batches=getattr(
+                get_policy_loss(cfg.ppo.policy_loss), "per_micro_batch", False)))
 
     def ppo_models(self, actor_params, critic_params=None, ref_params=None,
                    reward_params=None) -> PPOModels:
