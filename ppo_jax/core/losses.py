@@ -36,6 +36,15 @@ def _prepare(names: tuple[str, ...], arrays: tuple[Any, ...], mask: Any):
     return [jnp.where(valid, a, 0).astype(dtype) for a in out], valid, dtype
 
 
+def ratio_inputs(batch: LossInputs):
+    """``(lp, old, adv, valid, dtype)`` of a policy loss's batch: masked slots 0, the old
+    log-probs and advantages constants (``stop_gradient``)."""
+    (lp, old, adv), valid, dtype = _prepare(
+        ("logprobs", "old_logprobs", "advantages"),
+        (batch.logprobs, batch.old_logprobs, batch.advantages), batch.mask)
+    return lp, jax.lax.stop_gradient(old), jax.lax.stop_gradient(adv), valid, dtype
+
+
 def _token_mean(per_token, stats, mask, loss_normalizer, loss_key):
     """The scalar form: ``(token mean, {loss_key: it, **stat token means})``."""
     norm = None

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from ppo_jax.core import loss_kwargs as K
 from ppo_jax.core import validation as V
 from ppo_jax.core.loss_inputs import LossInputs
-from ppo_jax.core.losses import _prepare
+from ppo_jax.core.losses import _prepare, ratio_inputs
 from ppo_jax.core.masked import masked_mean
 from ppo_jax.core.registry import register_policy_loss
 
@@ -182,10 +182,7 @@ def gspo_token_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = 
         static clip range < 0.
     """
     check_sequence_clip_kwargs(cliprange=cliprange, cliprange_high=cliprange_high)
-    (lp, old, adv), valid, dtype = _prepare(
-        ("logprobs", "old_logprobs", "advantages"),
-        (batch.logprobs, batch.old_logprobs, batch.advantages), batch.mask)
-    old, adv = jax.lax.stop_gradient(old), jax.lax.stop_gradient(adv)
+    lp, old, adv, valid, dtype = ratio_inputs(batch)
     low, high = _clip_bounds(cliprange, cliprange_high, dtype)
     log_ratio = lp - old  # 0 on masked slots
     seq_log = jax.lax.stop_gradient(masked_mean(log_ratio, valid, axis=1))  # [B]
@@ -238,10 +235,7 @@ def gmpo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None
         static clip range < 0.
     """
     check_sequence_clip_kwargs(cliprange=cliprange, cliprange_high=cliprange_high)
-    (lp, old, adv), valid, dtype = _prepare(
-        ("logprobs", "old_logprobs", "advantages"),
-        (batch.logprobs, batch.old_logprobs, batch.advantages), batch.mask)
-    old = jax.lax.stop_gradient(old)
+    lp, old, adv, valid, dtype = ratio_inputs(batch)
     low, high = _clip_bounds(cliprange, cliprange_high, dtype)
     log_ratio = lp - old  # 0 on masked slots
     seq_adv = jax.lax.stop_gradient(masked_mean(adv, valid, axis=1))  # [B]

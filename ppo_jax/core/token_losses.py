@@ -21,16 +21,8 @@ import jax.numpy as jnp
 from ppo_jax.core import loss_kwargs as K
 from ppo_jax.core import validation as V
 from ppo_jax.core.loss_inputs import LossInputs
-from ppo_jax.core.losses import _prepare
+from ppo_jax.core.losses import ratio_inputs
 from ppo_jax.core.registry import register_policy_loss
-
-
-def _ratio_inputs(batch: LossInputs):
-    """``(lp, old, adv, valid, dtype)``: masked slots 0, old and advantages constant."""
-    (lp, old, adv), valid, dtype = _prepare(
-        ("logprobs", "old_logprobs", "advantages"),
-        (batch.logprobs, batch.old_logprobs, batch.advantages), batch.mask)
-    return lp, jax.lax.stop_gradient(old), jax.lax.stop_gradient(adv), valid, dtype
 
 
 def check_cispo_kwargs(*, cliprange: Any = 0.2, cliprange_high: Any = None) -> None:
@@ -75,7 +67,7 @@ def cispo_loss(batch: LossInputs, *, cliprange: Any, cliprange_high: Any = None
         static clip range < 0 or not a number.
     """
     check_cispo_kwargs(cliprange=cliprange, cliprange_high=cliprange_high)
-    lp, old, adv, valid, dtype = _ratio_inputs(batch)
+    lp, old, adv, valid, dtype = ratio_inputs(batch)
     low = V.as_scalar("cliprange", cliprange).astype(dtype)
     high = low if cliprange_high is None else V.as_scalar("cliprange_high", cliprange_high).astype(dtype)
     log_ratio = lp - old  # 0 on masked slots
@@ -132,7 +124,7 @@ def sapo_loss(batch: LossInputs, *, cliprange: Any = None, tau_pos: Any = 1.0,
         static temperature <= 0 or not a number.
     """
     check_sapo_kwargs(tau_pos=tau_pos, tau_neg=tau_neg)
-    lp, old, adv, valid, dtype = _ratio_inputs(batch)
+    lp, old, adv, valid, dtype = ratio_inputs(batch)
     tau = jnp.where(adv > 0, V.as_scalar("tau_pos", tau_pos).astype(dtype),
                     V.as_scalar("tau_neg", tau_neg).astype(dtype))
     log_ratio = lp - old  # 0 on masked slots
